@@ -1,0 +1,269 @@
+//! A context: a model, a paged KV cache sized by `n_ctx`, and the logits of the last decode.
+
+use crate::batch::Batch;
+use crate::error::{EngineError, Result};
+use crate::kv::{KvCache, KvType, KvUsage};
+use crate::model::Model;
+use crate::sampler::Sampler;
+use crate::tokenizer::TokenId;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Hard ceiling on `n_ctx`, far above any model's training context, so that a typo cannot
+/// size a cache of terabytes.
+pub const MAX_CONTEXT_TOKENS: usize = 1 << 22;
+/// Largest batch a single forward pass evaluates; bigger batches are split.
+pub const DEFAULT_UBATCH: usize = 512;
+
+#[derive(Debug, Clone)]
+pub struct ContextParams {
+    pub n_ctx: usize,
+    pub n_batch: usize,
+    pub n_ubatch: usize,
+    pub n_seq_max: usize,
+    pub kv_type: KvType,
+}
+
+impl Default for ContextParams {
+    fn default() -> Self {
+        ContextParams {
+            n_ctx: 2048,
+            n_batch: 2048,
+            n_ubatch: DEFAULT_UBATCH,
+            n_seq_max: 1,
+            kv_type: KvType::F16,
+        }
+    }
+}
+
+/// Why generation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    Eog,
+    MaxTokens,
+    Cancelled,
+}
+
+pub struct Context {
+    pub model: Arc<Model>,
+    pub params: ContextParams,
+    pub kv: KvCache,
+    /// Logits rows of the last decode, `[n_outputs, n_vocab]`.
+    logits: Vec<f32>,
+    /// For each entry of the last batch, its logits row (or -1).
+    output_rows: Vec<i32>,
+}
+
+impl Context {
+    pub fn new(model: Arc<Model>, params: ContextParams) -> Result<Self> {
+        if params.n_ctx == 0 || params.n_ctx > MAX_CONTEXT_TOKENS {
+            return Err(EngineError::InvalidArgument(format!(
+                "n_ctx must be in 1..={MAX_CONTEXT_TOKENS}, got {}",
+                params.n_ctx
+            )));
+        }
+        if params.n_batch == 0 || params.n_ubatch == 0 {
+            return Err(EngineError::InvalidArgument("n_batch and n_ubatch must be positive".into()));
+        }
+        if params.n_seq_max == 0 || params.n_seq_max > 4096 {
+            return Err(EngineError::InvalidArgument(format!(
+                "n_seq_max must be in 1..=4096, got {}",
+                params.n_seq_max
+            )));
+        }
+        model.architecture()?;
+        let c = &model.config;
+        let kv = KvCache::new(
+            &c.layer_windows,
+            c.n_head_kv,
+            c.head_dim,
+            params.n_ctx,
+            params.n_seq_max,
+            params.kv_type,
+        )?;
+        Ok(Context {
+            model,
+            params,
+            kv,
+            logits: Vec::new(),
+            output_rows: Vec::new(),
+        })
+    }
+
+    pub fn n_vocab(&self) -> usize {
+        self.model.config.n_vocab
+    }
+
+    /// Validates a batch: known tokens, sequence ids in range, and per sequence positions
+    /// that continue its cache without gaps.
+    fn validate(&self, batch: &Batch) -> Result<()> {
+        let n = batch.len();
+        if batch.pos.len() != n || batch.seq.len() != n || batch.logits.len() != n {
+            return Err(EngineError::InvalidArgument("batch fields differ in length".into()));
+        }
+        let mut next: Vec<Option<usize>> = vec![None; self.kv.n_seq_max()];
+        for i in 0..n {
+            self.model.tokenizer.check_id(batch.tokens[i] as i64)?;
+            let s = self.kv.check_seq(batch.seq[i] as i64)?;
+            let expected = next[s].unwrap_or_else(|| self.kv.seq_len(s));
+            if batch.pos[i] != expected {
+                return Err(EngineError::InvalidArgument(format!(
+                    "position {} of sequence {s} does not continue its cache (next position is {expected})",
+                    batch.pos[i]
+                )));
+            }
+            next[s] = Some(expected + 1);
+        }
+        Ok(())
+    }
+
+    /// Evaluates a batch. Logits of flagged entries are then available through
+    /// [`Context::logits_ith`]. On error the cache is left as it was before the call for
+    /// every sequence of the failing micro-batch.
+    pub fn decode(&mut self, batch: &Batch) -> Result<()> {
+        if batch.is_empty() {
+            return Err(EngineError::InvalidArgument("empty batch".into()));
+        }
+        if batch.len() > self.params.n_batch {
+            return Err(EngineError::InvalidArgument(format!(
+                "batch of {} tokens exceeds n_batch {}",
+                batch.len(),
+                self.params.n_batch
+            )));
+        }
+        self.validate(batch)?;
+        self.logits.clear();
+        self.output_rows.clear();
+        let n_vocab = self.n_vocab();
+        let ub = self.params.n_ubatch;
+        let mut start = 0;
+        while start < batch.len() {
+            let end = (start + ub).min(batch.len());
+            let part = Batch {
+                tokens: batch.tokens[start..end].to_vec(),
+                pos: batch.pos[start..end].to_vec(),
+                seq: batch.seq[start..end].to_vec(),
+                logits: batch.logits[start..end].to_vec(),
+            };
+            self.decode_ubatch(&part)?;
+            start = end;
+        }
+        debug_assert_eq!(self.logits.len() % n_vocab.max(1), 0);
+        Ok(())
+    }
+
+    fn decode_ubatch(&mut self, batch: &Batch) -> Result<()> {
+        let mut ranges: Vec<(usize, usize, usize)> = Vec::new();
+        for i in 0..batch.len() {
+            let s = batch.seq[i];
+            match ranges.iter_mut().find(|r| r.0 == s) {
+                Some(r) => r.2 = batch.pos[i] + 1,
+                None => ranges.push((s, batch.pos[i], batch.pos[i] + 1)),
+            }
+        }
+        let before: Vec<(usize, usize)> = ranges.iter().map(|r| (r.0, self.kv.seq_len(r.0))).collect();
+        for &(s, from, to) in &ranges {
+            if let Err(e) = self.kv.reserve(s, from, to) {
+                self.rollback(&before);
+                return Err(e);
+            }
+        }
+        let arch = self.model.architecture()?;
+        let logits = match arch.forward(batch, &mut self.kv) {
+            Ok(l) => l,
+            Err(e) => {
+                self.rollback(&before);
+                return Err(e);
+            }
+        };
+        for &(s, _, to) in &ranges {
+            self.kv.commit(s, to);
+        }
+        let base = (self.logits.len() / self.n_vocab().max(1)) as i32;
+        let mut row = base;
+        for &want in &batch.logits {
+            if want {
+                self.output_rows.push(row);
+                row += 1;
+            } else {
+                self.output_rows.push(-1);
+            }
+        }
+        self.logits.extend_from_slice(&logits);
+        Ok(())
+    }
+
+    fn rollback(&mut self, before: &[(usize, usize)]) {
+        for &(s, len) in before {
+            debug_assert_eq!(self.kv.seq_len(s), len);
+            self.kv.release_unused(s);
+        }
+    }
+
+    /// Logits of entry `i` of the last batch (`-1` = the last entry with logits).
+    pub fn logits_ith(&self, i: i64) -> Result<&[f32]> {
+        let n_vocab = self.n_vocab();
+        let row = if i < 0 {
+            self.output_rows.iter().rev().find(|&&r| r >= 0).copied()
+        } else {
+            self.output_rows.get(i as usize).copied().filter(|&r| r >= 0)
+        }
+        .ok_or_else(|| EngineError::InvalidArgument(format!("no logits for batch entry {i}")))?;
+        let r = row as usize;
+        Ok(&self.logits[r * n_vocab..(r + 1) * n_vocab])
+    }
+
+    /// Clears sequence 0, evaluates `prompt` in chunks of `n_batch` and generates up to
+    /// `max_tokens` tokens, calling `on_token` after each one (return `false` to stop).
+    /// The cancel flag is checked before every forward pass.
+    pub fn generate(
+        &mut self,
+        sampler: &mut Sampler,
+        prompt: &[TokenId],
+        max_tokens: usize,
+        cancel: Option<&AtomicBool>,
+        mut on_token: impl FnMut(TokenId, bool) -> bool,
+    ) -> Result<(Vec<TokenId>, StopReason)> {
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidArgument("prompt cannot be empty".into()));
+        }
+        for &t in prompt {
+            self.model.tokenizer.check_id(t as i64)?;
+        }
+        let cancelled = || cancel.map(|c| c.load(Ordering::Relaxed)).unwrap_or(false);
+        self.kv.seq_clear(0);
+        let mut pos = 0;
+        for chunk in prompt.chunks(self.params.n_batch) {
+            if cancelled() {
+                return Ok((Vec::new(), StopReason::Cancelled));
+            }
+            self.decode(&Batch::for_sequence(chunk, pos, 0))?;
+            pos += chunk.len();
+        }
+        let mut out = Vec::new();
+        while out.len() < max_tokens {
+            let token = sampler.sample(self.logits_ith(-1)?);
+            let eog = self.model.tokenizer.is_eog(token);
+            out.push(token);
+            if !on_token(token, eog) {
+                return Ok((out, StopReason::Cancelled));
+            }
+            if eog {
+                return Ok((out, StopReason::Eog));
+            }
+            if out.len() >= max_tokens {
+                break;
+            }
+            if cancelled() {
+                return Ok((out, StopReason::Cancelled));
+            }
+            self.decode(&Batch::for_sequence(&[token], pos, 0))?;
+            pos += 1;
+        }
+        Ok((out, StopReason::MaxTokens))
+    }
+
+    pub fn kv_usage(&self) -> KvUsage {
+        self.kv.usage()
+    }
+}

@@ -1,0 +1,48 @@
+//! The engine's single error type. The NIF layer maps every variant to `{:error, message}`
+//! (or to a contract atom such as `:context_full`).
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum EngineError {
+    #[error("failed to load model from: {path}: {reason}")]
+    Load { path: String, reason: String },
+    #[error("invalid GGUF file: {0}")]
+    InvalidGguf(String),
+    #[error("unsupported model architecture: {0}")]
+    UnsupportedArchitecture(String),
+    #[error("unsupported tokenizer: {0}")]
+    UnsupportedTokenizer(String),
+    #[error("missing tensor: {0}")]
+    MissingTensor(String),
+    #[error("invalid token id {id} (vocabulary size {n_vocab})")]
+    InvalidToken { id: i64, n_vocab: usize },
+    #[error("invalid sequence id {seq} (n_seq_max {n_seq_max})")]
+    InvalidSeqId { seq: i64, n_seq_max: usize },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("context full: the KV cache has no free block for sequence {seq}")]
+    ContextFull { seq: usize },
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
+    #[error("tokenize failed: {0}")]
+    Tokenize(String),
+    #[error("tensor error: {0}")]
+    Tensor(String),
+    #[error("cancelled")]
+    Cancelled,
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+impl From<candle_core::Error> for EngineError {
+    fn from(e: candle_core::Error) -> Self {
+        EngineError::Tensor(e.to_string())
+    }
+}
+
+impl From<std::io::Error> for EngineError {
+    fn from(e: std::io::Error) -> Self {
+        EngineError::InvalidGguf(e.to_string())
+    }
+}

@@ -1,0 +1,141 @@
+//! The `llama` architecture (Llama 2/3, Mistral, SmolLM2): RMSNorm, rotary embeddings on
+//! adjacent pairs, grouped-query attention, SwiGLU feed-forward.
+
+use super::attention::{paged_attention, AttnParams};
+use super::ops::{add_assign, inv_freq, rms_norm, silu_mul, Linear, Rope};
+use super::{Architecture, Config, TensorLoader};
+use crate::batch::Batch;
+use crate::error::Result;
+use crate::kv::KvCache;
+use candle_core::quantized::QTensor;
+use candle_core::{Device, Tensor};
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    ffn_norm: Vec<f32>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+pub struct Llama {
+    cfg: Config,
+    embd: QTensor,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    output: Linear,
+    inv_freq: Vec<f32>,
+}
+
+impl Llama {
+    pub(crate) fn load(cfg: &Config, l: &TensorLoader) -> Result<Self> {
+        let d = cfg.n_embd;
+        let q_dim = cfg.n_head * cfg.head_dim;
+        let kv_dim = cfg.n_head_kv * cfg.head_dim;
+        let embd_info = l.gguf.tensor_info("token_embd.weight")?;
+        if embd_info.shape != [cfg.n_vocab, d] {
+            return Err(crate::error::EngineError::InvalidGguf(format!(
+                "token_embd.weight has shape {:?}, expected [{}, {d}]",
+                embd_info.shape, cfg.n_vocab
+            )));
+        }
+        let embd = l.gguf.qtensor("token_embd.weight", &Device::Cpu)?;
+        let output = if l.gguf.has_tensor("output.weight") {
+            Linear::new(l.matrix("output.weight", cfg.n_vocab, d)?)?
+        } else {
+            Linear::new(l.gguf.qtensor("token_embd.weight", &Device::Cpu)?)?
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: l.vector(&n("attn_norm"), d)?,
+                wq: Linear::new(l.matrix(&n("attn_q"), q_dim, d)?)?,
+                wk: Linear::new(l.matrix(&n("attn_k"), kv_dim, d)?)?,
+                wv: Linear::new(l.matrix(&n("attn_v"), kv_dim, d)?)?,
+                wo: Linear::new(l.matrix(&n("attn_output"), d, q_dim)?)?,
+                ffn_norm: l.vector(&n("ffn_norm"), d)?,
+                gate: Linear::new(l.matrix(&n("ffn_gate"), cfg.n_ff, d)?)?,
+                up: Linear::new(l.matrix(&n("ffn_up"), cfg.n_ff, d)?)?,
+                down: Linear::new(l.matrix(&n("ffn_down"), d, cfg.n_ff)?)?,
+            });
+        }
+        let factors = if l.gguf.has_tensor("rope_freqs.weight") {
+            Some(l.vector("rope_freqs.weight", cfg.n_rot / 2)?)
+        } else {
+            None
+        };
+        Ok(Llama {
+            cfg: cfg.clone(),
+            embd,
+            layers,
+            norm: l.vector("output_norm.weight", d)?,
+            output,
+            inv_freq: inv_freq(cfg.n_rot, cfg.rope_base, factors.as_deref()),
+        })
+    }
+}
+
+impl Architecture for Llama {
+    fn forward(&self, batch: &Batch, kv: &mut KvCache) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        let n = batch.len();
+        let d = c.n_embd;
+        let hd = c.head_dim;
+        let ids = Tensor::from_slice(&batch.tokens, n, &Device::Cpu)?;
+        let mut x = self.embd.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?;
+        let rope = Rope::new(&batch.pos, &self.inv_freq);
+        let attn = AttnParams {
+            n_head: c.n_head,
+            n_kv_heads: c.n_head_kv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let q_dim = c.n_head * hd;
+        let kv_dim = c.n_head_kv * hd;
+        let mut attn_out = vec![0f32; n * q_dim];
+        for (li, layer) in self.layers.iter().enumerate() {
+            let mut h = x.clone();
+            rms_norm(&mut h, &layer.attn_norm, c.eps);
+            let mut q = layer.wq.forward(&h, n)?;
+            let mut k = layer.wk.forward(&h, n)?;
+            let v = layer.wv.forward(&h, n)?;
+            for t in 0..n {
+                rope.apply(t, &mut q[t * q_dim..(t + 1) * q_dim], hd, false);
+                rope.apply(t, &mut k[t * kv_dim..(t + 1) * kv_dim], hd, false);
+                kv.write(
+                    li,
+                    batch.seq[t],
+                    batch.pos[t],
+                    &k[t * kv_dim..(t + 1) * kv_dim],
+                    &v[t * kv_dim..(t + 1) * kv_dim],
+                );
+            }
+            paged_attention(kv, li, batch, &q, &attn, &mut attn_out);
+            let o = layer.wo.forward(&attn_out, n)?;
+            add_assign(&mut x, &o);
+
+            let mut h = x.clone();
+            rms_norm(&mut h, &layer.ffn_norm, c.eps);
+            let mut g = layer.gate.forward(&h, n)?;
+            let u = layer.up.forward(&h, n)?;
+            silu_mul(&mut g, &u);
+            let down = layer.down.forward(&g, n)?;
+            add_assign(&mut x, &down);
+        }
+        let rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut h = Vec::with_capacity(rows.len() * d);
+        for &t in &rows {
+            h.extend_from_slice(&x[t * d..(t + 1) * d]);
+        }
+        rms_norm(&mut h, &self.norm, c.eps);
+        self.output.forward(&h, rows.len())
+    }
+}

@@ -1,0 +1,269 @@
+//! Model loading and the architecture trait.
+
+pub mod attention;
+pub mod llama;
+pub mod ops;
+
+use crate::batch::Batch;
+use crate::error::{EngineError, Result};
+use crate::gguf::GgufFile;
+use crate::kv::KvCache;
+use crate::tokenizer::Tokenizer;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::Device;
+use std::path::Path;
+
+/// What to do with weight types whose candle CPU kernels are scalar-only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Requantize {
+    /// Keep the file's types.
+    Off,
+    /// Re-quantize Q4_1/Q5_0/Q5_1 matrices to Q8_0 (SIMD kernels; measured 2.6× faster
+    /// prefill and 1.2× faster decode on SmolLM2).
+    Q8_0,
+}
+
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub requantize: Requantize,
+    /// Load only the vocabulary (no weights).
+    pub vocab_only: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            requantize: Requantize::Q8_0,
+            vocab_only: false,
+        }
+    }
+}
+
+/// Hyper-parameters read from GGUF metadata.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub arch: String,
+    pub n_vocab: usize,
+    pub n_embd: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub n_ff: usize,
+    pub n_rot: usize,
+    pub rope_base: f32,
+    pub eps: f32,
+    pub n_ctx_train: usize,
+    /// Sliding window per layer (None = full attention).
+    pub layer_windows: Vec<Option<usize>>,
+}
+
+/// Upper bounds that keep hostile metadata from sizing absurd buffers.
+const MAX_EMBD: u64 = 1 << 16;
+const MAX_LAYERS: u64 = 1 << 10;
+const MAX_HEADS: u64 = 1 << 10;
+
+impl Config {
+    pub fn from_gguf(g: &GgufFile, n_vocab: usize) -> Result<Self> {
+        let arch = g
+            .get_str("general.architecture")
+            .ok_or_else(|| EngineError::InvalidGguf("missing general.architecture".into()))?
+            .to_string();
+        let key = |k: &str| format!("{arch}.{k}");
+        let bounded = |k: &str, max: u64| -> Result<usize> {
+            let v = g.require_u64(&key(k))?;
+            if v == 0 || v > max {
+                return Err(EngineError::InvalidGguf(format!("implausible {arch}.{k} = {v}")));
+            }
+            Ok(v as usize)
+        };
+        let n_embd = bounded("embedding_length", MAX_EMBD)?;
+        let n_layer = bounded("block_count", MAX_LAYERS)?;
+        let n_head = bounded("attention.head_count", MAX_HEADS)?;
+        let n_head_kv = match g.get_u64(&key("attention.head_count_kv")) {
+            Some(_) => bounded("attention.head_count_kv", MAX_HEADS)?,
+            None => n_head,
+        };
+        if n_head % n_head_kv != 0 {
+            return Err(EngineError::InvalidGguf(format!(
+                "head_count {n_head} is not a multiple of head_count_kv {n_head_kv}"
+            )));
+        }
+        let head_dim = match g.get_u64(&key("attention.key_length")) {
+            Some(_) => bounded("attention.key_length", MAX_EMBD)?,
+            None => n_embd / n_head,
+        };
+        let n_ff = bounded("feed_forward_length", MAX_EMBD * 16)?;
+        let n_rot = match g.get_u64(&key("rope.dimension_count")) {
+            Some(v) if v as usize <= head_dim && v % 2 == 0 && v > 0 => v as usize,
+            Some(v) => return Err(EngineError::InvalidGguf(format!("bad rope.dimension_count {v}"))),
+            None => head_dim,
+        };
+        let rope_base = g.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0) as f32;
+        let eps = g
+            .get_f64(&key("attention.layer_norm_rms_epsilon"))
+            .unwrap_or(1e-5) as f32;
+        let n_ctx_train = g.get_u64(&key("context_length")).unwrap_or(4096).min(1 << 24) as usize;
+        if !(rope_base.is_finite() && rope_base > 0.0 && eps.is_finite() && eps >= 0.0) {
+            return Err(EngineError::InvalidGguf("bad rope base or norm epsilon".into()));
+        }
+        Ok(Config {
+            arch,
+            n_vocab,
+            n_embd,
+            n_layer,
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_ff,
+            n_rot,
+            rope_base,
+            eps,
+            n_ctx_train,
+            layer_windows: vec![None; n_layer],
+        })
+    }
+}
+
+/// One architecture's forward pass over a batch.
+pub trait Architecture: Send + Sync {
+    /// Runs the batch, writing keys/values into `kv` (blocks already reserved), and returns the
+    /// logits of the tokens whose logits flag is set, in batch order (`[n_outputs, n_vocab]`).
+    fn forward(&self, batch: &Batch, kv: &mut KvCache) -> Result<Vec<f32>>;
+}
+
+/// Loads one tensor, re-quantizing scalar-only types when asked.
+pub(crate) struct TensorLoader<'a> {
+    pub gguf: &'a GgufFile,
+    pub requantize: Requantize,
+}
+
+impl TensorLoader<'_> {
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<QTensor> {
+        let info = self.gguf.tensor_info(name)?;
+        if info.shape != [rows, cols] {
+            return Err(EngineError::InvalidGguf(format!(
+                "tensor {name} has shape {:?}, expected [{rows}, {cols}]",
+                info.shape
+            )));
+        }
+        let t = self.gguf.qtensor(name, &Device::Cpu)?;
+        let scalar_only = matches!(info.dtype, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1);
+        if self.requantize == Requantize::Q8_0 && scalar_only && cols % 32 == 0 {
+            let f = t.dequantize(&Device::Cpu)?;
+            return Ok(QTensor::quantize(&f, GgmlDType::Q8_0)?);
+        }
+        Ok(t)
+    }
+
+    pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let info = self.gguf.tensor_info(name)?;
+        if info.shape.iter().product::<usize>() != len {
+            return Err(EngineError::InvalidGguf(format!(
+                "tensor {name} has shape {:?}, expected {len} elements",
+                info.shape
+            )));
+        }
+        self.gguf.f32_vec(name)
+    }
+}
+
+pub struct Model {
+    pub config: Config,
+    pub tokenizer: Tokenizer,
+    pub arch: Option<Box<dyn Architecture>>,
+    pub desc: String,
+    pub size_bytes: u64,
+    pub n_params: u64,
+    pub chat_template: Option<String>,
+    pub metadata: Vec<(String, String)>,
+}
+
+fn ftype_name(code: u64) -> &'static str {
+    match code {
+        0 => "F32",
+        1 => "F16",
+        2 => "Q4_0",
+        3 => "Q4_1",
+        7 => "Q8_0",
+        8 => "Q5_0",
+        9 => "Q5_1",
+        10 => "Q2_K",
+        11 => "Q3_K_S",
+        12 => "Q3_K_M",
+        13 => "Q3_K_L",
+        14 => "Q4_K_S",
+        15 => "Q4_K_M",
+        16 => "Q5_K_S",
+        17 => "Q5_K_M",
+        18 => "Q6_K",
+        32 => "BF16",
+        _ => "?",
+    }
+}
+
+impl Model {
+    pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self> {
+        let gguf = GgufFile::open(path)?;
+        let tokenizer = Tokenizer::from_gguf(&gguf)?;
+        let config = Config::from_gguf(&gguf, tokenizer.n_vocab())?;
+        let loader = TensorLoader {
+            gguf: &gguf,
+            requantize: opts.requantize,
+        };
+        let arch: Option<Box<dyn Architecture>> = if opts.vocab_only {
+            None
+        } else {
+            Some(match config.arch.as_str() {
+                "llama" => Box::new(llama::Llama::load(&config, &loader)?),
+                other => return Err(EngineError::UnsupportedArchitecture(other.to_string())),
+            })
+        };
+        let size_bytes = gguf.tensors.values().map(|t| t.n_bytes as u64).sum();
+        let n_params = gguf
+            .tensors
+            .values()
+            .map(|t| t.shape.iter().product::<usize>() as u64)
+            .sum();
+        let size_label = gguf
+            .get_str("general.size_label")
+            .map(str::to_owned)
+            .unwrap_or_else(|| format!("{:.0}M", n_params as f64 / 1e6));
+        let ftype = gguf.get_u64("general.file_type").map(ftype_name).unwrap_or("?");
+        let desc = format!("{} {} {}", config.arch, size_label, ftype);
+        let chat_template = gguf.get_str("tokenizer.chat_template").map(str::to_owned);
+        let mut metadata: Vec<(String, String)> = gguf
+            .metadata
+            .iter()
+            .filter(|(_, v)| v.as_array().is_none())
+            .map(|(k, v)| {
+                let s = match v {
+                    crate::gguf::Value::String(s) => s.clone(),
+                    other => match other.as_f64() {
+                        Some(f) if other.as_u64().is_some() => format!("{}", f as u64),
+                        Some(f) => format!("{f}"),
+                        None => format!("{:?}", other.as_bool().unwrap_or(false)),
+                    },
+                };
+                (k.clone(), s)
+            })
+            .collect();
+        metadata.sort();
+        Ok(Model {
+            config,
+            tokenizer,
+            arch,
+            desc,
+            size_bytes,
+            n_params,
+            chat_template,
+            metadata,
+        })
+    }
+
+    pub fn architecture(&self) -> Result<&dyn Architecture> {
+        self.arch
+            .as_deref()
+            .ok_or_else(|| EngineError::InvalidArgument("model was loaded with vocab_only".into()))
+    }
+}

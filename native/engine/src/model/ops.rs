@@ -1,0 +1,114 @@
+//! Small row-wise operations on flat `f32` activations.
+
+use crate::error::Result;
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use std::sync::Arc;
+
+/// A weight matrix `[out, in]` applied to row-major activations `[m, in]`.
+pub struct Linear {
+    w: QMatMul,
+    pub n_in: usize,
+    pub n_out: usize,
+    pub dtype: GgmlDType,
+}
+
+impl Linear {
+    pub fn new(t: QTensor) -> Result<Self> {
+        let (n_out, n_in) = t.shape().dims2()?;
+        let dtype = t.dtype();
+        Ok(Linear {
+            w: QMatMul::from_arc(Arc::new(t))?,
+            n_in,
+            n_out,
+            dtype,
+        })
+    }
+
+    pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        let t = Tensor::from_slice(x, (m, self.n_in), &Device::Cpu)?;
+        let y = self.w.forward(&t)?;
+        Ok(y.flatten_all()?.to_vec1::<f32>()?)
+    }
+}
+
+pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
+    let d = w.len();
+    for row in x.chunks_exact_mut(d) {
+        let ss: f32 = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let scale = 1.0 / (ss + eps).sqrt();
+        for (v, g) in row.iter_mut().zip(w) {
+            *v = *v * scale * g;
+        }
+    }
+}
+
+/// Rotary tables per token: `cos[t * half + i]`, `sin[...]`.
+pub struct Rope {
+    pub half: usize,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+impl Rope {
+    pub fn new(positions: &[usize], inv_freq: &[f32]) -> Self {
+        let half = inv_freq.len();
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            for &f in inv_freq {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Rope { half, cos, sin }
+    }
+
+    /// Rotates every head of token `t`. `neox`: pairs are (i, i + n_rot/2) instead of
+    /// adjacent elements.
+    pub fn apply(&self, t: usize, x: &mut [f32], head_dim: usize, neox: bool) {
+        let c = &self.cos[t * self.half..(t + 1) * self.half];
+        let s = &self.sin[t * self.half..(t + 1) * self.half];
+        for head in x.chunks_exact_mut(head_dim) {
+            for i in 0..self.half {
+                let (a, b) = if neox { (i, i + self.half) } else { (2 * i, 2 * i + 1) };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c[i] - x1 * s[i];
+                head[b] = x0 * s[i] + x1 * c[i];
+            }
+        }
+    }
+}
+
+pub fn inv_freq(n_rot: usize, base: f32, factors: Option<&[f32]>) -> Vec<f32> {
+    (0..n_rot / 2)
+        .map(|i| {
+            let f = 1.0 / base.powf(2.0 * i as f32 / n_rot as f32);
+            match factors {
+                Some(fs) if i < fs.len() && fs[i] != 0.0 => f / fs[i],
+                _ => f,
+            }
+        })
+        .collect()
+}
+
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for (g, u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh()) * u;
+    }
+}
+
+pub fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}

@@ -1,0 +1,492 @@
+//! Tokenizers rebuilt from GGUF metadata alone, matching llama.cpp id for id.
+//!
+//! * `gpt2` vocabularies: byte-level BPE with the merges stored in the file and the
+//!   pre-tokenizer named by `tokenizer.ggml.pre`.
+//! * `llama` vocabularies (SentencePiece style, with scores): BPE whose merges are derived from
+//!   the scores (a pair merges into a token with the rank of that token's score), byte
+//!   fallback, spaces written as "▁". This reproduces llama.cpp's SPM bigram merging.
+//!
+//! Special tokens are split out of the text before the BPE runs, longest first, the way
+//! llama.cpp's `tokenizer_st_partition` does: control and unknown tokens only when
+//! `parse_special` is on, user-defined tokens always.
+
+use crate::error::{EngineError, Result};
+use crate::gguf::GgufFile;
+use std::collections::HashMap;
+use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::{NormalizerWrapper, Replace};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{ModelWrapper, Tokenizer as HfTokenizer};
+
+pub type TokenId = u32;
+
+const SPM_SPACE: &str = "\u{2581}";
+
+/// llama.cpp's token types (`tokenizer.ggml.token_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenType {
+    Normal,
+    Unknown,
+    Control,
+    UserDefined,
+    Unused,
+    Byte,
+}
+
+impl TokenType {
+    fn from_code(code: u64) -> Self {
+        match code {
+            2 => TokenType::Unknown,
+            3 => TokenType::Control,
+            4 => TokenType::UserDefined,
+            5 => TokenType::Unused,
+            6 => TokenType::Byte,
+            _ => TokenType::Normal,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VocabKind {
+    /// Byte-level BPE (GPT-2 style).
+    Gpt2,
+    /// SentencePiece-style vocabulary with scores.
+    Spm,
+}
+
+/// Token texts that llama.cpp detects as end-of-generation besides EOS/EOT/EOM; it also
+/// forces them to be control tokens (so they are only parsed with `parse_special`).
+const EOG_TEXTS: &[&str] = &[
+    "</s>",
+    "<|return|>",
+    "<|call|>",
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+];
+
+pub struct Tokenizer {
+    kind: VocabKind,
+    tokens: Vec<String>,
+    types: Vec<TokenType>,
+    /// Raw bytes each token renders as (special tokens render as their text).
+    pieces: Vec<Vec<u8>>,
+    /// Special tokens considered by the partition step, longest text first.
+    specials: Vec<(String, TokenId, TokenType)>,
+    hf: HfTokenizer,
+    pub bos: Option<TokenId>,
+    pub eos: Option<TokenId>,
+    pub add_bos: bool,
+    pub add_eos: bool,
+    add_space_prefix: bool,
+    eog: Vec<TokenId>,
+}
+
+fn meta_err(msg: impl Into<String>) -> EngineError {
+    EngineError::UnsupportedTokenizer(msg.into())
+}
+
+/// GPT-2's byte → unicode table (printable bytes map to themselves).
+fn byte_to_unicode() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut n = 0u32;
+    for b in 0..256u32 {
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        table[b as usize] = if printable {
+            char::from_u32(b).unwrap_or('\0')
+        } else {
+            let c = char::from_u32(256 + n).unwrap_or('\0');
+            n += 1;
+            c
+        };
+    }
+    table
+}
+
+fn parse_byte_token(text: &str) -> Option<u8> {
+    let hex = text.strip_prefix("<0x")?.strip_suffix('>')?;
+    if hex.len() != 2 {
+        return None;
+    }
+    u8::from_str_radix(hex, 16).ok()
+}
+
+impl Tokenizer {
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
+        let model = gguf
+            .get_str("tokenizer.ggml.model")
+            .ok_or_else(|| meta_err("missing tokenizer.ggml.model"))?;
+        let kind = match model {
+            "gpt2" => VocabKind::Gpt2,
+            "llama" => VocabKind::Spm,
+            other => return Err(meta_err(format!("tokenizer model {other:?}"))),
+        };
+        let tokens: Vec<String> = gguf
+            .get("tokenizer.ggml.tokens")
+            .and_then(|v| v.as_array())
+            .ok_or_else(|| meta_err("missing tokenizer.ggml.tokens"))?
+            .iter()
+            .map(|v| v.as_str().map(str::to_owned))
+            .collect::<Option<_>>()
+            .ok_or_else(|| meta_err("tokenizer.ggml.tokens holds non-strings"))?;
+        let n_vocab = tokens.len();
+        if n_vocab == 0 || n_vocab > u32::MAX as usize {
+            return Err(meta_err("empty or oversized vocabulary"));
+        }
+        let mut types: Vec<TokenType> = match gguf.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
+            Some(a) if a.len() == n_vocab => a
+                .iter()
+                .map(|v| TokenType::from_code(v.as_u64().unwrap_or(1)))
+                .collect(),
+            Some(_) => return Err(meta_err("token_type length differs from the vocabulary")),
+            None => vec![TokenType::Normal; n_vocab],
+        };
+        let token_id = |key: &str| -> Result<Option<TokenId>> {
+            match gguf.get_u64(key) {
+                Some(id) if (id as usize) < n_vocab => Ok(Some(id as TokenId)),
+                Some(id) => Err(meta_err(format!("{key} = {id} is outside the vocabulary"))),
+                None => Ok(None),
+            }
+        };
+        let bos = token_id("tokenizer.ggml.bos_token_id")?;
+        let eos = token_id("tokenizer.ggml.eos_token_id")?;
+        let eot = token_id("tokenizer.ggml.eot_token_id")?;
+        let eom = token_id("tokenizer.ggml.eom_token_id")?;
+        let add_bos = gguf
+            .get_bool("tokenizer.ggml.add_bos_token")
+            .unwrap_or(kind == VocabKind::Spm);
+        let add_eos = gguf.get_bool("tokenizer.ggml.add_eos_token").unwrap_or(false);
+        let add_space_prefix = gguf
+            .get_bool("tokenizer.ggml.add_space_prefix")
+            .unwrap_or(kind == VocabKind::Spm);
+
+        for (i, t) in tokens.iter().enumerate() {
+            if EOG_TEXTS.contains(&t.as_str()) {
+                types[i] = TokenType::Control;
+            }
+        }
+
+        // llama.cpp's text → id map: later duplicates win.
+        let mut vocab: HashMap<String, u32> = HashMap::with_capacity(n_vocab);
+        for (i, t) in tokens.iter().enumerate() {
+            vocab.insert(t.clone(), i as u32);
+        }
+
+        let hf = match kind {
+            VocabKind::Gpt2 => Self::build_gpt2(gguf, &vocab)?,
+            VocabKind::Spm => Self::build_spm(gguf, &tokens, &vocab)?,
+        };
+
+        let b2u = byte_to_unicode();
+        let mut u2b: HashMap<char, u8> = HashMap::with_capacity(256);
+        for (b, c) in b2u.iter().enumerate() {
+            u2b.insert(*c, b as u8);
+        }
+        let pieces: Vec<Vec<u8>> = tokens
+            .iter()
+            .zip(&types)
+            .map(|(text, ty)| match (kind, ty) {
+                (_, TokenType::Control | TokenType::Unknown | TokenType::UserDefined) => {
+                    text.as_bytes().to_vec()
+                }
+                (VocabKind::Gpt2, _) => {
+                    let mut out = Vec::with_capacity(text.len());
+                    for c in text.chars() {
+                        match u2b.get(&c) {
+                            Some(b) => out.push(*b),
+                            None => {
+                                let mut buf = [0u8; 4];
+                                out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                            }
+                        }
+                    }
+                    out
+                }
+                (VocabKind::Spm, TokenType::Byte) => match parse_byte_token(text) {
+                    Some(b) => vec![b],
+                    None => text.as_bytes().to_vec(),
+                },
+                (VocabKind::Spm, _) => text.replace(SPM_SPACE, " ").into_bytes(),
+            })
+            .collect();
+
+        let mut specials: Vec<(String, TokenId, TokenType)> = tokens
+            .iter()
+            .zip(&types)
+            .enumerate()
+            .filter(|(_, (t, ty))| {
+                !t.is_empty()
+                    && matches!(
+                        ty,
+                        TokenType::Control | TokenType::UserDefined | TokenType::Unknown
+                    )
+            })
+            .map(|(i, (t, ty))| (t.clone(), i as TokenId, *ty))
+            .collect();
+        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+
+        let mut eog: Vec<TokenId> = [eos, eot, eom].into_iter().flatten().collect();
+        for (i, t) in tokens.iter().enumerate() {
+            if EOG_TEXTS.contains(&t.as_str()) {
+                eog.push(i as TokenId);
+            }
+        }
+        eog.sort_unstable();
+        eog.dedup();
+
+        Ok(Tokenizer {
+            kind,
+            tokens,
+            types,
+            pieces,
+            specials,
+            hf,
+            bos,
+            eos,
+            add_bos,
+            add_eos,
+            add_space_prefix,
+            eog,
+        })
+    }
+
+    fn build_gpt2(gguf: &GgufFile, vocab: &HashMap<String, u32>) -> Result<HfTokenizer> {
+        let merges: Vec<(String, String)> = gguf
+            .get("tokenizer.ggml.merges")
+            .and_then(|v| v.as_array())
+            .ok_or_else(|| meta_err("gpt2 vocabulary without tokenizer.ggml.merges"))?
+            .iter()
+            .filter_map(|v| v.as_str())
+            .filter_map(|m| m.split_once(' '))
+            .filter(|(a, b)| {
+                vocab.contains_key(*a)
+                    && vocab.contains_key(*b)
+                    && vocab.contains_key(&format!("{a}{b}"))
+            })
+            .map(|(a, b)| (a.to_owned(), b.to_owned()))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab.iter().map(|(k, v)| (k.clone(), *v)).collect::<tokenizers::models::bpe::Vocab>(), merges)
+            .build()
+            .map_err(|e| meta_err(format!("BPE: {e}")))?;
+        let pre = gguf.get_str("tokenizer.ggml.pre").unwrap_or("default");
+        let byte_level = PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, true));
+        let pre_tokenizer = match pre {
+            // llama.cpp splits every digit before the GPT-2 regex for these.
+            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva"
+            | "default" | "gpt-2" | "gpt2" => {
+                if pre == "default" || pre == "gpt-2" || pre == "gpt2" {
+                    byte_level
+                } else {
+                    PreTokenizerWrapper::Sequence(Sequence::new(vec![
+                        PreTokenizerWrapper::Digits(Digits::new(true)),
+                        byte_level,
+                    ]))
+                }
+            }
+            other => return Err(meta_err(format!("gpt2 pre-tokenizer {other:?}"))),
+        };
+        let mut hf = HfTokenizer::new(ModelWrapper::BPE(bpe));
+        hf.with_pre_tokenizer(Some(pre_tokenizer));
+        Ok(hf)
+    }
+
+    fn build_spm(
+        gguf: &GgufFile,
+        tokens: &[String],
+        vocab: &HashMap<String, u32>,
+    ) -> Result<HfTokenizer> {
+        let scores: Vec<f32> = match gguf.get("tokenizer.ggml.scores").and_then(|v| v.as_array()) {
+            Some(a) if a.len() == tokens.len() => {
+                a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect()
+            }
+            _ => return Err(meta_err("llama vocabulary without matching tokenizer.ggml.scores")),
+        };
+        // Every split of a token into two vocabulary tokens is a merge ranked by the merged
+        // token's score (higher score merges first), which is exactly SPM's bigram order.
+        let mut ranked: Vec<(f32, u32, usize)> = Vec::new();
+        let mut merges_src: Vec<(usize, usize)> = Vec::new();
+        for (id, text) in tokens.iter().enumerate() {
+            if vocab.get(text) != Some(&(id as u32)) {
+                continue;
+            }
+            for (split, _) in text.char_indices().skip(1) {
+                let (a, b) = text.split_at(split);
+                if vocab.contains_key(a) && vocab.contains_key(b) {
+                    ranked.push((scores[id], id as u32, merges_src.len()));
+                    merges_src.push((id, split));
+                }
+            }
+        }
+        ranked.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
+        let merges: Vec<(String, String)> = ranked
+            .iter()
+            .map(|&(_, _, k)| {
+                let (id, split) = merges_src[k];
+                let (a, b) = tokens[id].split_at(split);
+                (a.to_owned(), b.to_owned())
+            })
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab.iter().map(|(k, v)| (k.clone(), *v)).collect::<tokenizers::models::bpe::Vocab>(), merges)
+            .byte_fallback(true)
+            .build()
+            .map_err(|e| meta_err(format!("BPE: {e}")))?;
+        let mut hf = HfTokenizer::new(ModelWrapper::BPE(bpe));
+        let replace = Replace::new(" ", SPM_SPACE).map_err(|e| meta_err(e.to_string()))?;
+        hf.with_normalizer(Some(NormalizerWrapper::Replace(replace)));
+        Ok(hf)
+    }
+
+    pub fn kind(&self) -> VocabKind {
+        self.kind
+    }
+
+    pub fn n_vocab(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn token_text(&self, id: TokenId) -> Option<&str> {
+        self.tokens.get(id as usize).map(String::as_str)
+    }
+
+    pub fn token_type(&self, id: TokenId) -> Option<TokenType> {
+        self.types.get(id as usize).copied()
+    }
+
+    pub fn is_eog(&self, id: TokenId) -> bool {
+        self.eog.binary_search(&id).is_ok()
+    }
+
+    pub fn eog_tokens(&self) -> &[TokenId] {
+        &self.eog
+    }
+
+    /// Checks that an id (as received from outside) names a vocabulary entry.
+    pub fn check_id(&self, id: i64) -> Result<TokenId> {
+        if id >= 0 && (id as usize) < self.tokens.len() {
+            Ok(id as TokenId)
+        } else {
+            Err(EngineError::InvalidToken {
+                id,
+                n_vocab: self.tokens.len(),
+            })
+        }
+    }
+
+    /// The bytes a token renders as (llama.cpp's `token_to_piece` with special = true).
+    pub fn token_to_piece(&self, id: TokenId) -> Result<&[u8]> {
+        self.pieces
+            .get(id as usize)
+            .map(Vec::as_slice)
+            .ok_or(EngineError::InvalidToken {
+                id: id as i64,
+                n_vocab: self.tokens.len(),
+            })
+    }
+
+    /// Concatenation of the pieces of `ids`; may be invalid UTF-8 when it ends mid-codepoint.
+    pub fn detokenize(&self, ids: &[TokenId]) -> Result<Vec<u8>> {
+        let mut out = Vec::with_capacity(ids.len() * 4);
+        for &id in ids {
+            out.extend_from_slice(self.token_to_piece(id)?);
+        }
+        Ok(out)
+    }
+
+    pub fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<TokenId>> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 2);
+        if add_special && self.add_bos {
+            if let Some(bos) = self.bos {
+                out.push(bos);
+            }
+        }
+        let mut prev_special = out.len() == 1;
+        for fragment in self.partition(text, parse_special) {
+            match fragment {
+                Fragment::Token(id) => {
+                    out.push(id);
+                    prev_special = true;
+                }
+                Fragment::Text(t) => {
+                    if self.kind == VocabKind::Spm && self.add_space_prefix && prev_special {
+                        let prefixed = format!(" {t}");
+                        self.encode_text(&prefixed, &mut out)?;
+                    } else {
+                        self.encode_text(t, &mut out)?;
+                    }
+                    prev_special = false;
+                }
+            }
+        }
+        if add_special && self.add_eos {
+            if let Some(eos) = self.eos {
+                out.push(eos);
+            }
+        }
+        Ok(out)
+    }
+
+    fn encode_text(&self, text: &str, out: &mut Vec<TokenId>) -> Result<()> {
+        if text.is_empty() {
+            return Ok(());
+        }
+        let enc = self
+            .hf
+            .encode(text, false)
+            .map_err(|e| EngineError::Tokenize(e.to_string()))?;
+        out.extend_from_slice(enc.get_ids());
+        Ok(())
+    }
+
+    fn partition<'t>(&self, text: &'t str, parse_special: bool) -> Vec<Fragment<'t>> {
+        let mut fragments = vec![Fragment::Text(text)];
+        for (special, id, ty) in &self.specials {
+            if !parse_special && matches!(ty, TokenType::Control | TokenType::Unknown) {
+                continue;
+            }
+            if !fragments
+                .iter()
+                .any(|f| matches!(f, Fragment::Text(t) if t.contains(special.as_str())))
+            {
+                continue;
+            }
+            let mut next = Vec::with_capacity(fragments.len() + 2);
+            for f in fragments {
+                match f {
+                    Fragment::Text(t) if t.contains(special.as_str()) => {
+                        let mut rest = t;
+                        while let Some(at) = rest.find(special.as_str()) {
+                            if at > 0 {
+                                next.push(Fragment::Text(&rest[..at]));
+                            }
+                            next.push(Fragment::Token(*id));
+                            rest = &rest[at + special.len()..];
+                        }
+                        if !rest.is_empty() {
+                            next.push(Fragment::Text(rest));
+                        }
+                    }
+                    other => next.push(other),
+                }
+            }
+            fragments = next;
+        }
+        fragments
+    }
+}
+
+enum Fragment<'t> {
+    Text(&'t str),
+    Token(TokenId),
+}

@@ -1,0 +1,236 @@
+//! SmolLM2 (llama architecture) against llama.cpp's greedy fixture, teacher forced, and batch
+//! invariance of the batched forward pass.
+
+mod common;
+use common::*;
+use llama_cpp_ex_engine::{Batch, Context, ContextParams, Model, Requantize, Sampler, SamplerParams};
+use std::sync::Arc;
+
+const THRESHOLDS: [f64; 5] = [0.0, 0.1, 0.25, 0.5, 1.0];
+const REQUIRED_AGREEMENT: f64 = 0.99;
+const REQUIRED_MARGIN: f64 = 0.5;
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn ctx(model: &Arc<Model>, n_ctx: usize, n_seq: usize) -> Context {
+    Context::new(
+        model.clone(),
+        ContextParams {
+            n_ctx,
+            n_batch: n_ctx,
+            n_seq_max: n_seq,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+/// Returns (agreement per threshold, steps per threshold).
+pub fn teacher_forced(model: &Arc<Model>, fixture_name: &str) -> Vec<(f64, usize, usize)> {
+    let fx = fixture(fixture_name);
+    let mut agree = vec![0usize; THRESHOLDS.len()];
+    let mut total = vec![0usize; THRESHOLDS.len()];
+    let mut max_lp_diff = 0f64;
+    for case in fx["cases"].as_array().unwrap() {
+        let prompt = ids(&case["prompt_ids"]);
+        let steps = case["steps"].as_array().unwrap();
+        let generated: Vec<u32> = steps.iter().map(|s| s["id"].as_u64().unwrap() as u32).collect();
+        let mut all = prompt.clone();
+        all.extend_from_slice(&generated);
+        let mut c = ctx(model, 1024, 1);
+        let mut batch = Batch::with_capacity(all.len());
+        for (i, &t) in all.iter().enumerate() {
+            batch.push(t, i, 0, i + 1 >= prompt.len());
+        }
+        c.decode(&batch).unwrap();
+        for (k, step) in steps.iter().enumerate() {
+            let row = c.logits_ith((prompt.len() - 1 + k) as i64).unwrap();
+            let top5 = step["top5"].as_array().unwrap();
+            let lp1 = top5[0]["logprob"].as_f64().unwrap();
+            let lp2 = top5[1]["logprob"].as_f64().unwrap();
+            let margin = lp1 - lp2;
+            let ours = argmax(row);
+            let expected = step["id"].as_u64().unwrap() as u32;
+            let lps = llama_cpp_ex_engine::sampler::log_softmax(row);
+            max_lp_diff = max_lp_diff.max((lps[expected as usize] as f64 - step["logprob"].as_f64().unwrap()).abs());
+            for (i, &th) in THRESHOLDS.iter().enumerate() {
+                if margin >= th {
+                    total[i] += 1;
+                    if ours == expected {
+                        agree[i] += 1;
+                    }
+                }
+            }
+        }
+    }
+    println!("{fixture_name}: max |logprob difference| of llama.cpp's token: {max_lp_diff:.3}");
+    THRESHOLDS
+        .iter()
+        .enumerate()
+        .map(|(i, _)| (agree[i] as f64 / total[i].max(1) as f64, agree[i], total[i]))
+        .collect()
+}
+
+fn report(label: &str, rates: &[(f64, usize, usize)]) {
+    for (th, (rate, a, t)) in THRESHOLDS.iter().zip(rates) {
+        println!("{label}: margin >= {th:<4}: {a}/{t} = {:.2}%", rate * 100.0);
+    }
+}
+
+#[test]
+fn smollm2_greedy_parity_native_types() {
+    let model = load(SMOLLM2, Requantize::Off);
+    let rates = teacher_forced(&model, "greedy_SmolLM2-135M-Instruct.Q4_1.json");
+    report("SmolLM2 (file types)", &rates);
+    let at = THRESHOLDS.iter().position(|&t| t == REQUIRED_MARGIN).unwrap();
+    assert!(
+        rates[at].0 >= REQUIRED_AGREEMENT,
+        "agreement {:.4} below {REQUIRED_AGREEMENT}",
+        rates[at].0
+    );
+}
+
+#[test]
+fn smollm2_greedy_parity_requantized_q8_0() {
+    let model = load(SMOLLM2, Requantize::Q8_0);
+    let rates = teacher_forced(&model, "greedy_SmolLM2-135M-Instruct.Q4_1.json");
+    report("SmolLM2 (re-quantized to Q8_0)", &rates);
+    let at = THRESHOLDS.iter().position(|&t| t == REQUIRED_MARGIN).unwrap();
+    assert!(rates[at].0 >= 0.95, "re-quantized agreement collapsed: {:.4}", rates[at].0);
+}
+
+#[test]
+fn free_running_greedy_matches_the_fixture_start() {
+    let model = load(SMOLLM2, Requantize::Off);
+    let fx = fixture("greedy_SmolLM2-135M-Instruct.Q4_1.json");
+    let case = &fx["cases"][0];
+    let prompt = ids(&case["prompt_ids"]);
+    let expected = ids(&case["generated_ids"]);
+    let mut c = ctx(&model, 512, 1);
+    let mut s = Sampler::new(SamplerParams::greedy());
+    let (out, _) = c.generate(&mut s, &prompt, 8, None, |_, _| true).unwrap();
+    assert_eq!(out, expected[..8]);
+}
+
+fn rel_close(a: &[f32], b: &[f32]) -> f32 {
+    let scale = a.iter().map(|v| v.abs()).fold(1.0f32, f32::max);
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max) / scale
+}
+
+#[test]
+fn batch_invariance_across_sequences_and_positions() {
+    let model = load(SMOLLM2, Requantize::Q8_0);
+    let tok = &model.tokenizer;
+    let target = tok.encode("The quick brown fox jumps over the lazy dog", true, true).unwrap();
+    let others = [
+        tok.encode("Once upon a time, in a land far away, there lived", true, true).unwrap(),
+        tok.encode("def fib(n):\n    return", true, true).unwrap(),
+        tok.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13", true, true).unwrap(),
+    ];
+
+    // Alone: the target's prompt in one forward, logits for every token.
+    let mut alone = ctx(&model, 512, 4);
+    let mut b = Batch::with_capacity(target.len());
+    for (i, &t) in target.iter().enumerate() {
+        b.push(t, i, 0, true);
+    }
+    alone.decode(&b).unwrap();
+    let alone_rows: Vec<Vec<f32>> = (0..target.len()).map(|i| alone.logits_ith(i as i64).unwrap().to_vec()).collect();
+
+    // Together: the other sequences first get caches of different lengths, then one forward
+    // mixes decode tokens, a chunk of prefill, and the target's whole prompt interleaved.
+    let mut mixed = ctx(&model, 512, 4);
+    for (s, o) in others.iter().enumerate() {
+        let n = o.len() - 1 - s;
+        mixed.decode(&Batch::for_sequence(&o[..n], 0, s + 1)).unwrap();
+    }
+    let mut b = Batch::with_capacity(64);
+    let mut target_idx = Vec::new();
+    let mut next: Vec<usize> = (0..3).map(|s| others[s].len() - 1 - s).collect();
+    for (i, &t) in target.iter().enumerate() {
+        target_idx.push(b.len());
+        b.push(t, i, 0, true);
+        let s = i % 3;
+        if next[s] < others[s].len() {
+            b.push(others[s][next[s]], next[s], s + 1, true);
+            next[s] += 1;
+        }
+    }
+    mixed.decode(&b).unwrap();
+    for (i, &bi) in target_idx.iter().enumerate() {
+        let row = mixed.logits_ith(bi as i64).unwrap();
+        let diff = rel_close(&alone_rows[i], row);
+        assert!(diff <= 1e-3, "token {i}: relative difference {diff}");
+    }
+
+    // And a decode step of the target while others prefill.
+    let next_tok = argmax(&alone_rows[target.len() - 1]);
+    let mut b1 = Batch::with_capacity(1);
+    b1.push(next_tok, target.len(), 0, true);
+    alone.decode(&b1).unwrap();
+    let solo = alone.logits_ith(0).unwrap().to_vec();
+    let mut b2 = Batch::with_capacity(8);
+    b2.push(others[0][0], 0, 3, false);
+    b2.push(next_tok, target.len(), 0, true);
+    mixed.kv.seq_clear(3);
+    for (i, &t) in others[0][1..].iter().enumerate() {
+        b2.push(t, i + 1, 3, i == others[0].len() - 2);
+    }
+    mixed.decode(&b2).unwrap();
+    let diff = rel_close(&solo, mixed.logits_ith(1).unwrap());
+    assert!(diff <= 1e-3, "decode step: relative difference {diff}");
+    mixed.kv.audit().unwrap();
+}
+
+#[test]
+fn shared_prefix_gives_the_same_logits_as_recomputing() {
+    let model = load(SMOLLM2, Requantize::Q8_0);
+    let tok = &model.tokenizer;
+    let prefix = tok.encode("You are a helpful assistant. Answer briefly and precisely, please.", true, true).unwrap();
+    let suffix = tok.encode(" What is the capital of France?", false, true).unwrap();
+    let mut full = prefix.clone();
+    full.extend_from_slice(&suffix);
+
+    let mut c = ctx(&model, 512, 2);
+    c.decode(&Batch::for_sequence(&full, 0, 0)).unwrap();
+    let reference = c.logits_ith(-1).unwrap().to_vec();
+    let used_before = c.kv_usage().used[0];
+
+    // seq 1 reuses seq 0's first prefix.len() positions without evaluating them.
+    c.kv.seq_share_prefix(0, 1, prefix.len()).unwrap();
+    assert_eq!(c.kv_usage().used[0], used_before, "sharing allocates nothing");
+    c.decode(&Batch::for_sequence(&suffix, prefix.len(), 1)).unwrap();
+    let shared = c.logits_ith(-1).unwrap().to_vec();
+    assert!(rel_close(&reference, &shared) <= 1e-3);
+    c.kv.audit().unwrap();
+    c.kv.clear();
+    assert_eq!(c.kv_usage().used[0], 0);
+}
+
+#[test]
+fn kv_exhaustion_is_an_error_not_a_crash() {
+    let model = load(SMOLLM2, Requantize::Q8_0);
+    let mut c = ctx(&model, 32, 1);
+    let tokens: Vec<u32> = (0..40).map(|i| 100 + i).collect();
+    let mut c2 = Context::new(model.clone(), ContextParams { n_ctx: 32, n_batch: 64, ..Default::default() }).unwrap();
+    let err = c2.decode(&Batch::for_sequence(&tokens[..40], 0, 0));
+    // 32 tokens + one spare block fit 48 positions, so 40 fit: now overflow on purpose.
+    assert!(err.is_ok());
+    let more: Vec<u32> = (0..16).map(|i| 200 + i).collect();
+    assert!(c2.decode(&Batch::for_sequence(&more, 40, 0)).is_err());
+    assert_eq!(c2.kv.seq_len(0), 40);
+    c2.kv.audit().unwrap();
+    // bad inputs
+    assert!(c.decode(&Batch::for_sequence(&[49152], 0, 0)).is_err());
+    assert!(c.decode(&Batch::for_sequence(&[1], 5, 0)).is_err());
+    assert!(c.decode(&Batch::for_sequence(&[1], 0, 3)).is_err());
+    assert!(c.decode(&Batch::default()).is_err());
+}
