@@ -1,1 +1,613 @@
+//! Thin rustler layer over `llama_cpp_ex_engine`: resources, argument decoding and error
+//! mapping. Every function that can take longer than a millisecond runs on a dirty scheduler;
+//! every body runs under `guard`, so a panic becomes `{:error, "internal error: ..."}`
+//! instead of taking the VM down.
 
+use llama_cpp_ex_engine::context::StopReason;
+use llama_cpp_ex_engine::kv::KvType;
+use llama_cpp_ex_engine::{
+    Batch, Context, ContextParams, EngineError, LoadOptions, Model, Requantize, Sampler,
+    SamplerParams,
+};
+use rustler::{Atom, Binary, Encoder, Env, LocalPid, NifResult, OwnedBinary, ResourceArc, Term};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+mod atoms {
+    rustler::atoms! {
+        ok,
+        error,
+        token,
+        eog,
+        done,
+        part,
+        invalid_seq_id,
+        invalid_grammar,
+        context_full,
+        f16,
+        f32,
+    }
+}
+
+pub struct ModelRes {
+    model: Arc<Model>,
+}
+
+pub struct ContextRes {
+    ctx: Mutex<Context>,
+    // Kept outside the mutex so these reads never wait for a running forward pass.
+    n_ctx: usize,
+    n_seq_max: usize,
+}
+
+pub struct SamplerRes {
+    sampler: Mutex<Sampler>,
+}
+
+pub struct CancelFlag {
+    flag: AtomicBool,
+}
+
+#[rustler::resource_impl]
+impl rustler::Resource for ModelRes {}
+#[rustler::resource_impl]
+impl rustler::Resource for ContextRes {}
+#[rustler::resource_impl]
+impl rustler::Resource for SamplerRes {}
+#[rustler::resource_impl]
+impl rustler::Resource for CancelFlag {}
+
+/// The single error type of this layer; encoded as `{:error, reason}`.
+enum NifError {
+    Message(String),
+    Atom(Atom),
+}
+
+impl From<EngineError> for NifError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::InvalidSeqId { .. } => NifError::Atom(atoms::invalid_seq_id()),
+            other => NifError::Message(other.to_string()),
+        }
+    }
+}
+
+impl Encoder for NifError {
+    fn encode<'a>(&self, env: Env<'a>) -> Term<'a> {
+        match self {
+            NifError::Message(m) => (atoms::error(), m.as_str()).encode(env),
+            NifError::Atom(a) => (atoms::error(), *a).encode(env),
+        }
+    }
+}
+
+type NifOut<T> = Result<T, NifError>;
+
+/// Runs `f`, turning a panic into an error so the VM keeps running.
+fn guard<T>(f: impl FnOnce() -> NifOut<T>) -> NifOut<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(NifError::Message(format!("internal error: {msg}")))
+        }
+    }
+}
+
+fn ok_or_error<'a, T: Encoder>(env: Env<'a>, r: NifOut<T>) -> Term<'a> {
+    match r {
+        Ok(v) => (atoms::ok(), v).encode(env),
+        Err(e) => e.encode(env),
+    }
+}
+
+fn unit_or_error<'a>(env: Env<'a>, r: NifOut<()>) -> Term<'a> {
+    match r {
+        Ok(()) => atoms::ok().encode(env),
+        Err(e) => e.encode(env),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic inside a forward pass is already reported as an error; the state it guards
+    // stays usable (a failed batch rolls its KV reservation back).
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn binary<'a>(env: Env<'a>, bytes: &[u8]) -> Term<'a> {
+    match OwnedBinary::new(bytes.len()) {
+        Some(mut b) => {
+            b.as_mut_slice().copy_from_slice(bytes);
+            b.release(env).encode(env)
+        }
+        None => (atoms::error(), "cannot allocate binary").encode(env),
+    }
+}
+
+fn count(v: i64, what: &str) -> NifOut<usize> {
+    usize::try_from(v).map_err(|_| NifError::Message(format!("{what} must not be negative")))
+}
+
+fn tokens_of(model: &Model, ids: &[i64]) -> NifOut<Vec<u32>> {
+    ids.iter()
+        .map(|&id| model.tokenizer.check_id(id).map_err(NifError::from))
+        .collect()
+}
+
+// ---------------------------------------------------------------- backend
+
+#[rustler::nif]
+fn backend_init() -> Atom {
+    atoms::ok()
+}
+
+#[rustler::nif]
+fn cancel_flag_new() -> ResourceArc<CancelFlag> {
+    ResourceArc::new(CancelFlag {
+        flag: AtomicBool::new(false),
+    })
+}
+
+#[rustler::nif]
+fn request_cancel(flag: ResourceArc<CancelFlag>) -> Atom {
+    flag.flag.store(true, Ordering::Relaxed);
+    atoms::ok()
+}
+
+#[rustler::nif]
+fn cancel_requested(flag: ResourceArc<CancelFlag>) -> bool {
+    flag.flag.load(Ordering::Relaxed)
+}
+
+// ---------------------------------------------------------------- model
+
+#[rustler::nif(schedule = "DirtyIo")]
+fn model_load<'a>(env: Env<'a>, path: String, requantize: bool, vocab_only: bool) -> Term<'a> {
+    let r = guard(|| {
+        let opts = LoadOptions {
+            requantize: if requantize { Requantize::Q8_0 } else { Requantize::Off },
+            vocab_only,
+        };
+        let model = Model::load(Path::new(&path), &opts).map_err(|e| match e {
+            EngineError::UnsupportedArchitecture(_) => NifError::Message(e.to_string()),
+            other => NifError::Message(format!("failed to load model from: {path}: {other}")),
+        })?;
+        Ok(ResourceArc::new(ModelRes {
+            model: Arc::new(model),
+        }))
+    });
+    ok_or_error(env, r)
+}
+
+#[rustler::nif]
+fn model_n_ctx_train(m: ResourceArc<ModelRes>) -> usize {
+    m.model.config.n_ctx_train
+}
+
+#[rustler::nif]
+fn model_n_embd(m: ResourceArc<ModelRes>) -> usize {
+    m.model.config.n_embd
+}
+
+#[rustler::nif]
+fn model_n_layer(m: ResourceArc<ModelRes>) -> usize {
+    m.model.config.n_layer
+}
+
+#[rustler::nif]
+fn model_n_params(m: ResourceArc<ModelRes>) -> u64 {
+    m.model.n_params
+}
+
+#[rustler::nif]
+fn model_size(m: ResourceArc<ModelRes>) -> u64 {
+    m.model.size_bytes
+}
+
+#[rustler::nif]
+fn model_desc(m: ResourceArc<ModelRes>) -> String {
+    m.model.desc.clone()
+}
+
+#[rustler::nif]
+fn model_chat_template(m: ResourceArc<ModelRes>) -> String {
+    m.model.chat_template.clone().unwrap_or_default()
+}
+
+#[rustler::nif]
+fn model_architecture(m: ResourceArc<ModelRes>) -> String {
+    m.model.config.arch.clone()
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn model_metadata(m: ResourceArc<ModelRes>) -> Vec<(String, String)> {
+    m.model.metadata.clone()
+}
+
+#[rustler::nif]
+fn vocab_n_tokens(m: ResourceArc<ModelRes>) -> usize {
+    m.model.tokenizer.n_vocab()
+}
+
+#[rustler::nif]
+fn vocab_bos(m: ResourceArc<ModelRes>) -> i64 {
+    m.model.tokenizer.bos.map(i64::from).unwrap_or(-1)
+}
+
+#[rustler::nif]
+fn vocab_eos(m: ResourceArc<ModelRes>) -> i64 {
+    m.model.tokenizer.eos.map(i64::from).unwrap_or(-1)
+}
+
+#[rustler::nif]
+fn vocab_is_eog(m: ResourceArc<ModelRes>, token: i64) -> bool {
+    m.model
+        .tokenizer
+        .check_id(token)
+        .map(|t| m.model.tokenizer.is_eog(t))
+        .unwrap_or(false)
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn tokenize<'a>(
+    env: Env<'a>,
+    m: ResourceArc<ModelRes>,
+    text: Binary<'a>,
+    add_special: bool,
+    parse_special: bool,
+) -> Term<'a> {
+    let r = guard(|| {
+        let text = std::str::from_utf8(text.as_slice())
+            .map_err(|e| NifError::Message(format!("tokenize failed: text is not valid UTF-8 ({e})")))?;
+        Ok(m.model.tokenizer.encode(text, add_special, parse_special)?)
+    });
+    ok_or_error(env, r)
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn detokenize<'a>(env: Env<'a>, m: ResourceArc<ModelRes>, ids: Vec<i64>) -> Term<'a> {
+    let r = guard(|| {
+        let ids = tokens_of(&m.model, &ids)?;
+        Ok(m.model.tokenizer.detokenize(&ids)?)
+    });
+    match r {
+        Ok(bytes) => (atoms::ok(), binary(env, &bytes)).encode(env),
+        Err(e) => e.encode(env),
+    }
+}
+
+#[rustler::nif]
+fn token_to_piece<'a>(env: Env<'a>, m: ResourceArc<ModelRes>, id: i64) -> Term<'a> {
+    let r = guard(|| {
+        let t = m.model.tokenizer.check_id(id)?;
+        Ok(m.model.tokenizer.token_to_piece(t)?.to_vec())
+    });
+    match r {
+        Ok(bytes) => (atoms::ok(), binary(env, &bytes)).encode(env),
+        Err(e) => e.encode(env),
+    }
+}
+
+// ---------------------------------------------------------------- context
+
+#[rustler::nif(schedule = "DirtyCpu")]
+#[allow(clippy::too_many_arguments)]
+fn context_create<'a>(
+    env: Env<'a>,
+    m: ResourceArc<ModelRes>,
+    n_ctx: i64,
+    n_batch: i64,
+    n_ubatch: i64,
+    n_threads: i64,
+    n_seq_max: i64,
+    kv_type: Atom,
+) -> Term<'a> {
+    let r = guard(|| {
+        let n_threads = count(n_threads, "n_threads")?;
+        if n_threads == 0 {
+            return Err(NifError::Message("n_threads must be positive".into()));
+        }
+        llama_cpp_ex_engine::set_worker_threads(n_threads);
+        let kv_type = if kv_type == atoms::f32() {
+            KvType::F32
+        } else {
+            KvType::F16
+        };
+        let params = ContextParams {
+            n_ctx: count(n_ctx, "n_ctx")?,
+            n_batch: count(n_batch, "n_batch")?,
+            n_ubatch: count(n_ubatch, "n_ubatch")?,
+            n_seq_max: count(n_seq_max, "n_seq_max")?,
+            kv_type,
+        };
+        let ctx = Context::new(m.model.clone(), params.clone())?;
+        Ok(ResourceArc::new(ContextRes {
+            ctx: Mutex::new(ctx),
+            n_ctx: params.n_ctx,
+            n_seq_max: params.n_seq_max,
+        }))
+    });
+    ok_or_error(env, r)
+}
+
+#[rustler::nif]
+fn context_n_ctx(c: ResourceArc<ContextRes>) -> usize {
+    c.n_ctx
+}
+
+#[rustler::nif]
+fn context_n_seq_max(c: ResourceArc<ContextRes>) -> usize {
+    c.n_seq_max
+}
+
+#[rustler::nif]
+fn context_can_seq_rm(_c: ResourceArc<ContextRes>) -> Atom {
+    atoms::part()
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn memory_clear(c: ResourceArc<ContextRes>) -> Atom {
+    lock(&c.ctx).kv.clear();
+    atoms::ok()
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn memory_seq_rm<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, seq: i64, p0: i64, p1: i64) -> Term<'a> {
+    let r = guard(|| {
+        let mut ctx = lock(&c.ctx);
+        let s = ctx.kv.check_seq(seq)?;
+        let p0 = p0.max(0) as usize;
+        let p1 = if p1 < 0 { None } else { Some(p1 as usize) };
+        Ok(ctx.kv.seq_rm(s, p0, p1)?)
+    });
+    ok_or_error(env, r)
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn memory_seq_cp<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, src: i64, dst: i64, p0: i64, p1: i64) -> Term<'a> {
+    let r = guard(|| {
+        let mut ctx = lock(&c.ctx);
+        let s = ctx.kv.check_seq(src)?;
+        let d = ctx.kv.check_seq(dst)?;
+        if p0 > 0 {
+            return Err(NifError::Message("only prefixes (p0 = 0) can be shared".into()));
+        }
+        let n = if p1 < 0 { usize::MAX } else { p1 as usize };
+        ctx.kv.seq_share_prefix(s, d, n)?;
+        Ok(())
+    });
+    unit_or_error(env, r)
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn memory_seq_pos_max<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, seq: i64) -> Term<'a> {
+    let r = guard(|| {
+        let ctx = lock(&c.ctx);
+        let s = ctx.kv.check_seq(seq)?;
+        Ok(ctx.kv.seq_pos_max(s))
+    });
+    ok_or_error(env, r)
+}
+
+/// `{:ok, %{n_blocks, used, owners}}`: the KV audit used by tests.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn context_kv_usage<'a>(env: Env<'a>, c: ResourceArc<ContextRes>) -> Term<'a> {
+    let r = guard(|| {
+        let ctx = lock(&c.ctx);
+        ctx.kv.audit().map_err(NifError::Message)?;
+        let u = ctx.kv.usage();
+        Ok((u.n_blocks, u.used, u.owners))
+    });
+    ok_or_error(env, r)
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn decode<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, tokens: Vec<i64>) -> Term<'a> {
+    let r = guard(|| {
+        let mut ctx = lock(&c.ctx);
+        if tokens.is_empty() {
+            return Err(NifError::Message("empty token list".into()));
+        }
+        let toks = tokens_of(&ctx.model, &tokens)?;
+        let start = ctx.kv.seq_len(0);
+        for chunk in toks.chunks(ctx.params.n_batch) {
+            let pos = ctx.kv.seq_len(0);
+            ctx.decode(&Batch::for_sequence(chunk, pos, 0))?;
+        }
+        let _ = start;
+        Ok(())
+    });
+    unit_or_error(env, r)
+}
+
+/// Evaluates `[{token, pos, seq, logits?}]` in one batch.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn batch_eval<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, entries: Vec<(i64, i64, i64, bool)>) -> Term<'a> {
+    let r = guard(|| {
+        let mut ctx = lock(&c.ctx);
+        let mut batch = Batch::with_capacity(entries.len());
+        for &(t, p, s, l) in &entries {
+            let t = ctx.model.tokenizer.check_id(t)?;
+            let s = ctx.kv.check_seq(s)?;
+            batch.push(t, count(p, "position")?, s, l);
+        }
+        ctx.decode(&batch)?;
+        Ok(())
+    });
+    unit_or_error(env, r)
+}
+
+/// Logits of entry `idx` of the last batch (-1 = last with logits) as a list of floats.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn get_logits<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, idx: i64) -> Term<'a> {
+    let r = guard(|| {
+        let ctx = lock(&c.ctx);
+        Ok(ctx.logits_ith(idx)?.to_vec())
+    });
+    ok_or_error(env, r)
+}
+
+// ---------------------------------------------------------------- sampler
+
+#[rustler::nif(schedule = "DirtyCpu")]
+#[allow(clippy::too_many_arguments)]
+fn sampler_init<'a>(
+    env: Env<'a>,
+    _m: ResourceArc<ModelRes>,
+    seed: u64,
+    temp: f64,
+    top_k: i64,
+    top_p: f64,
+    min_p: f64,
+    penalty_repeat: f64,
+    penalty_freq: f64,
+    penalty_present: f64,
+    grammar: String,
+    _grammar_root: String,
+) -> Term<'a> {
+    let r = guard(|| {
+        if !grammar.is_empty() {
+            return Err(NifError::Message(
+                "grammar-constrained sampling is not available in this build yet".into(),
+            ));
+        }
+        let params = SamplerParams {
+            seed,
+            temp: temp as f32,
+            top_k: top_k.clamp(i32::MIN as i64, i32::MAX as i64) as i32,
+            top_p: top_p as f32,
+            min_p: min_p as f32,
+            penalty_repeat: penalty_repeat as f32,
+            penalty_freq: penalty_freq as f32,
+            penalty_present: penalty_present as f32,
+        };
+        params.validate().map_err(NifError::Message)?;
+        Ok(ResourceArc::new(SamplerRes {
+            sampler: Mutex::new(Sampler::new(params)),
+        }))
+    });
+    ok_or_error(env, r)
+}
+
+#[rustler::nif]
+fn sampler_reset(s: ResourceArc<SamplerRes>) -> Atom {
+    lock(&s.sampler).reset();
+    atoms::ok()
+}
+
+#[rustler::nif]
+fn sampler_accept<'a>(env: Env<'a>, s: ResourceArc<SamplerRes>, token: i64) -> Term<'a> {
+    match u32::try_from(token) {
+        Ok(t) => {
+            lock(&s.sampler).accept(t);
+            atoms::ok().encode(env)
+        }
+        Err(_) => (atoms::error(), "invalid token id").encode(env),
+    }
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn sampler_sample_at<'a>(env: Env<'a>, s: ResourceArc<SamplerRes>, c: ResourceArc<ContextRes>, idx: i64) -> Term<'a> {
+    let r = guard(|| {
+        let ctx = lock(&c.ctx);
+        let logits = ctx.logits_ith(idx)?;
+        Ok(lock(&s.sampler).sample(logits))
+    });
+    ok_or_error(env, r)
+}
+
+// ---------------------------------------------------------------- generation
+
+fn generate_loop(
+    ctx: &mut Context,
+    sampler: &mut Sampler,
+    prompt: &[i64],
+    max_tokens: i64,
+    cancel: &AtomicBool,
+    mut emit: impl FnMut(u32, &[u8], bool) -> bool,
+) -> NifOut<(Vec<u32>, StopReason)> {
+    if prompt.is_empty() {
+        return Err(NifError::Message("prompt cannot be empty".into()));
+    }
+    if max_tokens <= 0 {
+        return Err(NifError::Message("max_tokens must be positive".into()));
+    }
+    let prompt = tokens_of(&ctx.model, prompt)?;
+    let model = ctx.model.clone();
+    let r = ctx.generate(sampler, &prompt, max_tokens as usize, Some(cancel), |t, eog| {
+        let piece = if eog { &[][..] } else { model.tokenizer.token_to_piece(t).unwrap_or(&[]) };
+        emit(t, piece, eog)
+    })?;
+    Ok(r)
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn generate<'a>(
+    env: Env<'a>,
+    c: ResourceArc<ContextRes>,
+    s: ResourceArc<SamplerRes>,
+    prompt: Vec<i64>,
+    max_tokens: i64,
+    cancel: ResourceArc<CancelFlag>,
+) -> Term<'a> {
+    let r = guard(|| {
+        let mut ctx = lock(&c.ctx);
+        let mut sampler = lock(&s.sampler);
+        let mut text = Vec::new();
+        generate_loop(&mut ctx, &mut sampler, &prompt, max_tokens, &cancel.flag, |_, piece, _| {
+            text.extend_from_slice(piece);
+            true
+        })?;
+        Ok(text)
+    });
+    match r {
+        Ok(bytes) => (atoms::ok(), binary(env, &bytes)).encode(env),
+        Err(e) => e.encode(env),
+    }
+}
+
+/// Streams `{ref, {:token, id, piece}}` to `pid`, then `{ref, :eog}`, `{ref, :done}` or
+/// `{ref, {:error, msg}}`. A cancel stops it silently within one token.
+#[rustler::nif(schedule = "DirtyCpu")]
+#[allow(clippy::too_many_arguments)]
+fn generate_tokens<'a>(
+    env: Env<'a>,
+    c: ResourceArc<ContextRes>,
+    s: ResourceArc<SamplerRes>,
+    prompt: Vec<i64>,
+    max_tokens: i64,
+    pid: LocalPid,
+    reference: Term<'a>,
+    cancel: ResourceArc<CancelFlag>,
+) -> NifResult<(Atom, usize)> {
+    let r = guard(|| {
+        let mut ctx = lock(&c.ctx);
+        let mut sampler = lock(&s.sampler);
+        generate_loop(&mut ctx, &mut sampler, &prompt, max_tokens, &cancel.flag, |t, piece, eog| {
+            if eog || cancel.flag.load(Ordering::Relaxed) {
+                return true;
+            }
+            let msg = (reference, (atoms::token(), t, binary(env, piece)));
+            env.send(&pid, msg).is_ok()
+        })
+    });
+    let n = r.as_ref().map(|(t, _)| t.len()).unwrap_or(0);
+    if cancel.flag.load(Ordering::Relaxed) {
+        return Ok((atoms::ok(), n));
+    }
+    let _ = match r {
+        Ok((_, StopReason::Eog)) => env.send(&pid, (reference, atoms::eog())),
+        Ok((_, StopReason::MaxTokens)) => env.send(&pid, (reference, atoms::done())),
+        Ok((_, StopReason::Cancelled)) => Ok(()),
+        Err(e) => env.send(&pid, (reference, e)),
+    };
+    Ok((atoms::ok(), n))
+}
+
+rustler::init!("Elixir.LlamaCppEx.NIF");

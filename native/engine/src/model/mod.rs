@@ -58,6 +58,9 @@ pub struct Config {
     pub layer_windows: Vec<Option<usize>>,
 }
 
+/// Architectures this engine implements.
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama"];
+
 /// Upper bounds that keep hostile metadata from sizing absurd buffers.
 const MAX_EMBD: u64 = 1 << 16;
 const MAX_LAYERS: u64 = 1 << 10;
@@ -205,6 +208,10 @@ fn ftype_name(code: u64) -> &'static str {
 impl Model {
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self> {
         let gguf = GgufFile::open(path)?;
+        let arch_name = gguf.get_str("general.architecture").unwrap_or("");
+        if !SUPPORTED_ARCHITECTURES.contains(&arch_name) {
+            return Err(EngineError::UnsupportedArchitecture(arch_name.to_string()));
+        }
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
         let config = Config::from_gguf(&gguf, tokenizer.n_vocab())?;
         let loader = TensorLoader {

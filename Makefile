@@ -1,0 +1,47 @@
+# Builds the Rust NIF in release mode and installs it under priv/native.
+#   LLAMA_BACKEND=cpu|cuda   cargo features (cpu is the default)
+#   CARGO_TARGET_DIR         cargo's build directory (default native/target)
+#   LLAMA_NATIVE_CPU=1       compile for this machine's CPU (-C target-cpu=native); off by
+#                            default so a build runs on any x86-64 and picks kernels at run time
+
+CARGO ?= cargo
+LLAMA_BACKEND ?= cpu
+CARGO_TARGET_DIR ?= $(CURDIR)/native/target
+PRIV_DIR := $(CURDIR)/priv/native
+
+ifeq ($(LLAMA_BACKEND),cuda)
+  FEATURES := --features cuda
+else ifeq ($(LLAMA_BACKEND),cpu)
+  FEATURES :=
+else
+  $(error LLAMA_BACKEND must be cpu or cuda, got $(LLAMA_BACKEND))
+endif
+
+ifeq ($(LLAMA_NATIVE_CPU),1)
+  export RUSTFLAGS := $(RUSTFLAGS) -C target-cpu=native
+endif
+
+ifeq ($(shell uname -s),Darwin)
+  LIB_EXT := dylib
+else
+  LIB_EXT := so
+endif
+
+.PHONY: native clean test models
+native:
+	@CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) build --release --quiet \
+	  --manifest-path native/Cargo.toml -p llama_cpp_ex_nif $(FEATURES)
+	@mkdir -p $(PRIV_DIR)
+	@cp -f $(CARGO_TARGET_DIR)/release/libllama_cpp_ex_nif.$(LIB_EXT) $(PRIV_DIR)/llama_cpp_ex_nif.so.tmp
+	@mv -f $(PRIV_DIR)/llama_cpp_ex_nif.so.tmp $(PRIV_DIR)/llama_cpp_ex_nif.so
+
+models:
+	python3 scripts/fetch_models.py
+
+test: models
+	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) test --release --manifest-path native/Cargo.toml -p llama_cpp_ex_engine
+	mix test
+
+clean:
+	rm -rf $(PRIV_DIR)
+	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) clean --manifest-path native/Cargo.toml

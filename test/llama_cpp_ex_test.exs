@@ -1,0 +1,130 @@
+defmodule LlamaCppExTest do
+  use ExUnit.Case, async: false
+
+  alias LlamaCppEx.{Context, Model, NIF, Sampler, TestModels, Tokenizer}
+
+  setup_all do
+    %{model: TestModels.smollm2()}
+  end
+
+  test "init is idempotent and devices lists the CPU" do
+    assert LlamaCppEx.init() == :ok
+    assert LlamaCppEx.init() == :ok
+    assert [%{type: :cpu, backend: "CPU", gpu_index: nil, index: 0} = cpu] = LlamaCppEx.devices()
+    assert cpu.memory_total > 0
+  end
+
+  test "model accessors", %{model: model} do
+    assert Model.desc(model) == "llama 135M Q4_1"
+    assert Model.n_ctx_train(model) == 8192
+    assert Model.n_embd(model) == 576
+    assert Model.n_layer(model) == 30
+    assert Model.n_params(model) > 130_000_000
+    assert Model.size(model) > 90_000_000
+    assert Model.architecture(model) == "llama"
+    assert Model.chat_template(model) =~ "<|im_start|>"
+    assert Model.metadata(model)["llama.block_count"] == "30"
+  end
+
+  test "generate with temp 0 is deterministic and matches the stream", %{model: model} do
+    opts = [max_tokens: 24, temp: 0.0]
+    assert {:ok, text} = LlamaCppEx.generate(model, "The capital of France is", opts)
+    assert text =~ "Paris"
+    assert {:ok, ^text} = LlamaCppEx.generate(model, "The capital of France is", opts)
+
+    chunks = model |> LlamaCppEx.stream("The capital of France is", opts) |> Enum.to_list()
+    assert Enum.all?(chunks, &(is_binary(&1) and &1 != ""))
+    assert Enum.join(chunks) == text
+  end
+
+  test "file weight types without re-quantization reproduce llama.cpp's greedy text" do
+    {:ok, model} = LlamaCppEx.load_model(TestModels.smollm2_path(), requantize: false)
+
+    {:ok, text} =
+      LlamaCppEx.generate(model, "The capital of France is", max_tokens: 12, temp: 0.0)
+
+    # llama.cpp's first greedy tokens on this file (shared/fixtures/greedy_SmolLM2...json)
+    assert String.starts_with?(text, " Paris.\n\nThe United States has a population")
+  end
+
+  test "a seeded sampler is reproducible", %{model: model} do
+    opts = [max_tokens: 16, temp: 0.9, seed: 1234]
+    {:ok, a} = LlamaCppEx.generate(model, "Once upon a time", opts)
+    {:ok, b} = LlamaCppEx.generate(model, "Once upon a time", opts)
+    assert a == b
+  end
+
+  test "max_tokens bounds the generated tokens", %{model: model} do
+    {:ok, ctx} = Context.create(model, n_ctx: 256)
+    {:ok, sampler} = Sampler.create(model, temp: 0.0)
+    {:ok, tokens} = Tokenizer.encode(model, "Count: 1, 2, 3,")
+    {:ok, text} = Context.generate(ctx, sampler, tokens, max_tokens: 5)
+    {:ok, ids} = Tokenizer.encode(model, text, add_special: false)
+    assert length(ids) <= 6
+  end
+
+  test "Enum.take/2 halts the stream and stops native generation", %{model: model} do
+    assert [_, _, _] =
+             model
+             |> LlamaCppEx.stream("Once upon a time", max_tokens: 400, temp: 0.0)
+             |> Enum.take(3)
+
+    # The generator itself: after a cancel the native loop returns within a few tokens.
+    {:ok, ctx} = Context.create(model, n_ctx: 512)
+    {:ok, sampler} = Sampler.create(model, temp: 0.0)
+    {:ok, tokens} = Tokenizer.encode(model, "Once upon a time")
+    cancel = NIF.cancel_flag_new()
+    parent = self()
+    ref = make_ref()
+
+    runner =
+      spawn(fn ->
+        send(
+          parent,
+          {:result, NIF.generate_tokens(ctx.ref, sampler.ref, tokens, 400, parent, ref, cancel)}
+        )
+      end)
+
+    for _ <- 1..3, do: assert_receive({^ref, {:token, _, _}}, 30_000)
+    NIF.request_cancel(cancel)
+    assert_receive {:result, {:ok, generated}}, 30_000
+    assert generated < 50
+    refute Process.alive?(runner)
+    refute_received {^ref, :done}
+  end
+
+  test "stream chunks are valid UTF-8 even when tokens split codepoints", %{model: model} do
+    chunks =
+      model
+      |> LlamaCppEx.stream("日本語のテキストです。そして", max_tokens: 24, temp: 0.0)
+      |> Enum.to_list()
+
+    assert Enum.all?(chunks, &String.valid?/1)
+  end
+
+  test "a stream timeout yields {:error, :timeout}", %{model: model} do
+    assert [{:error, :timeout}] =
+             model |> LlamaCppEx.stream("Hello", max_tokens: 8, timeout: 0) |> Enum.take(1)
+  end
+
+  test "streams report setup errors as a single element", %{model: model} do
+    assert [{:error, msg}] = model |> LlamaCppEx.stream("Hello", max_tokens: 0) |> Enum.to_list()
+    assert msg =~ "max_tokens"
+    assert [{:error, _}] = model |> LlamaCppEx.stream("", max_tokens: 4) |> Enum.to_list()
+  end
+
+  test "unknown options raise with a hint", %{model: model} do
+    error =
+      assert_raise ArgumentError, fn -> LlamaCppEx.generate(model, "x", temperature: 0.1) end
+
+    assert error.message =~ "unknown option: :temperature (did you mean :temp?)"
+
+    assert_raise ArgumentError, ~r/cannot use both :grammar and :json_schema/, fn ->
+      LlamaCppEx.generate(%Model{ref: nil}, "x", grammar: "root ::= \"a\"", json_schema: %{})
+    end
+
+    assert_raise ArgumentError, ~r/unknown option: :n_paralell/, fn ->
+      Context.create(model, n_paralell: 2)
+    end
+  end
+end

@@ -1,0 +1,40 @@
+defmodule LlamaCppEx.TestModels do
+  @moduledoc false
+  # Locates the models fetched by scripts/fetch_models.py (tests fail, not skip, when missing).
+
+  @smollm2 "SmolLM2-135M-Instruct.Q4_1.gguf"
+  @gemma3 "gemma-3-270m-q4_k_m.gguf"
+
+  def dir do
+    System.get_env("LLAMA_CPP_EX_MODELS") || System.get_env("LLAMA_CACHE_DIR") ||
+      Path.join(System.user_home!(), ".cache/llama_cpp_ex/models")
+  end
+
+  def path(file) do
+    p = Path.join(dir(), file)
+
+    unless File.regular?(p) do
+      raise "#{p} is missing: run `python3 scripts/fetch_models.py` (or `make models`) first"
+    end
+
+    p
+  end
+
+  def smollm2_path, do: path(@smollm2)
+  def gemma3_path, do: path(@gemma3)
+
+  @doc "SmolLM2 loaded once per test run and shared through :persistent_term."
+  def smollm2 do
+    case :persistent_term.get({__MODULE__, :smollm2}, nil) do
+      nil ->
+        {:ok, model} = LlamaCppEx.load_model(smollm2_path())
+        :persistent_term.put({__MODULE__, :smollm2}, model)
+        model
+
+      model ->
+        model
+    end
+  end
+
+  def seq_rm_kind(ctx), do: LlamaCppEx.NIF.context_can_seq_rm(ctx.ref)
+end
