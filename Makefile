@@ -27,7 +27,7 @@ else
   LIB_EXT := so
 endif
 
-.PHONY: native clean test models
+.PHONY: native clean test models setup demo
 native:
 	@CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) build --release --quiet \
 	  --manifest-path native/Cargo.toml -p llama_cpp_ex_nif $(FEATURES)
@@ -38,7 +38,13 @@ native:
 models:
 	python3 scripts/fetch_models.py
 
-test: models
+setup:
+	scripts/setup.sh
+
+demo: setup
+	mix run scripts/demo.exs
+
+test: setup
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) test --release --manifest-path native/Cargo.toml -p llama_cpp_ex_engine
 	mix test
 

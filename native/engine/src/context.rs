@@ -63,7 +63,9 @@ impl Context {
             )));
         }
         if params.n_batch == 0 || params.n_ubatch == 0 {
-            return Err(EngineError::InvalidArgument("n_batch and n_ubatch must be positive".into()));
+            return Err(EngineError::InvalidArgument(
+                "n_batch and n_ubatch must be positive".into(),
+            ));
         }
         if params.n_seq_max == 0 || params.n_seq_max > 4096 {
             return Err(EngineError::InvalidArgument(format!(
@@ -99,7 +101,9 @@ impl Context {
     fn validate(&self, batch: &Batch) -> Result<()> {
         let n = batch.len();
         if batch.pos.len() != n || batch.seq.len() != n || batch.logits.len() != n {
-            return Err(EngineError::InvalidArgument("batch fields differ in length".into()));
+            return Err(EngineError::InvalidArgument(
+                "batch fields differ in length".into(),
+            ));
         }
         let mut next: Vec<Option<usize>> = vec![None; self.kv.n_seq_max()];
         for i in 0..n {
@@ -161,7 +165,8 @@ impl Context {
                 None => ranges.push((s, batch.pos[i], batch.pos[i] + 1)),
             }
         }
-        let before: Vec<(usize, usize)> = ranges.iter().map(|r| (r.0, self.kv.seq_len(r.0))).collect();
+        let before: Vec<(usize, usize)> =
+            ranges.iter().map(|r| (r.0, self.kv.seq_len(r.0))).collect();
         for &(s, from, to) in &ranges {
             if let Err(e) = self.kv.reserve(s, from, to) {
                 self.rollback(&before);
@@ -206,7 +211,10 @@ impl Context {
         let row = if i < 0 {
             self.output_rows.iter().rev().find(|&&r| r >= 0).copied()
         } else {
-            self.output_rows.get(i as usize).copied().filter(|&r| r >= 0)
+            self.output_rows
+                .get(i as usize)
+                .copied()
+                .filter(|&r| r >= 0)
         }
         .ok_or_else(|| EngineError::InvalidArgument(format!("no logits for batch entry {i}")))?;
         let r = row as usize;
@@ -225,7 +233,9 @@ impl Context {
         mut on_token: impl FnMut(TokenId, bool) -> bool,
     ) -> Result<(Vec<TokenId>, StopReason)> {
         if prompt.is_empty() {
-            return Err(EngineError::InvalidArgument("prompt cannot be empty".into()));
+            return Err(EngineError::InvalidArgument(
+                "prompt cannot be empty".into(),
+            ));
         }
         for &t in prompt {
             self.model.tokenizer.check_id(t as i64)?;

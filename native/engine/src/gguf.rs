@@ -322,7 +322,9 @@ impl GgufFile {
                 )));
             }
             if start % 4 != 0 {
-                return Err(bad(format!("tensor {name}: misaligned data offset {start}")));
+                return Err(bad(format!(
+                    "tensor {name}: misaligned data offset {start}"
+                )));
             }
             let shape = dims.iter().rev().map(|&d| d as usize).collect();
             tensors.insert(

@@ -131,16 +131,22 @@ impl KvCache {
         kv_type: KvType,
     ) -> Result<Self> {
         if n_ctx == 0 {
-            return Err(EngineError::InvalidArgument("n_ctx must be positive".into()));
+            return Err(EngineError::InvalidArgument(
+                "n_ctx must be positive".into(),
+            ));
         }
         if n_seq_max == 0 {
-            return Err(EngineError::InvalidArgument("n_seq_max must be positive".into()));
+            return Err(EngineError::InvalidArgument(
+                "n_seq_max must be positive".into(),
+            ));
         }
         // Each sequence may leave its last block partly empty; reserve one extra block per
         // sequence so n_ctx tokens always fit.
         let n_blocks = n_ctx.div_ceil(KV_BLOCK_SIZE) + n_seq_max;
         if n_blocks >= NO_BLOCK as usize {
-            return Err(EngineError::InvalidArgument(format!("n_ctx {n_ctx} is too large")));
+            return Err(EngineError::InvalidArgument(format!(
+                "n_ctx {n_ctx} is too large"
+            )));
         }
         let row = n_kv_heads * head_dim;
         let elems_per_layer = n_blocks
@@ -444,7 +450,9 @@ impl KvCache {
                 }
             }
             if counts != g.refcount {
-                return Err(format!("group {gi}: reference counts differ from block tables"));
+                return Err(format!(
+                    "group {gi}: reference counts differ from block tables"
+                ));
             }
             let mut free = g.free.clone();
             free.sort_unstable();
@@ -491,29 +499,42 @@ impl KvCache {
     pub fn read_block(&self, layer: usize, values: bool, b: u32, n: usize, out: &mut [f32]) {
         let row = self.n_kv_heads * self.head_dim;
         let store = &self.layers[layer];
-        let words = if values { &store.v.words } else { &store.k.words };
+        let words = if values {
+            &store.v.words
+        } else {
+            &store.k.words
+        };
         let at = b as usize * KV_BLOCK_SIZE * row;
         read_rows(self.kv_type, words, at, &mut out[..n * row]);
     }
 
-    /// Reads one KV head of slots `[s0, s1)` of block `b` into `out` (`(s1 - s0) * head_dim`).
+    /// Reads one KV head of the slots `slots` of block `b` into `out`
+    /// (`slots.len() * head_dim` values).
     pub fn read_head(
         &self,
         layer: usize,
         values: bool,
         b: u32,
         head: usize,
-        s0: usize,
-        s1: usize,
+        slots: std::ops::Range<usize>,
         out: &mut [f32],
     ) {
         let hd = self.head_dim;
         let row = self.n_kv_heads * hd;
         let store = &self.layers[layer];
-        let words = if values { &store.v.words } else { &store.k.words };
+        let words = if values {
+            &store.v.words
+        } else {
+            &store.k.words
+        };
         let base = b as usize * KV_BLOCK_SIZE * row + head * hd;
-        for (i, s) in (s0..s1).enumerate() {
-            read_rows(self.kv_type, words, base + s * row, &mut out[i * hd..(i + 1) * hd]);
+        for (i, s) in slots.enumerate() {
+            read_rows(
+                self.kv_type,
+                words,
+                base + s * row,
+                &mut out[i * hd..(i + 1) * hd],
+            );
         }
     }
 }

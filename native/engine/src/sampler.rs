@@ -202,7 +202,9 @@ impl Sampler {
             *counts.entry(t).or_default() += 1;
         }
         for (t, c) in counts {
-            let Some(entry) = cand.get_mut(t as usize) else { continue };
+            let Some(entry) = cand.get_mut(t as usize) else {
+                continue;
+            };
             if entry.1 <= 0.0 {
                 entry.1 *= p.penalty_repeat;
             } else {
@@ -227,7 +229,10 @@ fn argmax(cand: &[(TokenId, f32)]) -> TokenId {
 fn softmax(cand: &[(TokenId, f32)], temp: f32) -> Vec<f64> {
     let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max) as f64;
     let t = temp as f64;
-    let mut out: Vec<f64> = cand.iter().map(|c| ((c.1 as f64 - max) / t).exp()).collect();
+    let mut out: Vec<f64> = cand
+        .iter()
+        .map(|c| ((c.1 as f64 - max) / t).exp())
+        .collect();
     let sum: f64 = out.iter().sum();
     for v in &mut out {
         *v /= sum;
@@ -270,7 +275,10 @@ mod tests {
         };
         assert_eq!(run(), run());
         let distinct: std::collections::HashSet<_> = run().into_iter().collect();
-        assert!(distinct.len() > 5, "temperature 1 over a flat-ish distribution varies");
+        assert!(
+            distinct.len() > 5,
+            "temperature 1 over a flat-ish distribution varies"
+        );
     }
 
     #[test]

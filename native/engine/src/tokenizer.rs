@@ -101,7 +101,8 @@ fn byte_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         table[b as usize] = if printable {
             char::from_u32(b).unwrap_or('\0')
         } else {
@@ -143,7 +144,10 @@ impl Tokenizer {
         if n_vocab == 0 || n_vocab > u32::MAX as usize {
             return Err(meta_err("empty or oversized vocabulary"));
         }
-        let mut types: Vec<TokenType> = match gguf.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
+        let mut types: Vec<TokenType> = match gguf
+            .get("tokenizer.ggml.token_type")
+            .and_then(|v| v.as_array())
+        {
             Some(a) if a.len() == n_vocab => a
                 .iter()
                 .map(|v| TokenType::from_code(v.as_u64().unwrap_or(1)))
@@ -165,7 +169,9 @@ impl Tokenizer {
         let add_bos = gguf
             .get_bool("tokenizer.ggml.add_bos_token")
             .unwrap_or(kind == VocabKind::Spm);
-        let add_eos = gguf.get_bool("tokenizer.ggml.add_eos_token").unwrap_or(false);
+        let add_eos = gguf
+            .get_bool("tokenizer.ggml.add_eos_token")
+            .unwrap_or(false);
         let add_space_prefix = gguf
             .get_bool("tokenizer.ggml.add_space_prefix")
             .unwrap_or(kind == VocabKind::Spm);
@@ -276,15 +282,21 @@ impl Tokenizer {
             .map(|(a, b)| (a.to_owned(), b.to_owned()))
             .collect();
         let bpe = BPE::builder()
-            .vocab_and_merges(vocab.iter().map(|(k, v)| (k.clone(), *v)).collect::<tokenizers::models::bpe::Vocab>(), merges)
+            .vocab_and_merges(
+                vocab
+                    .iter()
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect::<tokenizers::models::bpe::Vocab>(),
+                merges,
+            )
             .build()
             .map_err(|e| meta_err(format!("BPE: {e}")))?;
         let pre = gguf.get_str("tokenizer.ggml.pre").unwrap_or("default");
         let byte_level = PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, true));
         let pre_tokenizer = match pre {
             // llama.cpp splits every digit before the GPT-2 regex for these.
-            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva"
-            | "default" | "gpt-2" | "gpt2" => {
+            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone"
+            | "minerva" | "default" | "gpt-2" | "gpt2" => {
                 if pre == "default" || pre == "gpt-2" || pre == "gpt2" {
                     byte_level
                 } else {
@@ -310,7 +322,11 @@ impl Tokenizer {
             Some(a) if a.len() == tokens.len() => {
                 a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect()
             }
-            _ => return Err(meta_err("llama vocabulary without matching tokenizer.ggml.scores")),
+            _ => {
+                return Err(meta_err(
+                    "llama vocabulary without matching tokenizer.ggml.scores",
+                ))
+            }
         };
         // Every split of a token into two vocabulary tokens is a merge ranked by the merged
         // token's score (higher score merges first), which is exactly SPM's bigram order.
@@ -338,7 +354,13 @@ impl Tokenizer {
             })
             .collect();
         let bpe = BPE::builder()
-            .vocab_and_merges(vocab.iter().map(|(k, v)| (k.clone(), *v)).collect::<tokenizers::models::bpe::Vocab>(), merges)
+            .vocab_and_merges(
+                vocab
+                    .iter()
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect::<tokenizers::models::bpe::Vocab>(),
+                merges,
+            )
             .byte_fallback(true)
             .build()
             .map_err(|e| meta_err(format!("BPE: {e}")))?;
@@ -404,7 +426,12 @@ impl Tokenizer {
         Ok(out)
     }
 
-    pub fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<TokenId>> {
+    pub fn encode(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<TokenId>> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && self.add_bos {
             if let Some(bos) = self.bos {

@@ -3,7 +3,9 @@
 
 mod common;
 use common::*;
-use llama_cpp_ex_engine::{Batch, Context, ContextParams, Model, Requantize, Sampler, SamplerParams};
+use llama_cpp_ex_engine::{
+    Batch, Context, ContextParams, Model, Requantize, Sampler, SamplerParams,
+};
 use std::sync::Arc;
 
 const THRESHOLDS: [f64; 5] = [0.0, 0.1, 0.25, 0.5, 1.0];
@@ -42,7 +44,10 @@ pub fn teacher_forced(model: &Arc<Model>, fixture_name: &str) -> Vec<(f64, usize
     for case in fx["cases"].as_array().unwrap() {
         let prompt = ids(&case["prompt_ids"]);
         let steps = case["steps"].as_array().unwrap();
-        let generated: Vec<u32> = steps.iter().map(|s| s["id"].as_u64().unwrap() as u32).collect();
+        let generated: Vec<u32> = steps
+            .iter()
+            .map(|s| s["id"].as_u64().unwrap() as u32)
+            .collect();
         let mut all = prompt.clone();
         all.extend_from_slice(&generated);
         let mut c = ctx(model, 1024, 1);
@@ -60,7 +65,8 @@ pub fn teacher_forced(model: &Arc<Model>, fixture_name: &str) -> Vec<(f64, usize
             let ours = argmax(row);
             let expected = step["id"].as_u64().unwrap() as u32;
             let lps = llama_cpp_ex_engine::sampler::log_softmax(row);
-            max_lp_diff = max_lp_diff.max((lps[expected as usize] as f64 - step["logprob"].as_f64().unwrap()).abs());
+            max_lp_diff = max_lp_diff
+                .max((lps[expected as usize] as f64 - step["logprob"].as_f64().unwrap()).abs());
             for (i, &th) in THRESHOLDS.iter().enumerate() {
                 if margin >= th {
                     total[i] += 1;
@@ -90,7 +96,10 @@ fn smollm2_greedy_parity_native_types() {
     let model = load(SMOLLM2, Requantize::Off);
     let rates = teacher_forced(&model, "greedy_SmolLM2-135M-Instruct.Q4_1.json");
     report("SmolLM2 (file types)", &rates);
-    let at = THRESHOLDS.iter().position(|&t| t == REQUIRED_MARGIN).unwrap();
+    let at = THRESHOLDS
+        .iter()
+        .position(|&t| t == REQUIRED_MARGIN)
+        .unwrap();
     assert!(
         rates[at].0 >= REQUIRED_AGREEMENT,
         "agreement {:.4} below {REQUIRED_AGREEMENT}",
@@ -103,8 +112,15 @@ fn smollm2_greedy_parity_requantized_q8_0() {
     let model = load(SMOLLM2, Requantize::Q8_0);
     let rates = teacher_forced(&model, "greedy_SmolLM2-135M-Instruct.Q4_1.json");
     report("SmolLM2 (re-quantized to Q8_0)", &rates);
-    let at = THRESHOLDS.iter().position(|&t| t == REQUIRED_MARGIN).unwrap();
-    assert!(rates[at].0 >= 0.95, "re-quantized agreement collapsed: {:.4}", rates[at].0);
+    let at = THRESHOLDS
+        .iter()
+        .position(|&t| t == REQUIRED_MARGIN)
+        .unwrap();
+    assert!(
+        rates[at].0 >= 0.95,
+        "re-quantized agreement collapsed: {:.4}",
+        rates[at].0
+    );
 }
 
 #[test]
@@ -122,18 +138,30 @@ fn free_running_greedy_matches_the_fixture_start() {
 
 fn rel_close(a: &[f32], b: &[f32]) -> f32 {
     let scale = a.iter().map(|v| v.abs()).fold(1.0f32, f32::max);
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max) / scale
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+        / scale
 }
 
 #[test]
 fn batch_invariance_across_sequences_and_positions() {
     let model = load(SMOLLM2, Requantize::Q8_0);
     let tok = &model.tokenizer;
-    let target = tok.encode("The quick brown fox jumps over the lazy dog", true, true).unwrap();
+    let target = tok
+        .encode("The quick brown fox jumps over the lazy dog", true, true)
+        .unwrap();
     let others = [
-        tok.encode("Once upon a time, in a land far away, there lived", true, true).unwrap(),
+        tok.encode(
+            "Once upon a time, in a land far away, there lived",
+            true,
+            true,
+        )
+        .unwrap(),
         tok.encode("def fib(n):\n    return", true, true).unwrap(),
-        tok.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13", true, true).unwrap(),
+        tok.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13", true, true)
+            .unwrap(),
     ];
 
     // Alone: the target's prompt in one forward, logits for every token.
@@ -143,14 +171,18 @@ fn batch_invariance_across_sequences_and_positions() {
         b.push(t, i, 0, true);
     }
     alone.decode(&b).unwrap();
-    let alone_rows: Vec<Vec<f32>> = (0..target.len()).map(|i| alone.logits_ith(i as i64).unwrap().to_vec()).collect();
+    let alone_rows: Vec<Vec<f32>> = (0..target.len())
+        .map(|i| alone.logits_ith(i as i64).unwrap().to_vec())
+        .collect();
 
     // Together: the other sequences first get caches of different lengths, then one forward
     // mixes decode tokens, a chunk of prefill, and the target's whole prompt interleaved.
     let mut mixed = ctx(&model, 512, 4);
     for (s, o) in others.iter().enumerate() {
         let n = o.len() - 1 - s;
-        mixed.decode(&Batch::for_sequence(&o[..n], 0, s + 1)).unwrap();
+        mixed
+            .decode(&Batch::for_sequence(&o[..n], 0, s + 1))
+            .unwrap();
     }
     let mut b = Batch::with_capacity(64);
     let mut target_idx = Vec::new();
@@ -194,8 +226,16 @@ fn batch_invariance_across_sequences_and_positions() {
 fn shared_prefix_gives_the_same_logits_as_recomputing() {
     let model = load(SMOLLM2, Requantize::Q8_0);
     let tok = &model.tokenizer;
-    let prefix = tok.encode("You are a helpful assistant. Answer briefly and precisely, please.", true, true).unwrap();
-    let suffix = tok.encode(" What is the capital of France?", false, true).unwrap();
+    let prefix = tok
+        .encode(
+            "You are a helpful assistant. Answer briefly and precisely, please.",
+            true,
+            true,
+        )
+        .unwrap();
+    let suffix = tok
+        .encode(" What is the capital of France?", false, true)
+        .unwrap();
     let mut full = prefix.clone();
     full.extend_from_slice(&suffix);
 
@@ -206,8 +246,13 @@ fn shared_prefix_gives_the_same_logits_as_recomputing() {
 
     // seq 1 reuses seq 0's first prefix.len() positions without evaluating them.
     c.kv.seq_share_prefix(0, 1, prefix.len()).unwrap();
-    assert_eq!(c.kv_usage().used[0], used_before, "sharing allocates nothing");
-    c.decode(&Batch::for_sequence(&suffix, prefix.len(), 1)).unwrap();
+    assert_eq!(
+        c.kv_usage().used[0],
+        used_before,
+        "sharing allocates nothing"
+    );
+    c.decode(&Batch::for_sequence(&suffix, prefix.len(), 1))
+        .unwrap();
     let shared = c.logits_ith(-1).unwrap().to_vec();
     assert!(rel_close(&reference, &shared) <= 1e-3);
     c.kv.audit().unwrap();
@@ -220,7 +265,15 @@ fn kv_exhaustion_is_an_error_not_a_crash() {
     let model = load(SMOLLM2, Requantize::Q8_0);
     let mut c = ctx(&model, 32, 1);
     let tokens: Vec<u32> = (0..40).map(|i| 100 + i).collect();
-    let mut c2 = Context::new(model.clone(), ContextParams { n_ctx: 32, n_batch: 64, ..Default::default() }).unwrap();
+    let mut c2 = Context::new(
+        model.clone(),
+        ContextParams {
+            n_ctx: 32,
+            n_batch: 64,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let err = c2.decode(&Batch::for_sequence(&tokens[..40], 0, 0));
     // 32 tokens + one spare block fit 48 positions, so 40 fit: now overflow on purpose.
     assert!(err.is_ok());

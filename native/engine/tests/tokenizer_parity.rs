@@ -7,7 +7,10 @@ use common::*;
 fn check(file: &str) {
     let model = load_vocab(file);
     let tok = &model.tokenizer;
-    let fx = fixture(&format!("tokenizer_{}.json", file.trim_end_matches(".gguf")));
+    let fx = fixture(&format!(
+        "tokenizer_{}.json",
+        file.trim_end_matches(".gguf")
+    ));
     let mut failures = Vec::new();
     let mut checked = 0;
     for case in fx["cases"].as_array().unwrap() {
@@ -29,7 +32,10 @@ fn check(file: &str) {
             .unwrap();
         let expected = case["detok_of_parse_special_false_ids"].as_str().unwrap();
         if String::from_utf8_lossy(&detok) != expected {
-            failures.push(format!("{name}: detokenize gave {:?}", String::from_utf8_lossy(&detok)));
+            failures.push(format!(
+                "{name}: detokenize gave {:?}",
+                String::from_utf8_lossy(&detok)
+            ));
         }
         if case["roundtrip_plain_exact"].as_bool() == Some(true) && detok != text.as_bytes() {
             failures.push(format!("{name}: round trip differs"));
@@ -38,7 +44,9 @@ fn check(file: &str) {
             let id = piece["id"].as_u64().unwrap() as u32;
             let bytes: Vec<u8> = match &piece["piece"] {
                 serde_json::Value::String(s) => s.as_bytes().to_vec(),
-                serde_json::Value::Array(a) => a.iter().map(|b| b.as_u64().unwrap() as u8).collect(),
+                serde_json::Value::Array(a) => {
+                    a.iter().map(|b| b.as_u64().unwrap() as u8).collect()
+                }
                 other => panic!("bad piece {other}"),
             };
             if tok.token_to_piece(id).unwrap() != bytes.as_slice() {
@@ -46,7 +54,10 @@ fn check(file: &str) {
             }
         }
     }
-    println!("{file}: {checked} encodings checked, {} failures", failures.len());
+    println!(
+        "{file}: {checked} encodings checked, {} failures",
+        failures.len()
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

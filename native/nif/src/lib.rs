@@ -171,7 +171,11 @@ fn cancel_requested(flag: ResourceArc<CancelFlag>) -> bool {
 fn model_load<'a>(env: Env<'a>, path: String, requantize: bool, vocab_only: bool) -> Term<'a> {
     let r = guard(|| {
         let opts = LoadOptions {
-            requantize: if requantize { Requantize::Q8_0 } else { Requantize::Off },
+            requantize: if requantize {
+                Requantize::Q8_0
+            } else {
+                Requantize::Off
+            },
             vocab_only,
         };
         let model = Model::load(Path::new(&path), &opts).map_err(|e| match e {
@@ -263,8 +267,9 @@ fn tokenize<'a>(
     parse_special: bool,
 ) -> Term<'a> {
     let r = guard(|| {
-        let text = std::str::from_utf8(text.as_slice())
-            .map_err(|e| NifError::Message(format!("tokenize failed: text is not valid UTF-8 ({e})")))?;
+        let text = std::str::from_utf8(text.as_slice()).map_err(|e| {
+            NifError::Message(format!("tokenize failed: text is not valid UTF-8 ({e})"))
+        })?;
         Ok(m.model.tokenizer.encode(text, add_special, parse_special)?)
     });
     ok_or_error(env, r)
@@ -358,7 +363,13 @@ fn memory_clear(c: ResourceArc<ContextRes>) -> Atom {
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
-fn memory_seq_rm<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, seq: i64, p0: i64, p1: i64) -> Term<'a> {
+fn memory_seq_rm<'a>(
+    env: Env<'a>,
+    c: ResourceArc<ContextRes>,
+    seq: i64,
+    p0: i64,
+    p1: i64,
+) -> Term<'a> {
     let r = guard(|| {
         let mut ctx = lock(&c.ctx);
         let s = ctx.kv.check_seq(seq)?;
@@ -370,13 +381,22 @@ fn memory_seq_rm<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, seq: i64, p0: i64
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
-fn memory_seq_cp<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, src: i64, dst: i64, p0: i64, p1: i64) -> Term<'a> {
+fn memory_seq_cp<'a>(
+    env: Env<'a>,
+    c: ResourceArc<ContextRes>,
+    src: i64,
+    dst: i64,
+    p0: i64,
+    p1: i64,
+) -> Term<'a> {
     let r = guard(|| {
         let mut ctx = lock(&c.ctx);
         let s = ctx.kv.check_seq(src)?;
         let d = ctx.kv.check_seq(dst)?;
         if p0 > 0 {
-            return Err(NifError::Message("only prefixes (p0 = 0) can be shared".into()));
+            return Err(NifError::Message(
+                "only prefixes (p0 = 0) can be shared".into(),
+            ));
         }
         let n = if p1 < 0 { usize::MAX } else { p1 as usize };
         ctx.kv.seq_share_prefix(s, d, n)?;
@@ -428,7 +448,11 @@ fn decode<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, tokens: Vec<i64>) -> Ter
 
 /// Evaluates `[{token, pos, seq, logits?}]` in one batch.
 #[rustler::nif(schedule = "DirtyCpu")]
-fn batch_eval<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, entries: Vec<(i64, i64, i64, bool)>) -> Term<'a> {
+fn batch_eval<'a>(
+    env: Env<'a>,
+    c: ResourceArc<ContextRes>,
+    entries: Vec<(i64, i64, i64, bool)>,
+) -> Term<'a> {
     let r = guard(|| {
         let mut ctx = lock(&c.ctx);
         let mut batch = Batch::with_capacity(entries.len());
@@ -513,7 +537,12 @@ fn sampler_accept<'a>(env: Env<'a>, s: ResourceArc<SamplerRes>, token: i64) -> T
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
-fn sampler_sample_at<'a>(env: Env<'a>, s: ResourceArc<SamplerRes>, c: ResourceArc<ContextRes>, idx: i64) -> Term<'a> {
+fn sampler_sample_at<'a>(
+    env: Env<'a>,
+    s: ResourceArc<SamplerRes>,
+    c: ResourceArc<ContextRes>,
+    idx: i64,
+) -> Term<'a> {
     let r = guard(|| {
         let ctx = lock(&c.ctx);
         let logits = ctx.logits_ith(idx)?;
@@ -540,10 +569,20 @@ fn generate_loop(
     }
     let prompt = tokens_of(&ctx.model, prompt)?;
     let model = ctx.model.clone();
-    let r = ctx.generate(sampler, &prompt, max_tokens as usize, Some(cancel), |t, eog| {
-        let piece = if eog { &[][..] } else { model.tokenizer.token_to_piece(t).unwrap_or(&[]) };
-        emit(t, piece, eog)
-    })?;
+    let r = ctx.generate(
+        sampler,
+        &prompt,
+        max_tokens as usize,
+        Some(cancel),
+        |t, eog| {
+            let piece = if eog {
+                &[][..]
+            } else {
+                model.tokenizer.token_to_piece(t).unwrap_or(&[])
+            };
+            emit(t, piece, eog)
+        },
+    )?;
     Ok(r)
 }
 
@@ -560,10 +599,17 @@ fn generate<'a>(
         let mut ctx = lock(&c.ctx);
         let mut sampler = lock(&s.sampler);
         let mut text = Vec::new();
-        generate_loop(&mut ctx, &mut sampler, &prompt, max_tokens, &cancel.flag, |_, piece, _| {
-            text.extend_from_slice(piece);
-            true
-        })?;
+        generate_loop(
+            &mut ctx,
+            &mut sampler,
+            &prompt,
+            max_tokens,
+            &cancel.flag,
+            |_, piece, _| {
+                text.extend_from_slice(piece);
+                true
+            },
+        )?;
         Ok(text)
     });
     match r {
@@ -589,13 +635,20 @@ fn generate_tokens<'a>(
     let r = guard(|| {
         let mut ctx = lock(&c.ctx);
         let mut sampler = lock(&s.sampler);
-        generate_loop(&mut ctx, &mut sampler, &prompt, max_tokens, &cancel.flag, |t, piece, eog| {
-            if eog || cancel.flag.load(Ordering::Relaxed) {
-                return true;
-            }
-            let msg = (reference, (atoms::token(), t, binary(env, piece)));
-            env.send(&pid, msg).is_ok()
-        })
+        generate_loop(
+            &mut ctx,
+            &mut sampler,
+            &prompt,
+            max_tokens,
+            &cancel.flag,
+            |t, piece, eog| {
+                if eog || cancel.flag.load(Ordering::Relaxed) {
+                    return true;
+                }
+                let msg = (reference, (atoms::token(), t, binary(env, piece)));
+                env.send(&pid, msg).is_ok()
+            },
+        )
     });
     let n = r.as_ref().map(|(t, _)| t.len()).unwrap_or(0);
     if cancel.flag.load(Ordering::Relaxed) {

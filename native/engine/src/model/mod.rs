@@ -76,7 +76,9 @@ impl Config {
         let bounded = |k: &str, max: u64| -> Result<usize> {
             let v = g.require_u64(&key(k))?;
             if v == 0 || v > max {
-                return Err(EngineError::InvalidGguf(format!("implausible {arch}.{k} = {v}")));
+                return Err(EngineError::InvalidGguf(format!(
+                    "implausible {arch}.{k} = {v}"
+                )));
             }
             Ok(v as usize)
         };
@@ -99,16 +101,25 @@ impl Config {
         let n_ff = bounded("feed_forward_length", MAX_EMBD * 16)?;
         let n_rot = match g.get_u64(&key("rope.dimension_count")) {
             Some(v) if v as usize <= head_dim && v % 2 == 0 && v > 0 => v as usize,
-            Some(v) => return Err(EngineError::InvalidGguf(format!("bad rope.dimension_count {v}"))),
+            Some(v) => {
+                return Err(EngineError::InvalidGguf(format!(
+                    "bad rope.dimension_count {v}"
+                )))
+            }
             None => head_dim,
         };
         let rope_base = g.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0) as f32;
         let eps = g
             .get_f64(&key("attention.layer_norm_rms_epsilon"))
             .unwrap_or(1e-5) as f32;
-        let n_ctx_train = g.get_u64(&key("context_length")).unwrap_or(4096).min(1 << 24) as usize;
+        let n_ctx_train = g
+            .get_u64(&key("context_length"))
+            .unwrap_or(4096)
+            .min(1 << 24) as usize;
         if !(rope_base.is_finite() && rope_base > 0.0 && eps.is_finite() && eps >= 0.0) {
-            return Err(EngineError::InvalidGguf("bad rope base or norm epsilon".into()));
+            return Err(EngineError::InvalidGguf(
+                "bad rope base or norm epsilon".into(),
+            ));
         }
         Ok(Config {
             arch,
@@ -151,8 +162,11 @@ impl TensorLoader<'_> {
             )));
         }
         let t = self.gguf.qtensor(name, &Device::Cpu)?;
-        let scalar_only = matches!(info.dtype, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1);
-        if self.requantize == Requantize::Q8_0 && scalar_only && cols % 32 == 0 {
+        let scalar_only = matches!(
+            info.dtype,
+            GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
+        );
+        if self.requantize == Requantize::Q8_0 && scalar_only && cols.is_multiple_of(32) {
             let f = t.dequantize(&Device::Cpu)?;
             return Ok(QTensor::quantize(&f, GgmlDType::Q8_0)?);
         }
@@ -209,7 +223,7 @@ impl Model {
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self> {
         let gguf = GgufFile::open(path)?;
         let arch_name = gguf.get_str("general.architecture").unwrap_or("");
-        if !SUPPORTED_ARCHITECTURES.contains(&arch_name) {
+        if !opts.vocab_only && !SUPPORTED_ARCHITECTURES.contains(&arch_name) {
             return Err(EngineError::UnsupportedArchitecture(arch_name.to_string()));
         }
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
@@ -236,7 +250,10 @@ impl Model {
             .get_str("general.size_label")
             .map(str::to_owned)
             .unwrap_or_else(|| format!("{:.0}M", n_params as f64 / 1e6));
-        let ftype = gguf.get_u64("general.file_type").map(ftype_name).unwrap_or("?");
+        let ftype = gguf
+            .get_u64("general.file_type")
+            .map(ftype_name)
+            .unwrap_or("?");
         let desc = format!("{} {} {}", config.arch, size_label, ftype);
         let chat_template = gguf.get_str("tokenizer.chat_template").map(str::to_owned);
         let mut metadata: Vec<(String, String)> = gguf

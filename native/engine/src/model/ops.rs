@@ -72,7 +72,11 @@ impl Rope {
         let s = &self.sin[t * self.half..(t + 1) * self.half];
         for head in x.chunks_exact_mut(head_dim) {
             for i in 0..self.half {
-                let (a, b) = if neox { (i, i + self.half) } else { (2 * i, 2 * i + 1) };
+                let (a, b) = if neox {
+                    (i, i + self.half)
+                } else {
+                    (2 * i, 2 * i + 1)
+                };
                 let (x0, x1) = (head[a], head[b]);
                 head[a] = x0 * c[i] - x1 * s[i];
                 head[b] = x0 * s[i] + x1 * c[i];

@@ -11,7 +11,9 @@ pub const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
 
 pub fn models_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("LLAMA_CPP_EX_MODELS").or_else(|| std::env::var_os("LLAMA_CACHE_DIR")) {
+    if let Some(d) =
+        std::env::var_os("LLAMA_CPP_EX_MODELS").or_else(|| std::env::var_os("LLAMA_CACHE_DIR"))
+    {
         return PathBuf::from(d);
     }
     let home = std::env::var_os("HOME").expect("HOME is set");

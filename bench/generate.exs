@@ -1,0 +1,124 @@
+# Single-stream speed: load time, prompt processing (pp128, pp512) and decode (tg128).
+#
+#   LLAMA_MODEL_PATH=path/to/model.gguf [LLAMA_THREADS=2] [LLAMA_CPP_BIN=/path/to/llama.cpp/bin] \
+#     mix run bench/generate.exs
+#
+# Prompt processing evaluates N tokens in one batch; decode evaluates 128 tokens one at a time
+# after a one-token prompt (llama-bench's pp/tg definitions). With LLAMA_CPP_BIN set, runs
+# `llama-bench -t N -p 128,512 -n 128` on the same file and prints our/their ratios.
+
+alias LlamaCppEx.{Context, Model, NIF}
+
+defmodule Bench.Generate do
+  @reps 3
+
+  def median(xs), do: xs |> Enum.sort() |> Enum.at(div(length(xs), 2))
+
+  def time_ms(fun) do
+    {us, _} = :timer.tc(fun)
+    us / 1000
+  end
+
+  def prompt_tps(model, n, threads) do
+    vocab = LlamaCppEx.Tokenizer.vocab_size(model)
+    tokens = Enum.map(1..n, &(rem(&1 * 7919 + 13, vocab - 100) + 50))
+    {:ok, ctx} = Context.create(model, n_ctx: n + 16, n_batch: n, n_threads: threads)
+    # warm-up
+    :ok = Context.decode(ctx, Enum.take(tokens, 8))
+
+    times =
+      for _ <- 1..@reps do
+        Context.clear(ctx)
+        time_ms(fn -> :ok = Context.decode(ctx, tokens) end)
+      end
+
+    n / (median(times) / 1000)
+  end
+
+  def decode_tps(model, n, threads) do
+    {:ok, ctx} = Context.create(model, n_ctx: n + 16, n_threads: threads)
+
+    times =
+      for _ <- 1..@reps do
+        Context.clear(ctx)
+        :ok = Context.decode(ctx, [1])
+        time_ms(fn -> for i <- 1..n, do: :ok = NIF.decode(ctx.ref, [rem(i * 31, 1000) + 100]) end)
+      end
+
+    n / (median(times) / 1000)
+  end
+
+  def llama_bench(bin, path, threads) do
+    exe = Path.join(bin, "llama-bench")
+
+    if File.exists?(exe) do
+      {out, 0} =
+        System.cmd(
+          exe,
+          ["-m", path, "-t", "#{threads}", "-p", "128,512", "-n", "128", "-o", "csv"],
+          stderr_to_stdout: false
+        )
+
+      [header | rows] = out |> String.split("\n", trim: true) |> Enum.map(&parse_csv/1)
+      idx = fn name -> Enum.find_index(header, &(&1 == name)) end
+
+      Map.new(rows, fn row ->
+        p = String.to_integer(Enum.at(row, idx.("n_prompt")))
+        g = String.to_integer(Enum.at(row, idx.("n_gen")))
+        ts = row |> Enum.at(idx.("avg_ts")) |> Float.parse() |> elem(0)
+        {if(g > 0, do: "tg#{g}", else: "pp#{p}"), ts}
+      end)
+    end
+  end
+
+  defp parse_csv(line) do
+    line |> String.split(",") |> Enum.map(&String.trim(&1, "\""))
+  end
+end
+
+path =
+  System.get_env("LLAMA_MODEL_PATH") ||
+    Path.join(
+      Path.join(System.user_home!(), ".cache/llama_cpp_ex/models"),
+      "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+
+threads = String.to_integer(System.get_env("LLAMA_THREADS") || "#{System.schedulers_online()}")
+requantize = System.get_env("LLAMA_REQUANTIZE", "1") != "0"
+
+{load_us, {:ok, model}} = :timer.tc(fn -> LlamaCppEx.load_model(path, requantize: requantize) end)
+
+ours = %{
+  "pp128" => Bench.Generate.prompt_tps(model, 128, threads),
+  "pp512" => Bench.Generate.prompt_tps(model, 512, threads),
+  "tg128" => Bench.Generate.decode_tps(model, 128, threads)
+}
+
+IO.puts(
+  "model: #{Model.desc(model)} (#{Path.basename(path)}), threads: #{threads}, requantize: #{requantize}"
+)
+
+IO.puts("load: #{Float.round(load_us / 1000, 1)} ms")
+
+theirs =
+  case System.get_env("LLAMA_CPP_BIN") do
+    nil -> nil
+    bin -> Bench.Generate.llama_bench(bin, path, threads)
+  end
+
+IO.puts("\n| test  | LlamaCppEx tok/s | llama.cpp tok/s | ratio |")
+IO.puts("|-------|-----------------:|----------------:|------:|")
+
+for test <- ["pp128", "pp512", "tg128"] do
+  ours_v = ours[test]
+  theirs_v = theirs && theirs[test]
+
+  {t, r} =
+    if theirs_v,
+      do:
+        {:erlang.float_to_binary(theirs_v, decimals: 1),
+         :erlang.float_to_binary(ours_v / theirs_v, decimals: 2)},
+      else: {"-", "-"}
+
+  IO.puts("| #{test} | #{:erlang.float_to_binary(ours_v, decimals: 1)} | #{t} | #{r} |")
+end
