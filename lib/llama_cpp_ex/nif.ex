@@ -72,5 +72,9 @@ defmodule LlamaCppEx.NIF do
 
   def generate(_ctx, _sampler, _prompt, _max_tokens, _cancel), do: err()
 
+  def engine_start(_ctx), do: err()
+  def engine_submit(_engine, _pid, _ref, _ops, _entries, _samplers, _purgeable), do: err()
+  def engine_stop(_engine), do: err()
+
   def generate_tokens(_ctx, _sampler, _prompt, _max_tokens, _pid, _ref, _cancel), do: err()
 end

@@ -277,3 +277,104 @@ impl Context {
         self.kv.usage()
     }
 }
+
+/// One sequence's outcome in [`Context::eval_sample`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub seq: usize,
+    pub token: TokenId,
+    pub is_eog: bool,
+}
+
+/// Result of a batched evaluate-and-sample step.
+#[derive(Debug, Clone, Default)]
+pub struct EvalOutcome {
+    pub sampled: Vec<Sampled>,
+    /// Idle sequences whose cache was dropped to make room.
+    pub purged: Vec<usize>,
+    /// How many times the batch had to be re-planned under KV pressure.
+    pub n_splits: usize,
+    /// Sequences that could not get KV blocks even after purging; their entries were dropped.
+    pub failed: Vec<usize>,
+}
+
+impl Context {
+    /// Blocks a batch needs beyond what its sequences hold (a conservative count: shared
+    /// blocks that would be copied count as needed).
+    fn can_reserve(&mut self, batch: &Batch) -> std::result::Result<(), usize> {
+        let mut ranges: Vec<(usize, usize, usize)> = Vec::new();
+        for i in 0..batch.len() {
+            let s = batch.seq[i];
+            match ranges.iter_mut().find(|r| r.0 == s) {
+                Some(r) => r.2 = batch.pos[i] + 1,
+                None => ranges.push((s, batch.pos[i], batch.pos[i] + 1)),
+            }
+        }
+        let before: Vec<(usize, usize)> = ranges.iter().map(|r| (r.0, self.kv.seq_len(r.0))).collect();
+        for &(s, from, to) in &ranges {
+            if self.kv.reserve(s, from, to).is_err() {
+                for &(s2, _) in &before {
+                    self.kv.release_unused(s2);
+                }
+                return Err(s);
+            }
+        }
+        Ok(())
+    }
+
+    /// Evaluates a batch and samples one token for every entry with its logits flag set, with
+    /// that entry's sequence's sampler. Under KV pressure, drops the caches of `purgeable`
+    /// sequences (in order) first, then fails the sequences that still do not fit and evaluates
+    /// the rest, so one request outgrowing the cache does not fail the others.
+    pub fn eval_sample(
+        &mut self,
+        batch: &Batch,
+        samplers: &mut [(usize, &mut Sampler)],
+        purgeable: &[usize],
+    ) -> Result<EvalOutcome> {
+        self.validate(batch)?;
+        let mut outcome = EvalOutcome::default();
+        let mut purge = purgeable.iter().copied().filter(|s| !batch.seq.contains(s));
+        let mut batch = batch.clone();
+        loop {
+            if batch.is_empty() {
+                return Ok(outcome);
+            }
+            match self.can_reserve(&batch) {
+                Ok(()) => break,
+                Err(seq) => {
+                    outcome.n_splits += 1;
+                    if let Some(p) = purge.next() {
+                        self.kv.seq_clear(p);
+                        outcome.purged.push(p);
+                        continue;
+                    }
+                    outcome.failed.push(seq);
+                    let keep: Vec<usize> = (0..batch.len()).filter(|&i| batch.seq[i] != seq).collect();
+                    batch = Batch {
+                        tokens: keep.iter().map(|&i| batch.tokens[i]).collect(),
+                        pos: keep.iter().map(|&i| batch.pos[i]).collect(),
+                        seq: keep.iter().map(|&i| batch.seq[i]).collect(),
+                        logits: keep.iter().map(|&i| batch.logits[i]).collect(),
+                    };
+                }
+            }
+        }
+        // Blocks are reserved for the whole batch; decode re-checks them cheaply.
+        self.decode(&batch)?;
+        for (i, (&seq, &want)) in batch.seq.iter().zip(&batch.logits).enumerate() {
+            if !want {
+                continue;
+            }
+            if let Some((_, sampler)) = samplers.iter_mut().find(|(s, _)| *s == seq) {
+                let token = sampler.sample(self.logits_ith(i as i64)?);
+                outcome.sampled.push(Sampled {
+                    seq,
+                    token,
+                    is_eog: self.model.tokenizer.is_eog(token),
+                });
+            }
+        }
+        Ok(outcome)
+    }
+}

@@ -9,6 +9,8 @@ use llama_cpp_ex_engine::{
     Batch, Context, ContextParams, EngineError, LoadOptions, Model, Requantize, Sampler,
     SamplerParams,
 };
+use crossbeam_channel::{unbounded, Sender};
+use rustler::env::{OwnedEnv, SavedTerm};
 use rustler::{Atom, Binary, Encoder, Env, LocalPid, NifResult, OwnedBinary, ResourceArc, Term};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
@@ -28,6 +30,9 @@ mod atoms {
         context_full,
         f16,
         f32,
+        trim,
+        share,
+        clear,
     }
 }
 
@@ -50,6 +55,31 @@ pub struct CancelFlag {
     flag: AtomicBool,
 }
 
+/// A worker thread that owns forward passes for one context, so the calling process (the
+/// Server) never blocks on one: jobs arrive over a channel, results return as messages.
+pub struct EngineRes {
+    tx: Mutex<Option<Sender<Job>>>,
+}
+
+struct Job {
+    pid: LocalPid,
+    env: OwnedEnv,
+    reference: SavedTerm,
+    ops: Vec<KvOp>,
+    batch: Batch,
+    samplers: Vec<(usize, ResourceArc<SamplerRes>)>,
+    purgeable: Vec<usize>,
+}
+
+/// Cache edits applied, in order, before a job's batch.
+enum KvOp {
+    /// Drop positions `>= p0` (a refusal clears the sequence).
+    Trim(usize, usize),
+    /// Make `dst` share the first `n` positions of `src`.
+    Share(usize, usize, usize),
+    Clear(usize),
+}
+
 #[rustler::resource_impl]
 impl rustler::Resource for ModelRes {}
 #[rustler::resource_impl]
@@ -58,6 +88,8 @@ impl rustler::Resource for ContextRes {}
 impl rustler::Resource for SamplerRes {}
 #[rustler::resource_impl]
 impl rustler::Resource for CancelFlag {}
+#[rustler::resource_impl]
+impl rustler::Resource for EngineRes {}
 
 /// The single error type of this layer; encoded as `{:error, reason}`.
 enum NifError {
@@ -549,6 +581,162 @@ fn sampler_sample_at<'a>(
         Ok(lock(&s.sampler).sample(logits))
     });
     ok_or_error(env, r)
+}
+
+// ---------------------------------------------------------------- engine thread
+
+type EvalReply = (Vec<(usize, u32, Vec<u8>, bool)>, Vec<usize>, usize, Vec<usize>, u64);
+
+fn run_job(ctx: &ContextRes, job: &Job) -> NifOut<EvalReply> {
+    guard(|| {
+        let started = std::time::Instant::now();
+        let mut guards: Vec<(usize, MutexGuard<'_, Sampler>)> = job
+            .samplers
+            .iter()
+            .map(|(seq, s)| (*seq, lock(&s.sampler)))
+            .collect();
+        let mut refs: Vec<(usize, &mut Sampler)> =
+            guards.iter_mut().map(|(seq, g)| (*seq, &mut **g)).collect();
+        let mut c = lock(&ctx.ctx);
+        for op in &job.ops {
+            match *op {
+                KvOp::Trim(seq, p0) => {
+                    let seq = c.kv.check_seq(seq as i64)?;
+                    if !c.kv.seq_rm(seq, p0, None)? {
+                        c.kv.seq_clear(seq);
+                    }
+                }
+                KvOp::Share(src, dst, n) => {
+                    let src = c.kv.check_seq(src as i64)?;
+                    let dst = c.kv.check_seq(dst as i64)?;
+                    c.kv.seq_share_prefix(src, dst, n)?;
+                }
+                KvOp::Clear(seq) => {
+                    let seq = c.kv.check_seq(seq as i64)?;
+                    c.kv.seq_clear(seq);
+                }
+            }
+        }
+        let outcome = c.eval_sample(&job.batch, &mut refs, &job.purgeable)?;
+        let tok = &c.model.tokenizer;
+        let sampled = outcome
+            .sampled
+            .iter()
+            .map(|s| {
+                let piece = tok.token_to_piece(s.token).map(<[u8]>::to_vec).unwrap_or_default();
+                (s.seq, s.token, piece, s.is_eog)
+            })
+            .collect();
+        let eval_us = started.elapsed().as_micros() as u64;
+        Ok((sampled, outcome.purged, outcome.n_splits, outcome.failed, eval_us))
+    })
+}
+
+#[rustler::nif]
+fn engine_start(c: ResourceArc<ContextRes>) -> NifResult<ResourceArc<EngineRes>> {
+    let (tx, rx) = unbounded::<Job>();
+    std::thread::Builder::new()
+        .name("llama_cpp_ex-engine".into())
+        .spawn(move || {
+            for mut job in rx {
+                let reply = run_job(&c, &job);
+                let reference = job.reference;
+                let _ = job.env.send_and_clear(&job.pid, |env| {
+                    let r = reference.load(env);
+                    match reply {
+                        Ok((sampled, purged, splits, failed, eval_us)) => {
+                            let sampled: Vec<Term> = sampled
+                                .iter()
+                                .map(|(seq, t, piece, eog)| (*seq, *t, binary(env, piece), *eog).encode(env))
+                                .collect();
+                            (r, (atoms::ok(), sampled, purged, splits, failed, eval_us)).encode(env)
+                        }
+                        Err(e) => (r, e).encode(env),
+                    }
+                });
+            }
+        })
+        .map_err(|e| rustler::Error::Term(Box::new(format!("cannot start engine thread: {e}"))))?;
+    Ok(ResourceArc::new(EngineRes {
+        tx: Mutex::new(Some(tx)),
+    }))
+}
+
+/// Queues `[{token, pos, seq, logits?}]` for evaluation with `[{seq, sampler}]`; the result
+/// arrives as `{ref, {:ok, [{seq, token, piece, eog?}], purged, n_splits, failed, eval_us}}`
+/// or `{ref, {:error, reason}}`.
+#[rustler::nif]
+fn engine_submit<'a>(
+    env: Env<'a>,
+    engine: ResourceArc<EngineRes>,
+    pid: LocalPid,
+    reference: Term<'a>,
+    ops: Vec<Term<'a>>,
+    entries: Vec<(i64, i64, i64, bool)>,
+    samplers: Vec<(i64, ResourceArc<SamplerRes>)>,
+    purgeable: Vec<i64>,
+) -> Term<'a> {
+    let r = guard(|| {
+        let ops = ops
+            .iter()
+            .map(|t| decode_op(*t))
+            .collect::<NifOut<Vec<KvOp>>>()?;
+        let mut batch = Batch::with_capacity(entries.len());
+        for &(t, p, s, l) in &entries {
+            let t = u32::try_from(t).map_err(|_| NifError::Message(format!("invalid token id {t}")))?;
+            batch.push(t, count(p, "position")?, count(s, "seq_id")?, l);
+        }
+        let samplers = samplers
+            .into_iter()
+            .map(|(s, r)| Ok((count(s, "seq_id")?, r)))
+            .collect::<NifOut<Vec<_>>>()?;
+        let purgeable = purgeable
+            .into_iter()
+            .map(|s| count(s, "seq_id"))
+            .collect::<NifOut<Vec<_>>>()?;
+        let owned = OwnedEnv::new();
+        let saved = owned.save(reference);
+        let job = Job {
+            pid,
+            env: owned,
+            reference: saved,
+            ops,
+            batch,
+            samplers,
+            purgeable,
+        };
+        let tx = lock(&engine.tx);
+        let tx = tx.as_ref().ok_or_else(|| NifError::Message("engine stopped".into()))?;
+        tx.send(job)
+            .map_err(|_| NifError::Message("engine thread is gone".into()))
+    });
+    unit_or_error(env, r)
+}
+
+fn decode_op(t: Term) -> NifOut<KvOp> {
+    let bad = || NifError::Message("invalid KV operation".into());
+    if let Ok((tag, seq, p0)) = t.decode::<(Atom, i64, i64)>() {
+        if tag == atoms::trim() {
+            return Ok(KvOp::Trim(count(seq, "seq_id")?, count(p0, "position")?));
+        }
+    }
+    if let Ok((tag, src, dst, n)) = t.decode::<(Atom, i64, i64, i64)>() {
+        if tag == atoms::share() {
+            return Ok(KvOp::Share(count(src, "seq_id")?, count(dst, "seq_id")?, count(n, "length")?));
+        }
+    }
+    if let Ok((tag, seq)) = t.decode::<(Atom, i64)>() {
+        if tag == atoms::clear() {
+            return Ok(KvOp::Clear(count(seq, "seq_id")?));
+        }
+    }
+    Err(bad())
+}
+
+#[rustler::nif]
+fn engine_stop(engine: ResourceArc<EngineRes>) -> Atom {
+    lock(&engine.tx).take();
+    atoms::ok()
 }
 
 // ---------------------------------------------------------------- generation
