@@ -1140,5 +1140,10 @@ defmodule LlamaCppEx.Server do
   defp demonitor(%Request{monitor_ref: nil}), do: :ok
   defp demonitor(%Request{monitor_ref: ref}), do: Process.demonitor(ref, [:flush])
 
-  defp now_ms, do: System.monotonic_time(:millisecond)
+  # Milliseconds since the VM started: monotonic and non-negative, so a never-used slot (0)
+  # always counts as least recently used.
+  defp now_ms do
+    start = System.convert_time_unit(:erlang.system_info(:start_time), :native, :millisecond)
+    System.monotonic_time(:millisecond) - start
+  end
 end
