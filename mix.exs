@@ -52,7 +52,7 @@ defmodule LlamaCppEx.MixProject do
 
   def application do
     [
-      extra_applications: [:logger],
+      extra_applications: [:logger, :crypto],
       mod: {LlamaCppEx.Application, []}
     ]
   end

@@ -19,7 +19,21 @@ defmodule LlamaCppEx do
   The public API is source-compatible with the `llama_cpp_ex` package (llama.cpp bindings).
   """
 
-  alias LlamaCppEx.{Context, Generator, Model, NIF, Options, Sampler, Tokenizer, UTF8Stream}
+  alias LlamaCppEx.{
+    Chat,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Context,
+    Generator,
+    Model,
+    NIF,
+    Options,
+    Sampler,
+    Server,
+    Thinking,
+    Tokenizer,
+    UTF8Stream
+  }
 
   @own_keys [:max_tokens, :n_ctx, :timeout, :grammar, :json_schema]
 
@@ -182,6 +196,305 @@ defmodule LlamaCppEx do
   defp stop_stream({:running, gen, _, _}), do: Generator.stop(gen)
   defp stop_stream({:done, gen}), do: Generator.stop(gen)
   defp stop_stream(_), do: :ok
+
+  @doc """
+  Applies the model's chat template to `messages` and generates a reply; see
+  `LlamaCppEx.Chat.apply_template/3` for messages and `generate/3` for options.
+  """
+  @spec chat(Model.t(), [Chat.message()], keyword()) :: {:ok, String.t()} | {:error, term()}
+  def chat(%Model{} = model, messages, opts \\ []) do
+    Options.validate!(opts, generation_option_keys() ++ Chat.option_keys(), "LlamaCppEx.chat/3")
+    {chat_opts, gen_opts} = Keyword.split(opts, Chat.option_keys())
+
+    with {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts) do
+      generate(model, prompt, gen_opts)
+    end
+  end
+
+  @doc "Like `chat/3`, streaming text chunks as `stream/3` does."
+  @spec stream_chat(Model.t(), [Chat.message()], keyword()) :: Enumerable.t()
+  def stream_chat(%Model{} = model, messages, opts \\ []) do
+    Options.validate!(
+      opts,
+      generation_option_keys() ++ Chat.option_keys(),
+      "LlamaCppEx.stream_chat/3"
+    )
+
+    {chat_opts, gen_opts} = Keyword.split(opts, Chat.option_keys())
+
+    case Chat.apply_template(model, messages, chat_opts) do
+      {:ok, prompt} -> stream(model, prompt, gen_opts)
+      {:error, reason} -> [{:error, reason}]
+    end
+  end
+
+  @server_chat_keys [
+    :max_tokens,
+    :timeout,
+    :add_assistant,
+    :chat_template_kwargs,
+    :enable_thinking,
+    :json_schema
+  ]
+
+  @doc """
+  An OpenAI-shaped chat completion (`%LlamaCppEx.ChatCompletion{}`) from a model or from a
+  `LlamaCppEx.Server` (pid or name).
+
+  On a model, tokens are collected from a linked generator with a per-token wait of
+  `:timeout` (default 60_000 ms; `{:error, :timeout}` past it). On a server, the request goes
+  through `LlamaCppEx.Server.complete_tokens/3` and `:timeout` bounds the call; per-request
+  server options (`:session`, `:cache_scope`, sampler keys) apply. `:enable_thinking`
+  (default `false` here) splits `<think>` blocks into `reasoning_content`.
+  """
+  @spec chat_completion(Model.t() | GenServer.server(), [Chat.message()], keyword()) ::
+          {:ok, ChatCompletion.t()} | {:error, term()}
+  def chat_completion(model_or_server, messages, opts \\ [])
+
+  def chat_completion(%Model{} = model, messages, opts) do
+    Options.validate!(
+      opts,
+      generation_option_keys() ++ Chat.option_keys(),
+      "LlamaCppEx.chat_completion/3"
+    )
+
+    check_grammar_opts!(opts)
+    opts = Keyword.put_new(opts, :enable_thinking, false)
+    {chat_opts, gen_opts} = Keyword.split(opts, Chat.option_keys())
+    timeout = Options.timeout(opts, :blocking)
+
+    with {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts),
+         {:ok, max_tokens} <- max_tokens(gen_opts),
+         {:ok, tokens} <- prompt_tokens(model, prompt),
+         {:ok, ctx, sampler} <- setup(model, tokens, max_tokens, gen_opts) do
+      {:ok, gen} =
+        Generator.start(fn {caller, ref, cancel} ->
+          NIF.generate_tokens(ctx.ref, sampler.ref, tokens, max_tokens, caller, ref, cancel)
+        end)
+
+      result = collect(gen, timeout, [], 0)
+      Generator.stop(gen)
+
+      with {:ok, text, n, reason} <- result do
+        {:ok, completion(model, text, length(tokens), n, reason, opts[:enable_thinking])}
+      end
+    end
+  end
+
+  def chat_completion(server, messages, opts) do
+    Options.validate!(
+      opts,
+      @server_chat_keys ++ Server.request_option_keys(),
+      "LlamaCppEx.chat_completion/3"
+    )
+
+    check_grammar_opts!(opts)
+    opts = Keyword.put_new(opts, :enable_thinking, false)
+    {chat_opts, req_opts} = Keyword.split(opts, Chat.option_keys())
+
+    with {:ok, model} <- Server.fetch_model(server),
+         {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts),
+         {:ok, tokens} <- prompt_tokens(model, prompt),
+         {:ok, %{text: text, completion_tokens: n, finish_reason: reason}} <-
+           server_complete(server, tokens, Keyword.delete(req_opts, :json_schema)) do
+      {:ok, completion(model, text, length(tokens), n, reason, opts[:enable_thinking])}
+    end
+  end
+
+  defp server_complete(server, tokens, opts) do
+    Server.complete_tokens(server, tokens, opts)
+  catch
+    :exit, {:timeout, _} ->
+      {:error, :timeout}
+
+    :exit, _ ->
+      {:error, :noproc}
+  end
+
+  defp collect(%{ref: ref} = gen, timeout, acc, n) do
+    receive do
+      {^ref, {:token, _id, piece}} -> collect(gen, timeout, [acc, piece], n + 1)
+      {^ref, :eog} -> {:ok, IO.iodata_to_binary(acc), n, :eog}
+      {^ref, :done} -> {:ok, IO.iodata_to_binary(acc), n, :max_tokens}
+      {^ref, {:error, reason}} -> {:error, reason}
+    after
+      timeout -> {:error, :timeout}
+    end
+  end
+
+  defp completion(model, text, n_prompt, n, reason, thinking?) do
+    {reasoning, content} = if thinking?, do: Thinking.parse(text), else: {"", text}
+
+    %ChatCompletion{
+      id: completion_id(),
+      object: "chat.completion",
+      created: System.os_time(:second),
+      model: Model.desc(model),
+      choices: [
+        %{
+          index: 0,
+          message: %{
+            role: "assistant",
+            content: content,
+            reasoning_content: if(reasoning == "", do: nil, else: reasoning)
+          },
+          finish_reason: finish_reason(reason)
+        }
+      ],
+      usage: %{prompt_tokens: n_prompt, completion_tokens: n, total_tokens: n_prompt + n}
+    }
+  end
+
+  defp finish_reason(:eog), do: "stop"
+  defp finish_reason(_), do: "length"
+
+  defp completion_id,
+    do: "chatcmpl-" <> Base.encode16(:crypto.strong_rand_bytes(12), case: :lower)
+
+  @doc """
+  Streams `%LlamaCppEx.ChatCompletionChunk{}`s from a model or a server: a role chunk, one
+  chunk per text piece (`delta: %{content: piece}`, or `%{reasoning_content: piece}` inside a
+  `<think>` block with `enable_thinking: true`), and a final chunk with `finish_reason`. Setup
+  failures and errors are a single `{:error, reason}` element; `:timeout` (default 30_000 ms)
+  bounds the wait for each chunk.
+  """
+  @spec stream_chat_completion(Model.t() | GenServer.server(), [Chat.message()], keyword()) ::
+          Enumerable.t()
+  def stream_chat_completion(model_or_server, messages, opts \\ []) do
+    server? = not match?(%Model{}, model_or_server)
+
+    keys =
+      if server?,
+        do: @server_chat_keys ++ Server.request_option_keys(),
+        else: generation_option_keys() ++ Chat.option_keys()
+
+    Options.validate!(opts, keys, "LlamaCppEx.stream_chat_completion/3")
+    check_grammar_opts!(opts)
+    opts = Keyword.put_new(opts, :enable_thinking, false)
+    timeout = Options.timeout(opts, :stream)
+
+    Stream.resource(
+      fn -> start_chat_stream(model_or_server, server?, messages, opts, timeout) end,
+      &next_chat_chunk/1,
+      &stop_chat_stream/1
+    )
+  end
+
+  defp start_chat_stream(target, server?, messages, opts, timeout) do
+    {chat_opts, rest} = Keyword.split(opts, Chat.option_keys())
+
+    with {:ok, model} <- if(server?, do: Server.fetch_model(target), else: {:ok, target}),
+         {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts),
+         {:ok, tokens} <- prompt_tokens(model, prompt),
+         {:ok, source} <- start_source(target, server?, model, tokens, rest) do
+      base = %ChatCompletionChunk{
+        id: completion_id(),
+        object: "chat.completion.chunk",
+        created: System.os_time(:second),
+        model: Model.desc(model)
+      }
+
+      parser = if opts[:enable_thinking], do: Thinking.stream_parser(thinking: true)
+
+      %{source: source, base: base, parser: parser, pending: "", timeout: timeout, phase: :role}
+    else
+      {:error, reason} -> {:failed, reason}
+    end
+  end
+
+  defp start_source(server, true, _model, tokens, opts) do
+    ref = make_ref()
+    req_opts = Keyword.delete(opts, :json_schema)
+
+    case Server.subscribe_stream_tokens(server, tokens, ref, req_opts) do
+      :ok -> {:ok, {:server, server, ref}}
+      {:error, reason} -> {:error, reason}
+    end
+  end
+
+  defp start_source(model, false, _model, tokens, opts) do
+    with {:ok, max_tokens} <- max_tokens(opts),
+         {:ok, ctx, sampler} <- setup(model, tokens, max_tokens, opts) do
+      {:ok, gen} =
+        Generator.start(fn {caller, ref, cancel} ->
+          NIF.generate_tokens(ctx.ref, sampler.ref, tokens, max_tokens, caller, ref, cancel)
+        end)
+
+      {:ok, {:local, gen}}
+    end
+  end
+
+  defp next_chat_chunk({:failed, reason}), do: {[{:error, reason}], :finished}
+  defp next_chat_chunk(:finished), do: {:halt, :finished}
+  defp next_chat_chunk(%{phase: :done} = st), do: {:halt, st}
+
+  defp next_chat_chunk(%{phase: :role} = st) do
+    {[chunk(st, %{role: "assistant", content: ""}, nil)], %{st | phase: :streaming}}
+  end
+
+  defp next_chat_chunk(%{phase: :streaming, source: source} = st) do
+    ref = source_ref(source)
+
+    receive do
+      {^ref, msg} ->
+        case normalize_msg(msg) do
+          {:piece, piece} ->
+            {emit, pending} = UTF8Stream.push(st.pending, piece)
+            {deltas, st} = route(%{st | pending: pending}, emit)
+            {Enum.map(deltas, &chunk(st, &1, nil)), st}
+
+          {:done, reason} ->
+            {deltas, st} = route(%{st | pending: ""}, st.pending)
+
+            {Enum.map(deltas, &chunk(st, &1, nil)) ++ [chunk(st, %{}, finish_reason(reason))],
+             %{st | phase: :done}}
+
+          {:error, reason} ->
+            {deltas, st} = route(%{st | pending: ""}, st.pending)
+            {Enum.map(deltas, &chunk(st, &1, nil)) ++ [{:error, reason}], %{st | phase: :done}}
+        end
+    after
+      st.timeout -> {[{:error, :timeout}], %{st | phase: :done}}
+    end
+  end
+
+  defp normalize_msg({:token, _id, piece}), do: {:piece, piece}
+  defp normalize_msg({:token, piece}), do: {:piece, piece}
+  defp normalize_msg(:eog), do: {:done, :eog}
+  defp normalize_msg(:done), do: {:done, :max_tokens}
+  defp normalize_msg({:done, reason}), do: {:done, reason}
+  defp normalize_msg({:error, reason}), do: {:error, reason}
+
+  defp route(st, ""), do: {[], st}
+  defp route(%{parser: nil} = st, text), do: {[%{content: text}], st}
+
+  defp route(st, text) do
+    {events, parser} = Thinking.feed(st.parser, text)
+
+    deltas =
+      Enum.map(events, fn
+        {:thinking, t} -> %{reasoning_content: t}
+        {:content, t} -> %{content: t}
+      end)
+
+    {deltas, %{st | parser: parser}}
+  end
+
+  defp chunk(st, delta, finish) do
+    %{st.base | choices: [%{index: 0, delta: delta, finish_reason: finish}]}
+  end
+
+  defp source_ref({:server, _, ref}), do: ref
+  defp source_ref({:local, gen}), do: gen.ref
+
+  defp stop_chat_stream(%{source: {:local, gen}}), do: Generator.stop(gen)
+
+  defp stop_chat_stream(%{source: {:server, server, ref}, phase: phase}) do
+    if phase != :done, do: Server.cancel(server, ref)
+    Generator.drain(ref)
+  end
+
+  defp stop_chat_stream(_), do: :ok
 
   defp check_grammar_opts!(opts) do
     if present?(opts[:grammar]) and present?(opts[:json_schema]) do

@@ -35,6 +35,7 @@ defmodule LlamaCppEx.NIF do
   def tokenize(_model, _text, _add_special, _parse_special), do: err()
   def detokenize(_model, _tokens), do: err()
   def token_to_piece(_model, _token), do: err()
+  def chat_apply_template(_model, _messages, _add_assistant, _enable_thinking, _kwargs), do: err()
 
   def context_create(_model, _n_ctx, _n_batch, _n_ubatch, _n_threads, _n_seq_max, _kv_type),
     do: err()

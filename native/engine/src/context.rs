@@ -310,7 +310,8 @@ impl Context {
                 None => ranges.push((s, batch.pos[i], batch.pos[i] + 1)),
             }
         }
-        let before: Vec<(usize, usize)> = ranges.iter().map(|r| (r.0, self.kv.seq_len(r.0))).collect();
+        let before: Vec<(usize, usize)> =
+            ranges.iter().map(|r| (r.0, self.kv.seq_len(r.0))).collect();
         for &(s, from, to) in &ranges {
             if self.kv.reserve(s, from, to).is_err() {
                 for &(s2, _) in &before {
@@ -350,7 +351,8 @@ impl Context {
                         continue;
                     }
                     outcome.failed.push(seq);
-                    let keep: Vec<usize> = (0..batch.len()).filter(|&i| batch.seq[i] != seq).collect();
+                    let keep: Vec<usize> =
+                        (0..batch.len()).filter(|&i| batch.seq[i] != seq).collect();
                     batch = Batch {
                         tokens: keep.iter().map(|&i| batch.tokens[i]).collect(),
                         pos: keep.iter().map(|&i| batch.pos[i]).collect(),

@@ -29,6 +29,8 @@ pub enum EngineError {
     Tokenize(String),
     #[error("tensor error: {0}")]
     Tensor(String),
+    #[error("chat template failed: {0}")]
+    Template(String),
     #[error("cancelled")]
     Cancelled,
 }

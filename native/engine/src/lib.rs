@@ -5,6 +5,7 @@
 //! This crate has no Erlang dependency; the NIF crate is a thin layer over it.
 
 pub mod batch;
+pub mod chat;
 pub mod context;
 pub mod error;
 pub mod gguf;

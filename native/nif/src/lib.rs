@@ -3,13 +3,13 @@
 //! every body runs under `guard`, so a panic becomes `{:error, "internal error: ..."}`
 //! instead of taking the VM down.
 
+use crossbeam_channel::{unbounded, Sender};
 use llama_cpp_ex_engine::context::StopReason;
 use llama_cpp_ex_engine::kv::KvType;
 use llama_cpp_ex_engine::{
     Batch, Context, ContextParams, EngineError, LoadOptions, Model, Requantize, Sampler,
     SamplerParams,
 };
-use crossbeam_channel::{unbounded, Sender};
 use rustler::env::{OwnedEnv, SavedTerm};
 use rustler::{Atom, Binary, Encoder, Env, LocalPid, NifResult, OwnedBinary, ResourceArc, Term};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -331,6 +331,51 @@ fn token_to_piece<'a>(env: Env<'a>, m: ResourceArc<ModelRes>, id: i64) -> Term<'
     }
 }
 
+/// Renders the model's chat template (or the built-in one for its architecture).
+/// `kwargs` values arrive as JSON text.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn chat_apply_template<'a>(
+    env: Env<'a>,
+    m: ResourceArc<ModelRes>,
+    messages: Vec<(String, String)>,
+    add_assistant: bool,
+    enable_thinking: bool,
+    kwargs: Vec<(String, String)>,
+) -> Term<'a> {
+    let r = guard(|| {
+        let model = &m.model;
+        let template = model
+            .chat_template
+            .as_deref()
+            .unwrap_or_else(|| llama_cpp_ex_engine::chat::builtin_template(&model.config.arch));
+        let kwargs = kwargs
+            .into_iter()
+            .map(|(k, v)| {
+                serde_json::from_str(&v)
+                    .map(|v| (k, v))
+                    .map_err(|e| NifError::Message(format!("chat template failed: bad kwarg: {e}")))
+            })
+            .collect::<NifOut<Vec<_>>>()?;
+        let text = |id: Option<u32>| {
+            id.and_then(|t| model.tokenizer.token_text(t))
+                .unwrap_or("")
+                .to_string()
+        };
+        let bos = text(model.tokenizer.bos);
+        let eos = text(model.tokenizer.eos);
+        let req = llama_cpp_ex_engine::chat::ChatRequest {
+            messages: &messages,
+            add_generation_prompt: add_assistant,
+            enable_thinking,
+            bos_token: &bos,
+            eos_token: &eos,
+            kwargs: &kwargs,
+        };
+        Ok(llama_cpp_ex_engine::chat::apply_template(template, &req)?)
+    });
+    ok_or_error(env, r)
+}
+
 // ---------------------------------------------------------------- context
 
 #[rustler::nif(schedule = "DirtyCpu")]
@@ -585,7 +630,13 @@ fn sampler_sample_at<'a>(
 
 // ---------------------------------------------------------------- engine thread
 
-type EvalReply = (Vec<(usize, u32, Vec<u8>, bool)>, Vec<usize>, usize, Vec<usize>, u64);
+type EvalReply = (
+    Vec<(usize, u32, Vec<u8>, bool)>,
+    Vec<usize>,
+    usize,
+    Vec<usize>,
+    u64,
+);
 
 fn run_job(ctx: &ContextRes, job: &Job) -> NifOut<EvalReply> {
     guard(|| {
@@ -623,12 +674,21 @@ fn run_job(ctx: &ContextRes, job: &Job) -> NifOut<EvalReply> {
             .sampled
             .iter()
             .map(|s| {
-                let piece = tok.token_to_piece(s.token).map(<[u8]>::to_vec).unwrap_or_default();
+                let piece = tok
+                    .token_to_piece(s.token)
+                    .map(<[u8]>::to_vec)
+                    .unwrap_or_default();
                 (s.seq, s.token, piece, s.is_eog)
             })
             .collect();
         let eval_us = started.elapsed().as_micros() as u64;
-        Ok((sampled, outcome.purged, outcome.n_splits, outcome.failed, eval_us))
+        Ok((
+            sampled,
+            outcome.purged,
+            outcome.n_splits,
+            outcome.failed,
+            eval_us,
+        ))
     })
 }
 
@@ -647,7 +707,9 @@ fn engine_start(c: ResourceArc<ContextRes>) -> NifResult<ResourceArc<EngineRes>>
                         Ok((sampled, purged, splits, failed, eval_us)) => {
                             let sampled: Vec<Term> = sampled
                                 .iter()
-                                .map(|(seq, t, piece, eog)| (*seq, *t, binary(env, piece), *eog).encode(env))
+                                .map(|(seq, t, piece, eog)| {
+                                    (*seq, *t, binary(env, piece), *eog).encode(env)
+                                })
                                 .collect();
                             (r, (atoms::ok(), sampled, purged, splits, failed, eval_us)).encode(env)
                         }
@@ -666,6 +728,7 @@ fn engine_start(c: ResourceArc<ContextRes>) -> NifResult<ResourceArc<EngineRes>>
 /// arrives as `{ref, {:ok, [{seq, token, piece, eog?}], purged, n_splits, failed, eval_us}}`
 /// or `{ref, {:error, reason}}`.
 #[rustler::nif]
+#[allow(clippy::too_many_arguments)]
 fn engine_submit<'a>(
     env: Env<'a>,
     engine: ResourceArc<EngineRes>,
@@ -683,7 +746,8 @@ fn engine_submit<'a>(
             .collect::<NifOut<Vec<KvOp>>>()?;
         let mut batch = Batch::with_capacity(entries.len());
         for &(t, p, s, l) in &entries {
-            let t = u32::try_from(t).map_err(|_| NifError::Message(format!("invalid token id {t}")))?;
+            let t =
+                u32::try_from(t).map_err(|_| NifError::Message(format!("invalid token id {t}")))?;
             batch.push(t, count(p, "position")?, count(s, "seq_id")?, l);
         }
         let samplers = samplers
@@ -706,7 +770,9 @@ fn engine_submit<'a>(
             purgeable,
         };
         let tx = lock(&engine.tx);
-        let tx = tx.as_ref().ok_or_else(|| NifError::Message("engine stopped".into()))?;
+        let tx = tx
+            .as_ref()
+            .ok_or_else(|| NifError::Message("engine stopped".into()))?;
         tx.send(job)
             .map_err(|_| NifError::Message("engine thread is gone".into()))
     });
@@ -722,7 +788,11 @@ fn decode_op(t: Term) -> NifOut<KvOp> {
     }
     if let Ok((tag, src, dst, n)) = t.decode::<(Atom, i64, i64, i64)>() {
         if tag == atoms::share() {
-            return Ok(KvOp::Share(count(src, "seq_id")?, count(dst, "seq_id")?, count(n, "length")?));
+            return Ok(KvOp::Share(
+                count(src, "seq_id")?,
+                count(dst, "seq_id")?,
+                count(n, "length")?,
+            ));
         }
     }
     if let Ok((tag, seq)) = t.decode::<(Atom, i64)>() {

@@ -1,0 +1,326 @@
+# Continuous batching under concurrency, and prefix reuse across conversation turns.
+#
+#   LLAMA_MODEL_PATH=model.gguf [LLAMA_THREADS=2] [LLAMA_CPP_BIN=/path/to/llama.cpp/bin] \
+#     mix run bench/server_concurrent.exs
+#
+# Workload 1: at concurrency 1, 2, 4, 8, 16 (n_parallel = concurrency), each client sends a
+# ~100-token prompt and streams 128 new tokens at temperature 0. Prints aggregate tok/s, TTFT
+# and inter-token latency percentiles and the average batch size (from tick telemetry). With
+# LLAMA_CPP_BIN, the same workload goes to `llama-server -np N` on 127.0.0.1 (/completion,
+# timings taken from its responses) and our/their ratios are printed.
+#
+# Workload 2: 8 conversations x 4 turns sharing a long system prompt; TTFT with the prompt
+# cache off, per slot (kv_unified: false) and across slots.
+
+alias LlamaCppEx.Server
+
+defmodule Bench.Tele do
+  # Minimal :telemetry stand-in so the bench can read tick batch sizes without Hex.
+  def install do
+    unless Code.ensure_loaded?(:telemetry) do
+      Code.compile_string("""
+      defmodule :telemetry do
+        def execute(event, m, meta) do
+          case :persistent_term.get(:bench_telemetry, nil) do
+            nil -> :ok
+            pid -> send(pid, {:telemetry, event, m, meta})
+          end
+          :ok
+        end
+      end
+      """)
+    end
+  end
+
+  def collect_ticks(acc \\ []) do
+    receive do
+      {:telemetry, [:llama_cpp_ex, :server, :tick], m, _} -> collect_ticks([m.batch_size | acc])
+      {:telemetry, _, _, _} -> collect_ticks(acc)
+    after
+      0 -> acc
+    end
+  end
+end
+
+defmodule Bench.Concurrent do
+  def pct([], _), do: 0.0
+
+  def pct(xs, p),
+    do: xs |> Enum.sort() |> Enum.at(min(length(xs) - 1, trunc(p / 100 * length(xs))))
+
+  def prompt(i) do
+    base =
+      "Here is a report on topic #{i}. " <>
+        String.duplicate(
+          "The committee reviewed the budget, the schedule and the risks in detail. ",
+          7
+        )
+
+    base <> "Summarize the report:"
+  end
+
+  def run_ours(path, c, threads, max_tokens) do
+    {:ok, s} =
+      Server.start_link(
+        model_path: path,
+        n_parallel: c,
+        n_ctx: c * 512,
+        temp: 0.0,
+        n_threads: threads,
+        cache_prompt: false
+      )
+
+    wait(s)
+    Server.generate(s, "warm up", max_tokens: 4)
+    :persistent_term.put(:bench_telemetry, self())
+    Bench.Tele.collect_ticks()
+    t0 = System.monotonic_time(:microsecond)
+
+    results =
+      1..c
+      |> Task.async_stream(
+        fn i ->
+          start = System.monotonic_time(:microsecond)
+
+          times =
+            s
+            |> Server.stream(prompt(i), max_tokens: max_tokens, timeout: 120_000)
+            |> Enum.map(fn _ -> System.monotonic_time(:microsecond) end)
+
+          {start, times}
+        end,
+        max_concurrency: c,
+        timeout: :infinity
+      )
+      |> Enum.map(fn {:ok, r} -> r end)
+
+    wall = (System.monotonic_time(:microsecond) - t0) / 1.0e6
+    :persistent_term.erase(:bench_telemetry)
+    ticks = Bench.Tele.collect_ticks()
+    GenServer.stop(s)
+    tokens = Enum.sum(for {_, ts} <- results, do: length(ts))
+    ttft = for {st, [first | _]} <- results, do: (first - st) / 1000
+
+    itl =
+      Enum.flat_map(results, fn {_, ts} ->
+        ts |> Enum.chunk_every(2, 1, :discard) |> Enum.map(fn [a, b] -> (b - a) / 1000 end)
+      end)
+
+    avg_batch = if ticks == [], do: 0.0, else: Enum.sum(ticks) / length(ticks)
+
+    %{
+      tps: tokens / wall,
+      ttft50: pct(ttft, 50),
+      ttft99: pct(ttft, 99),
+      itl50: pct(itl, 50),
+      itl99: pct(itl, 99),
+      batch: avg_batch
+    }
+  end
+
+  def wait(s) do
+    case Server.fetch_model(s) do
+      {:ok, _} -> :ok
+      _ -> Process.sleep(50) && wait(s)
+    end
+  end
+
+  # ---- llama-server
+
+  def run_theirs(bin, path, c, threads, max_tokens) do
+    port = 18_000 + c
+    exe = Path.join(bin, "llama-server")
+
+    server =
+      Port.open({:spawn_executable, exe}, [
+        :binary,
+        :exit_status,
+        :stderr_to_stdout,
+        args: [
+          "-m",
+          path,
+          "-np",
+          "#{c}",
+          "-c",
+          "#{c * 512}",
+          "-t",
+          "#{threads}",
+          "--host",
+          "127.0.0.1",
+          "--port",
+          "#{port}",
+          "-cb",
+          "--no-webui"
+        ]
+      ])
+
+    :ok = wait_http(port, 200)
+    post(port, "warm up", 4)
+    t0 = System.monotonic_time(:microsecond)
+
+    results =
+      1..c
+      |> Task.async_stream(fn i -> post(port, prompt(i), max_tokens) end,
+        max_concurrency: c,
+        timeout: :infinity
+      )
+      |> Enum.map(fn {:ok, r} -> r end)
+
+    wall = (System.monotonic_time(:microsecond) - t0) / 1.0e6
+    {:os_pid, os_pid} = Port.info(server, :os_pid)
+    System.cmd("kill", ["#{os_pid}"])
+    tokens = Enum.sum(Enum.map(results, & &1.n))
+
+    %{
+      tps: tokens / wall,
+      ttft50: pct(Enum.map(results, & &1.prompt_ms), 50),
+      itl50: pct(Enum.map(results, & &1.itl), 50)
+    }
+  end
+
+  defp wait_http(_port, 0), do: {:error, :llama_server_did_not_start}
+
+  defp wait_http(port, n) do
+    case :httpc.request(:get, {~c"http://127.0.0.1:#{port}/health", []}, [timeout: 1000], []) do
+      {:ok, {{_, 200, _}, _, _}} -> :ok
+      _ -> Process.sleep(250) && wait_http(port, n - 1)
+    end
+  end
+
+  defp post(port, prompt, n) do
+    body =
+      ~s({"prompt": #{inspect(prompt)}, "n_predict": #{n}, "temperature": 0, "cache_prompt": false, "ignore_eos": true})
+
+    {:ok, {{_, 200, _}, _, resp}} =
+      :httpc.request(
+        :post,
+        {~c"http://127.0.0.1:#{port}/completion", [], ~c"application/json", body},
+        [timeout: 600_000],
+        []
+      )
+
+    resp = to_string(resp)
+
+    num = fn key ->
+      ~r/"#{key}":\s*([0-9.eE+-]+)/
+      |> Regex.run(resp)
+      |> then(fn [_, v] -> elem(Float.parse(v), 0) end)
+    end
+
+    %{
+      n: trunc(num.("predicted_n")),
+      prompt_ms: num.("prompt_ms"),
+      itl: num.("predicted_per_token_ms")
+    }
+  end
+end
+
+defmodule Bench.Prefix do
+  def run(path, threads, mode) do
+    opts =
+      case mode do
+        :off -> [cache_prompt: false]
+        :per_slot -> [kv_unified: false]
+        :cross_slot -> []
+      end
+
+    {:ok, s} =
+      Server.start_link(
+        [model_path: path, n_parallel: 4, n_ctx: 8192, temp: 0.0, n_threads: threads] ++ opts
+      )
+
+    Bench.Concurrent.wait(s)
+
+    system =
+      "You are a meticulous assistant for a logistics company. " <>
+        String.duplicate(
+          "Always answer with precise figures, cite the relevant policy section, and keep a friendly tone. ",
+          12
+        )
+
+    ttfts =
+      1..8
+      |> Task.async_stream(
+        fn conv ->
+          Enum.reduce(1..4, {system, []}, fn turn, {history, acc} ->
+            prompt =
+              history <>
+                "\nUser: conversation #{conv}, question #{turn}: where is parcel #{conv * 10 + turn}?\nAssistant:"
+
+            start = System.monotonic_time(:microsecond)
+
+            [first | rest] =
+              s
+              |> Server.stream(prompt, max_tokens: 24, session: "conv-#{conv}", timeout: 120_000)
+              |> Enum.to_list()
+
+            ttft = (System.monotonic_time(:microsecond) - start) / 1000
+            # time to first token is measured on the first chunk's arrival
+            _ = rest
+            {prompt <> first <> Enum.join(rest), [ttft | acc]}
+          end)
+          |> elem(1)
+        end,
+        max_concurrency: 8,
+        timeout: :infinity
+      )
+      |> Enum.flat_map(fn {:ok, t} -> t end)
+
+    GenServer.stop(s)
+    {Bench.Concurrent.pct(ttfts, 50), Bench.Concurrent.pct(ttfts, 95)}
+  end
+end
+
+Bench.Tele.install()
+:inets.start()
+
+path =
+  System.get_env("LLAMA_MODEL_PATH") ||
+    Path.join(System.user_home!(), ".cache/llama_cpp_ex/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+threads = String.to_integer(System.get_env("LLAMA_THREADS") || "#{System.schedulers_online()}")
+
+levels =
+  (System.get_env("BENCH_LEVELS") || "1,2,4,8,16")
+  |> String.split(",")
+  |> Enum.map(&String.to_integer/1)
+
+max_tokens = String.to_integer(System.get_env("BENCH_TOKENS") || "128")
+bin = System.get_env("LLAMA_CPP_BIN")
+f = fn x -> :erlang.float_to_binary(x / 1, decimals: 1) end
+
+IO.puts(
+  "model: #{Path.basename(path)}, threads: #{threads}, #{max_tokens} new tokens per request\n"
+)
+
+IO.puts(
+  "| conc | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | avg batch | llama-server tok/s | ratio | llama-server TTFT p50 | ITL p50 |"
+)
+
+IO.puts("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+for c <- levels do
+  o = Bench.Concurrent.run_ours(path, c, threads, max_tokens)
+  t = if bin, do: Bench.Concurrent.run_theirs(bin, path, c, threads, max_tokens)
+
+  theirs =
+    if t,
+      do:
+        "#{f.(t.tps)} | #{:erlang.float_to_binary(o.tps / t.tps, decimals: 2)} | #{f.(t.ttft50)} | #{f.(t.itl50)}",
+      else: "- | - | - | -"
+
+  IO.puts(
+    "| #{c} | #{f.(o.tps)} | #{f.(o.ttft50)} | #{f.(o.ttft99)} | #{f.(o.itl50)} | #{f.(o.itl99)} | #{f.(o.batch)} | #{theirs} |"
+  )
+end
+
+unless System.get_env("BENCH_SKIP_PREFIX") do
+  IO.puts("\nprefix reuse: 8 conversations x 4 turns, shared system prompt, 24 tokens per turn")
+  IO.puts("| cache | TTFT p50 ms | TTFT p95 ms |")
+  IO.puts("|---|---:|---:|")
+
+  for mode <- [:off, :per_slot, :cross_slot] do
+    {p50, p95} = Bench.Prefix.run(path, threads, mode)
+    IO.puts("| #{mode} | #{f.(p50)} | #{f.(p95)} |")
+  end
+end

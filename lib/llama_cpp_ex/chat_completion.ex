@@ -1,0 +1,18 @@
+defmodule LlamaCppEx.ChatCompletion do
+  @moduledoc """
+  An OpenAI-shaped chat completion, as returned by `LlamaCppEx.chat_completion/3`:
+  `choices: [%{index: 0, message: %{role: "assistant", content: text, reasoning_content: nil | text},
+  finish_reason: "stop" | "length"}]` and `usage: %{prompt_tokens, completion_tokens, total_tokens}`.
+  """
+  defstruct [:id, :object, :created, :model, :choices, :usage]
+  @type t :: %__MODULE__{}
+end
+
+defmodule LlamaCppEx.ChatCompletionChunk do
+  @moduledoc """
+  One element of `LlamaCppEx.stream_chat_completion/3`: `choices: [%{index: 0, delta: map,
+  finish_reason: nil | "stop" | "length"}]`.
+  """
+  defstruct [:id, :object, :created, :model, :choices]
+  @type t :: %__MODULE__{}
+end
