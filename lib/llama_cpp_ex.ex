@@ -2,7 +2,7 @@ defmodule LlamaCppEx do
   @moduledoc """
   Local LLM inference for Elixir on a Rust/candle engine.
 
-  `LlamaCppEx` loads GGUF models (the llama family), tokenizes with the model's own
+  `LlamaCppEx` loads GGUF models (llama and Gemma 3 families), tokenizes with the model's own
   vocabulary, and generates text as a whole or as an Elixir `Stream`.
 
   ## Quick start

@@ -145,6 +145,10 @@ defmodule LlamaCppEx.Server.StrategyTest do
 
     assert Slots.donor_prefix_match(gen, [1, 2, 3, 4, 5, 6]) == 5
     assert Slots.donor_prefix_match(gen, [1, 2, 9]) == 2
+    assert Slots.prefix_usable?(808, 799, 512)
+    refute Slots.prefix_usable?(808, 299, 512)
+    assert Slots.prefix_usable?(100_000, 5, 0)
+
     pre = %{state: :prefilling, prompt_tokens: [1, 2, 3, 4], prefill_pos: 2}
     assert Slots.donor_prefix_match(pre, [1, 2, 3, 4]) == 2
   end

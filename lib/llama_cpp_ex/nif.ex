@@ -26,6 +26,7 @@ defmodule LlamaCppEx.NIF do
   def model_desc(_model), do: err()
   def model_chat_template(_model), do: err()
   def model_architecture(_model), do: err()
+  def model_swa_window(_model), do: err()
   def model_metadata(_model), do: err()
 
   def vocab_n_tokens(_model), do: err()

@@ -354,6 +354,7 @@ defmodule LlamaCppEx.Server do
         cache_prompt: Keyword.get(opts, :cache_prompt, true),
         kv_unified: Keyword.get(opts, :kv_unified, true),
         sampler_defaults: Keyword.take(opts, Sampler.option_keys()),
+        swa_window: 0,
         slots: %{},
         queue: :queue.new(),
         sessions: %{},
@@ -412,7 +413,10 @@ defmodule LlamaCppEx.Server do
       Process.flag(:trap_exit, true)
       {:ok, _} = Registry.register(LlamaCppEx.Registry, {__MODULE__, self()}, model)
       slots = Map.new(0..(state.n_parallel - 1), &{&1, idle_slot()})
-      {:noreply, %{state | model: model, ctx: ctx, engine: engine, slots: slots}}
+      window = NIF.model_swa_window(model.ref)
+
+      {:noreply,
+       %{state | model: model, ctx: ctx, engine: engine, slots: slots, swa_window: window}}
     else
       {:error, reason} -> {:stop, {:load_failed, reason}, state}
     end
@@ -928,6 +932,9 @@ defmodule LlamaCppEx.Server do
         do: min(Slots.common_prefix_length(old.cached_tokens, r.tokens), n - 1),
         else: 0
 
+    own =
+      if Slots.prefix_usable?(length(old.cached_tokens), own, state.swa_window), do: own, else: 0
+
     {donor, donor_len} =
       if cache_prompt and state.kv_unified,
         do: best_donor(state, seq, scope, r.tokens, n),
@@ -1000,6 +1007,10 @@ defmodule LlamaCppEx.Server do
     state.slots
     |> Enum.reject(fn {s, slot} -> s == seq or slot.cache_scope != scope end)
     |> Enum.map(fn {s, slot} -> {s, min(Slots.donor_prefix_match(slot, tokens), n - 1)} end)
+    |> Enum.filter(fn {_, len} -> len > 0 end)
+    |> Enum.filter(fn {s, len} ->
+      Slots.prefix_usable?(Slots.fed_length(state.slots[s]), len, state.swa_window)
+    end)
     |> Enum.max_by(fn {s, len} -> {len, -s} end, fn -> {nil, 0} end)
   end
 

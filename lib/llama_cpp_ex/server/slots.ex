@@ -79,6 +79,27 @@ defmodule LlamaCppEx.Server.Slots do
     end
   end
 
+  @kv_block_size 16
+
+  @doc """
+  Whether the first `n` tokens of a sequence currently holding `len` tokens can be continued
+  on a model whose sliding-window layers (window `window`, 0 = none) dropped old blocks. The
+  same rule as the engine's `KvCache::prefix_usable`.
+  """
+  @spec prefix_usable?(non_neg_integer(), non_neg_integer(), non_neg_integer()) :: boolean()
+  def prefix_usable?(_len, _n, 0), do: true
+
+  def prefix_usable?(len, n, window) do
+    # the token at position n attends from n + 1 - window
+    div(max(len - window, 0), @kv_block_size) <= div(max(n + 1 - window, 0), @kv_block_size)
+  end
+
+  @doc "Number of tokens currently held in the slot's KV sequence."
+  @spec fed_length(map()) :: non_neg_integer()
+  def fed_length(%{state: :idle, cached_tokens: cached}), do: length(cached)
+  def fed_length(%{state: :prefilling, prefill_pos: p}), do: p
+  def fed_length(%{state: :generating} = s), do: s.n_prompt_tokens + length(s.generated_token_ids)
+
   @doc "Tokens currently held in the slot's KV sequence."
   @spec fed_tokens(map()) :: [integer()]
   def fed_tokens(%{state: :idle, cached_tokens: cached}), do: cached

@@ -339,19 +339,9 @@ impl KvCache {
         if p1 < len {
             return Ok(false);
         }
-        // A sliding-window group that already dropped blocks needed before p0 cannot serve a
+        // A sliding-window group that already dropped blocks needed after p0 cannot serve a
         // truncated sequence.
-        let mut truncate_to = p0;
-        for group in &self.groups {
-            if let Some(window) = group.window {
-                let need_from = p0.saturating_sub(window) / KV_BLOCK_SIZE;
-                let blocks = &group.seqs[seq].blocks;
-                let end = p0.div_ceil(KV_BLOCK_SIZE).min(blocks.len());
-                if (need_from..end).any(|bi| blocks[bi] == NO_BLOCK) {
-                    truncate_to = 0;
-                }
-            }
-        }
+        let truncate_to = if self.prefix_usable(seq, p0) { p0 } else { 0 };
         let keep_blocks = truncate_to.div_ceil(KV_BLOCK_SIZE);
         for group in &mut self.groups {
             let table = &mut group.seqs[seq].blocks;
@@ -374,6 +364,20 @@ impl KvCache {
                 group.release(b);
             }
         }
+    }
+
+    /// Whether the first `n` positions of `seq` can be continued: every sliding-window group
+    /// still holds the blocks the next token attends to. The same rule lives in
+    /// `LlamaCppEx.Server.Slots.prefix_usable?/4`.
+    pub fn prefix_usable(&self, seq: usize, n: usize) -> bool {
+        self.groups.iter().all(|g| match g.window {
+            None => true,
+            Some(w) => {
+                let dropped_blocks = self.lens[seq].saturating_sub(w) / KV_BLOCK_SIZE;
+                // the token at position n attends from n + 1 - w
+                dropped_blocks <= (n + 1).saturating_sub(w) / KV_BLOCK_SIZE
+            }
+        })
     }
 
     pub fn seq_clear(&mut self, seq: usize) {
@@ -399,6 +403,11 @@ impl KvCache {
             return Ok(());
         }
         let n = n.min(self.lens[src]);
+        if !self.prefix_usable(src, n) {
+            return Err(EngineError::InvalidArgument(format!(
+                "sequence {src} no longer holds the window needed to continue after {n} positions"
+            )));
+        }
         self.seq_clear(dst);
         let n_blocks = n.div_ceil(KV_BLOCK_SIZE);
         for group in &mut self.groups {

@@ -28,7 +28,10 @@ fn check(file: &str, user_open: &str, user_close: &str) {
         let system = "You are a helpful assistant.";
         let messages: Vec<(String, String)> = if case["name"] == "chat_system_haiku" {
             let user = user.rsplit("\n\n").next().unwrap();
-            vec![("system".into(), system.into()), ("user".into(), user.into())]
+            vec![
+                ("system".into(), system.into()),
+                ("user".into(), user.into()),
+            ]
         } else {
             vec![("user".into(), user.into())]
         };
@@ -43,7 +46,12 @@ fn check(file: &str, user_open: &str, user_close: &str) {
         let rendered = apply_template(&template, &req).unwrap();
         assert_eq!(rendered, text, "{file} {}", case["name"]);
         let ids = model.tokenizer.encode(&rendered, true, true).unwrap();
-        assert_eq!(ids, common::ids(&case["prompt_ids"]), "{file} {}", case["name"]);
+        assert_eq!(
+            ids,
+            common::ids(&case["prompt_ids"]),
+            "{file} {}",
+            case["name"]
+        );
         checked += 1;
     }
     assert_eq!(checked, 4);

@@ -3,124 +3,21 @@
 
 mod common;
 use common::*;
-use llama_cpp_ex_engine::{
-    Batch, Context, ContextParams, Model, Requantize, Sampler, SamplerParams,
-};
-use std::sync::Arc;
-
-const THRESHOLDS: [f64; 5] = [0.0, 0.1, 0.25, 0.5, 1.0];
-const REQUIRED_AGREEMENT: f64 = 0.99;
-const REQUIRED_MARGIN: f64 = 0.5;
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-fn ctx(model: &Arc<Model>, n_ctx: usize, n_seq: usize) -> Context {
-    Context::new(
-        model.clone(),
-        ContextParams {
-            n_ctx,
-            n_batch: n_ctx,
-            n_seq_max: n_seq,
-            ..Default::default()
-        },
-    )
-    .unwrap()
-}
-
-/// Returns (agreement per threshold, steps per threshold).
-pub fn teacher_forced(model: &Arc<Model>, fixture_name: &str) -> Vec<(f64, usize, usize)> {
-    let fx = fixture(fixture_name);
-    let mut agree = vec![0usize; THRESHOLDS.len()];
-    let mut total = vec![0usize; THRESHOLDS.len()];
-    let mut max_lp_diff = 0f64;
-    for case in fx["cases"].as_array().unwrap() {
-        let prompt = ids(&case["prompt_ids"]);
-        let steps = case["steps"].as_array().unwrap();
-        let generated: Vec<u32> = steps
-            .iter()
-            .map(|s| s["id"].as_u64().unwrap() as u32)
-            .collect();
-        let mut all = prompt.clone();
-        all.extend_from_slice(&generated);
-        let mut c = ctx(model, 1024, 1);
-        let mut batch = Batch::with_capacity(all.len());
-        for (i, &t) in all.iter().enumerate() {
-            batch.push(t, i, 0, i + 1 >= prompt.len());
-        }
-        c.decode(&batch).unwrap();
-        for (k, step) in steps.iter().enumerate() {
-            let row = c.logits_ith((prompt.len() - 1 + k) as i64).unwrap();
-            let top5 = step["top5"].as_array().unwrap();
-            let lp1 = top5[0]["logprob"].as_f64().unwrap();
-            let lp2 = top5[1]["logprob"].as_f64().unwrap();
-            let margin = lp1 - lp2;
-            let ours = argmax(row);
-            let expected = step["id"].as_u64().unwrap() as u32;
-            let lps = llama_cpp_ex_engine::sampler::log_softmax(row);
-            max_lp_diff = max_lp_diff
-                .max((lps[expected as usize] as f64 - step["logprob"].as_f64().unwrap()).abs());
-            for (i, &th) in THRESHOLDS.iter().enumerate() {
-                if margin >= th {
-                    total[i] += 1;
-                    if ours == expected {
-                        agree[i] += 1;
-                    }
-                }
-            }
-        }
-    }
-    println!("{fixture_name}: max |logprob difference| of llama.cpp's token: {max_lp_diff:.3}");
-    THRESHOLDS
-        .iter()
-        .enumerate()
-        .map(|(i, _)| (agree[i] as f64 / total[i].max(1) as f64, agree[i], total[i]))
-        .collect()
-}
-
-fn report(label: &str, rates: &[(f64, usize, usize)]) {
-    for (th, (rate, a, t)) in THRESHOLDS.iter().zip(rates) {
-        println!("{label}: margin >= {th:<4}: {a}/{t} = {:.2}%", rate * 100.0);
-    }
-}
+use llama_cpp_ex_engine::{Batch, Context, ContextParams, Requantize, Sampler, SamplerParams};
 
 #[test]
 fn smollm2_greedy_parity_native_types() {
     let model = load(SMOLLM2, Requantize::Off);
     let rates = teacher_forced(&model, "greedy_SmolLM2-135M-Instruct.Q4_1.json");
-    report("SmolLM2 (file types)", &rates);
-    let at = THRESHOLDS
-        .iter()
-        .position(|&t| t == REQUIRED_MARGIN)
-        .unwrap();
-    assert!(
-        rates[at].0 >= REQUIRED_AGREEMENT,
-        "agreement {:.4} below {REQUIRED_AGREEMENT}",
-        rates[at].0
-    );
+    assert_parity("SmolLM2 (file types)", &rates, REQUIRED_AGREEMENT);
 }
 
 #[test]
 fn smollm2_greedy_parity_requantized_q8_0() {
     let model = load(SMOLLM2, Requantize::Q8_0);
     let rates = teacher_forced(&model, "greedy_SmolLM2-135M-Instruct.Q4_1.json");
-    report("SmolLM2 (re-quantized to Q8_0)", &rates);
-    let at = THRESHOLDS
-        .iter()
-        .position(|&t| t == REQUIRED_MARGIN)
-        .unwrap();
-    assert!(
-        rates[at].0 >= 0.95,
-        "re-quantized agreement collapsed: {:.4}",
-        rates[at].0
-    );
+    // Re-quantization changes the weights: printed for reference, held to a looser bound.
+    assert_parity("SmolLM2 (re-quantized to Q8_0)", &rates, 0.95);
 }
 
 #[test]
@@ -134,15 +31,6 @@ fn free_running_greedy_matches_the_fixture_start() {
     let mut s = Sampler::new(SamplerParams::greedy());
     let (out, _) = c.generate(&mut s, &prompt, 8, None, |_, _| true).unwrap();
     assert_eq!(out, expected[..8]);
-}
-
-fn rel_close(a: &[f32], b: &[f32]) -> f32 {
-    let scale = a.iter().map(|v| v.abs()).fold(1.0f32, f32::max);
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-        / scale
 }
 
 #[test]

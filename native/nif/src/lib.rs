@@ -256,6 +256,19 @@ fn model_chat_template(m: ResourceArc<ModelRes>) -> String {
     m.model.chat_template.clone().unwrap_or_default()
 }
 
+/// The smallest sliding window of the model's layers, 0 when every layer attends globally.
+#[rustler::nif]
+fn model_swa_window(m: ResourceArc<ModelRes>) -> usize {
+    m.model
+        .config
+        .layer_windows
+        .iter()
+        .flatten()
+        .copied()
+        .min()
+        .unwrap_or(0)
+}
+
 #[rustler::nif]
 fn model_architecture(m: ResourceArc<ModelRes>) -> String {
     m.model.config.arch.clone()

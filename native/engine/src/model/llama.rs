@@ -2,13 +2,11 @@
 //! adjacent pairs, grouped-query attention, SwiGLU feed-forward.
 
 use super::attention::{paged_attention, AttnParams};
-use super::ops::{add_assign, inv_freq, rms_norm, silu_mul, Linear, Rope};
+use super::ops::{add_assign, inv_freq, rms_norm, silu_mul, Embedding, Linear, Rope};
 use super::{Architecture, Config, TensorLoader};
 use crate::batch::Batch;
 use crate::error::Result;
 use crate::kv::KvCache;
-use candle_core::quantized::QTensor;
-use candle_core::{Device, Tensor};
 
 struct Layer {
     attn_norm: Vec<f32>,
@@ -24,7 +22,7 @@ struct Layer {
 
 pub struct Llama {
     cfg: Config,
-    embd: QTensor,
+    embd: Embedding,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     output: Linear,
@@ -36,19 +34,7 @@ impl Llama {
         let d = cfg.n_embd;
         let q_dim = cfg.n_head * cfg.head_dim;
         let kv_dim = cfg.n_head_kv * cfg.head_dim;
-        let embd_info = l.gguf.tensor_info("token_embd.weight")?;
-        if embd_info.shape != [cfg.n_vocab, d] {
-            return Err(crate::error::EngineError::InvalidGguf(format!(
-                "token_embd.weight has shape {:?}, expected [{}, {d}]",
-                embd_info.shape, cfg.n_vocab
-            )));
-        }
-        let embd = l.gguf.qtensor("token_embd.weight", &Device::Cpu)?;
-        let output = if l.gguf.has_tensor("output.weight") {
-            Linear::new(l.matrix("output.weight", cfg.n_vocab, d)?)?
-        } else {
-            Linear::new(l.gguf.qtensor("token_embd.weight", &Device::Cpu)?)?
-        };
+        let (embd, output) = l.embedding_and_output(cfg.n_vocab, d)?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
@@ -86,8 +72,7 @@ impl Architecture for Llama {
         let n = batch.len();
         let d = c.n_embd;
         let hd = c.head_dim;
-        let ids = Tensor::from_slice(&batch.tokens, n, &Device::Cpu)?;
-        let mut x = self.embd.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?;
+        let mut x = self.embd.lookup(&batch.tokens)?;
         let rope = Rope::new(&batch.pos, &self.inv_freq);
         let attn = AttnParams {
             n_head: c.n_head,

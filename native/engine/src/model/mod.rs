@@ -1,6 +1,7 @@
 //! Model loading and the architecture trait.
 
 pub mod attention;
+pub mod gemma3;
 pub mod llama;
 pub mod ops;
 
@@ -52,6 +53,8 @@ pub struct Config {
     pub n_ff: usize,
     pub n_rot: usize,
     pub rope_base: f32,
+    /// Rope base of sliding-window layers (Gemma 3 uses a smaller one than its global layers).
+    pub rope_base_local: f32,
     pub eps: f32,
     pub n_ctx_train: usize,
     /// Sliding window per layer (None = full attention).
@@ -59,7 +62,12 @@ pub struct Config {
 }
 
 /// Architectures this engine implements.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "gemma3"];
+
+/// Gemma 3: every sixth layer attends globally, the others through a sliding window.
+const GEMMA3_SWA_PATTERN: usize = 6;
+const GEMMA3_DEFAULT_WINDOW: u64 = 512;
+const GEMMA3_LOCAL_ROPE_BASE: f64 = 10_000.0;
 
 /// Upper bounds that keep hostile metadata from sizing absurd buffers.
 const MAX_EMBD: u64 = 1 << 16;
@@ -121,6 +129,26 @@ impl Config {
                 "bad rope base or norm epsilon".into(),
             ));
         }
+        let mut layer_windows = vec![None; n_layer];
+        let mut rope_base_local = rope_base;
+        if arch == "gemma3" {
+            let window = g
+                .get_u64(&key("attention.sliding_window"))
+                .unwrap_or(GEMMA3_DEFAULT_WINDOW);
+            if window == 0 || window > 1 << 24 {
+                return Err(EngineError::InvalidGguf(format!(
+                    "bad sliding_window {window}"
+                )));
+            }
+            for (i, w) in layer_windows.iter_mut().enumerate() {
+                if (i + 1) % GEMMA3_SWA_PATTERN != 0 {
+                    *w = Some(window as usize);
+                }
+            }
+            rope_base_local = g
+                .get_f64(&key("rope.freq_base_swa"))
+                .unwrap_or(GEMMA3_LOCAL_ROPE_BASE) as f32;
+        }
         Ok(Config {
             arch,
             n_vocab,
@@ -132,9 +160,10 @@ impl Config {
             n_ff,
             n_rot,
             rope_base,
+            rope_base_local,
             eps,
             n_ctx_train,
-            layer_windows: vec![None; n_layer],
+            layer_windows,
         })
     }
 }
@@ -171,6 +200,29 @@ impl TensorLoader<'_> {
             return Ok(QTensor::quantize(&f, GgmlDType::Q8_0)?);
         }
         Ok(t)
+    }
+
+    /// The token embedding `[n_vocab, n_embd]`, kept in its file type, and the output head:
+    /// `output.weight` when present, else the embedding itself (shared, not copied).
+    pub fn embedding_and_output(
+        &self,
+        n_vocab: usize,
+        d: usize,
+    ) -> Result<(ops::Embedding, ops::Linear)> {
+        let info = self.gguf.tensor_info("token_embd.weight")?;
+        if info.shape != [n_vocab, d] {
+            return Err(EngineError::InvalidGguf(format!(
+                "token_embd.weight has shape {:?}, expected [{n_vocab}, {d}]",
+                info.shape
+            )));
+        }
+        let table = std::sync::Arc::new(self.gguf.qtensor("token_embd.weight", &Device::Cpu)?);
+        let output = if self.gguf.has_tensor("output.weight") {
+            ops::Linear::new(self.matrix("output.weight", n_vocab, d)?)?
+        } else {
+            ops::Linear::from_arc(table.clone())?
+        };
+        Ok((ops::Embedding { table }, output))
     }
 
     pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
@@ -237,6 +289,7 @@ impl Model {
         } else {
             Some(match config.arch.as_str() {
                 "llama" => Box::new(llama::Llama::load(&config, &loader)?),
+                "gemma3" => Box::new(gemma3::Gemma3::load(&config, &loader)?),
                 other => return Err(EngineError::UnsupportedArchitecture(other.to_string())),
             })
         };

@@ -15,10 +15,15 @@ pub struct Linear {
 
 impl Linear {
     pub fn new(t: QTensor) -> Result<Self> {
+        Self::from_arc(Arc::new(t))
+    }
+
+    /// Shares the weights (e.g. an output head tied to the token embedding).
+    pub fn from_arc(t: Arc<QTensor>) -> Result<Self> {
         let (n_out, n_in) = t.shape().dims2()?;
         let dtype = t.dtype();
         Ok(Linear {
-            w: QMatMul::from_arc(Arc::new(t))?,
+            w: QMatMul::from_arc(t)?,
             n_in,
             n_out,
             dtype,
@@ -29,6 +34,22 @@ impl Linear {
         let t = Tensor::from_slice(x, (m, self.n_in), &Device::Cpu)?;
         let y = self.w.forward(&t)?;
         Ok(y.flatten_all()?.to_vec1::<f32>()?)
+    }
+}
+
+/// The token embedding, kept quantized; rows are dequantized on lookup.
+pub struct Embedding {
+    pub table: Arc<QTensor>,
+}
+
+impl Embedding {
+    pub fn lookup(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
+        Ok(self
+            .table
+            .embedding(&ids)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
     }
 }
 
