@@ -30,12 +30,13 @@ defmodule LlamaCppEx do
     Options,
     Sampler,
     Server,
+    StopMatcher,
     Thinking,
     Tokenizer,
     UTF8Stream
   }
 
-  @own_keys [:max_tokens, :n_ctx, :timeout, :grammar, :json_schema]
+  @own_keys [:max_tokens, :n_ctx, :timeout, :grammar, :json_schema, :stop]
 
   @doc false
   def generation_option_keys,
@@ -116,6 +117,27 @@ defmodule LlamaCppEx do
     Options.validate!(opts, generation_option_keys(), "LlamaCppEx.generate/3")
     check_grammar_opts!(opts)
 
+    if StopMatcher.new(opts[:stop]) do
+      generate_via_stream(model, prompt, opts)
+    else
+      generate_direct(model, prompt, opts)
+    end
+  end
+
+  defp generate_via_stream(model, prompt, opts) do
+    model
+    |> stream(prompt, Keyword.put_new(opts, :timeout, :infinity))
+    |> Enum.reduce_while({:ok, []}, fn
+      {:error, reason}, _ -> {:halt, {:error, reason}}
+      chunk, {:ok, acc} -> {:cont, {:ok, [acc, chunk]}}
+    end)
+    |> case do
+      {:ok, iodata} -> {:ok, IO.iodata_to_binary(iodata)}
+      error -> error
+    end
+  end
+
+  defp generate_direct(model, prompt, opts) do
     with {:ok, max_tokens} <- max_tokens(opts),
          {:ok, tokens} <- prompt_tokens(model, prompt),
          {:ok, ctx, sampler} <- setup(model, tokens, max_tokens, opts) do
@@ -159,7 +181,7 @@ defmodule LlamaCppEx do
           NIF.generate_tokens(ctx.ref, sampler.ref, tokens, max_tokens, caller, ref, cancel)
         end)
 
-      {:running, gen, "", timeout}
+      {:running, gen, "", timeout, StopMatcher.new(opts[:stop])}
     else
       {:error, reason} -> {:failed, reason}
     end
@@ -168,32 +190,39 @@ defmodule LlamaCppEx do
   defp next_chunk({:failed, reason}), do: {[{:error, reason}], :finished}
   defp next_chunk(:finished), do: {:halt, :finished}
 
-  defp next_chunk({:running, %{ref: ref} = gen, pending, timeout} = state) do
+  defp next_chunk({:running, %{ref: ref} = gen, pending, timeout, matcher}) do
     receive do
       {^ref, {:token, _id, piece}} ->
-        case UTF8Stream.push(pending, piece) do
-          {"", pending} -> next_chunk({:running, gen, pending, timeout})
-          {emit, pending} -> {[emit], {:running, gen, pending, timeout}}
+        {emit, pending} = UTF8Stream.push(pending, piece)
+
+        case stop_push(matcher, emit) do
+          {:cont, "", matcher} -> next_chunk({:running, gen, pending, timeout, matcher})
+          {:cont, emit, matcher} -> {[emit], {:running, gen, pending, timeout, matcher}}
+          {:stop, emit} -> {flush(emit), {:done, gen}}
         end
 
       {^ref, done} when done in [:eog, :done] ->
-        {flush(pending), {:done, gen}}
+        {flush(stop_flush(matcher) <> pending), {:done, gen}}
 
       {^ref, {:error, reason}} ->
-        {flush(pending) ++ [{:error, reason}], {:done, gen}}
+        {flush(stop_flush(matcher) <> pending) ++ [{:error, reason}], {:done, gen}}
     after
-      timeout ->
-        _ = state
-        {[{:error, :timeout}], {:done, gen}}
+      timeout -> {[{:error, :timeout}], {:done, gen}}
     end
   end
 
   defp next_chunk({:done, _gen} = state), do: {:halt, state}
 
+  defp stop_push(nil, text), do: {:cont, text, nil}
+  defp stop_push(matcher, text), do: StopMatcher.push(matcher, text)
+
+  defp stop_flush(nil), do: ""
+  defp stop_flush(matcher), do: StopMatcher.flush(matcher)
+
   defp flush(""), do: []
   defp flush(pending), do: [pending]
 
-  defp stop_stream({:running, gen, _, _}), do: Generator.stop(gen)
+  defp stop_stream({:running, gen, _, _, _}), do: Generator.stop(gen)
   defp stop_stream({:done, gen}), do: Generator.stop(gen)
   defp stop_stream(_), do: :ok
 
@@ -272,7 +301,7 @@ defmodule LlamaCppEx do
           NIF.generate_tokens(ctx.ref, sampler.ref, tokens, max_tokens, caller, ref, cancel)
         end)
 
-      result = collect(gen, timeout, [], 0)
+      result = collect(gen, timeout, {[], "", StopMatcher.new(opts[:stop])}, 0)
       Generator.stop(gen)
 
       with {:ok, text, n, reason} <- result do
@@ -311,12 +340,22 @@ defmodule LlamaCppEx do
       {:error, :noproc}
   end
 
-  defp collect(%{ref: ref} = gen, timeout, acc, n) do
+  defp collect(%{ref: ref} = gen, timeout, {acc, pending, matcher}, n) do
     receive do
-      {^ref, {:token, _id, piece}} -> collect(gen, timeout, [acc, piece], n + 1)
-      {^ref, :eog} -> {:ok, IO.iodata_to_binary(acc), n, :eog}
-      {^ref, :done} -> {:ok, IO.iodata_to_binary(acc), n, :max_tokens}
-      {^ref, {:error, reason}} -> {:error, reason}
+      {^ref, {:token, _id, piece}} ->
+        {emit, pending} = UTF8Stream.push(pending, piece)
+
+        case stop_push(matcher, emit) do
+          {:cont, emit, matcher} -> collect(gen, timeout, {[acc, emit], pending, matcher}, n + 1)
+          {:stop, emit} -> {:ok, IO.iodata_to_binary([acc, emit]), n + 1, :stop}
+        end
+
+      {^ref, done} when done in [:eog, :done] ->
+        text = IO.iodata_to_binary([acc, stop_flush(matcher), pending])
+        {:ok, text, n, if(done == :eog, do: :eog, else: :max_tokens)}
+
+      {^ref, {:error, reason}} ->
+        {:error, reason}
     after
       timeout -> {:error, :timeout}
     end
@@ -345,7 +384,7 @@ defmodule LlamaCppEx do
     }
   end
 
-  defp finish_reason(:eog), do: "stop"
+  defp finish_reason(reason) when reason in [:eog, :stop], do: "stop"
   defp finish_reason(_), do: "length"
 
   defp completion_id,
@@ -396,7 +435,15 @@ defmodule LlamaCppEx do
 
       parser = if opts[:enable_thinking], do: Thinking.stream_parser(thinking: true)
 
-      %{source: source, base: base, parser: parser, pending: "", timeout: timeout, phase: :role}
+      %{
+        source: source,
+        base: base,
+        parser: parser,
+        pending: "",
+        timeout: timeout,
+        phase: :role,
+        matcher: StopMatcher.new(opts[:stop])
+      }
     else
       {:error, reason} -> {:failed, reason}
     end
@@ -440,11 +487,21 @@ defmodule LlamaCppEx do
         case normalize_msg(msg) do
           {:piece, piece} ->
             {emit, pending} = UTF8Stream.push(st.pending, piece)
-            {deltas, st} = route(%{st | pending: pending}, emit)
-            {Enum.map(deltas, &chunk(st, &1, nil)), st}
+
+            case stop_push(st.matcher, emit) do
+              {:cont, emit, matcher} ->
+                {deltas, st} = route(%{st | pending: pending, matcher: matcher}, emit)
+                {Enum.map(deltas, &chunk(st, &1, nil)), st}
+
+              {:stop, emit} ->
+                {deltas, st} = route(%{st | pending: "", matcher: nil}, emit)
+
+                {Enum.map(deltas, &chunk(st, &1, nil)) ++ [chunk(st, %{}, "stop")],
+                 %{st | phase: :done}}
+            end
 
           {:done, reason} ->
-            {deltas, st} = route(%{st | pending: ""}, st.pending)
+            {deltas, st} = route(%{st | pending: ""}, stop_flush(st.matcher) <> st.pending)
 
             {Enum.map(deltas, &chunk(st, &1, nil)) ++ [chunk(st, %{}, finish_reason(reason))],
              %{st | phase: :done}}

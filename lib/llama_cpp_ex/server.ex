@@ -62,7 +62,18 @@ defmodule LlamaCppEx.Server do
   use GenServer
   require Logger
 
-  alias LlamaCppEx.{Context, Model, NIF, Options, Sampler, Telemetry, Tokenizer, UTF8Stream}
+  alias LlamaCppEx.{
+    Context,
+    Model,
+    NIF,
+    Options,
+    Sampler,
+    StopMatcher,
+    Telemetry,
+    Tokenizer,
+    UTF8Stream
+  }
+
   alias LlamaCppEx.Server.{Request, Slots}
 
   @own_keys [
@@ -79,7 +90,7 @@ defmodule LlamaCppEx.Server do
     :prompt_cache_ram_mb,
     :batch_strategy
   ]
-  @request_keys [:cache_prompt, :session, :cache_scope]
+  @request_keys [:cache_prompt, :session, :cache_scope, :stop]
   @call_keys [:max_tokens, :timeout]
   @prefix_instability_min 64
 
@@ -472,7 +483,9 @@ defmodule LlamaCppEx.Server do
       n_prefix_cache_tokens: 0,
       sampler: nil,
       t_last_used: 0,
-      session: nil
+      session: nil,
+      stop_matcher: nil,
+      stop_hit: false
     }
   end
 
@@ -538,7 +551,7 @@ defmodule LlamaCppEx.Server do
   # ---- admission
 
   defp admit(state, %Request{tokens: ids, max_tokens: max} = request) do
-    with :ok <- check_request(state, ids, max),
+    with :ok <- check_request(state, ids, max, request.opts),
          :ok <- check_capacity(state),
          {:ok, sampler} <- request_sampler(state, request.opts) do
       consumer = Request.consumer_pid(request)
@@ -548,13 +561,16 @@ defmodule LlamaCppEx.Server do
     end
   end
 
-  defp check_request(%{model: nil}, _ids, _max), do: {:error, :not_ready}
-  defp check_request(_state, [], _max), do: {:error, :empty_prompt}
+  defp check_request(%{model: nil}, _ids, _max, _opts), do: {:error, :not_ready}
+  defp check_request(_state, [], _max, _opts), do: {:error, :empty_prompt}
 
-  defp check_request(state, ids, max) do
+  defp check_request(state, ids, max, opts) do
     n_vocab = Tokenizer.vocab_size(state.model)
 
     cond do
+      not StopMatcher.valid?(Keyword.get(opts, :stop)) ->
+        {:error, {:invalid_stop, Keyword.get(opts, :stop)}}
+
       not is_list(ids) ->
         {:error, :invalid_tokens}
 
@@ -698,6 +714,9 @@ defmodule LlamaCppEx.Server do
         s.state == :idle ->
           st
 
+        s.stop_hit ->
+          finish_slot(st, seq, :stop)
+
         s.pending_eog ->
           finish_slot(st, seq, :eog)
 
@@ -712,7 +731,7 @@ defmodule LlamaCppEx.Server do
 
   defp finish_slot(state, seq, reason) do
     slot = Map.fetch!(state.slots, seq)
-    slot = flush_pending(slot)
+    slot = if reason == :stop, do: slot, else: flush_pending(slot)
     now = now_ms()
     text = IO.iodata_to_binary(slot.accumulated_pieces)
 
@@ -786,10 +805,18 @@ defmodule LlamaCppEx.Server do
     %{state | slots: Map.put(state.slots, seq, idle), pending_ops: ops}
   end
 
-  defp flush_pending(%{utf8_pending: ""} = slot), do: slot
-
   defp flush_pending(slot) do
-    emit_piece(%{slot | utf8_pending: ""}, slot.utf8_pending)
+    held = if slot.stop_matcher, do: StopMatcher.flush(slot.stop_matcher), else: ""
+    emit_piece(%{slot | utf8_pending: "", stop_matcher: nil}, held <> slot.utf8_pending)
+  end
+
+  defp emit_text(%{stop_matcher: nil} = slot, text), do: emit_piece(slot, text)
+
+  defp emit_text(%{stop_matcher: m} = slot, text) do
+    case StopMatcher.push(m, text) do
+      {:cont, emit, m} -> emit_piece(%{slot | stop_matcher: m}, emit)
+      {:stop, emit} -> emit_piece(%{slot | stop_matcher: nil, stop_hit: true}, emit)
+    end
   end
 
   defp emit_piece(slot, ""), do: slot
@@ -980,7 +1007,9 @@ defmodule LlamaCppEx.Server do
         n_prefix_cache_tokens: match,
         sampler: Keyword.fetch!(r.opts, :sampler),
         t_last_used: now,
-        session: Keyword.get(r.opts, :session)
+        session: Keyword.get(r.opts, :session),
+        stop_matcher: StopMatcher.new(Keyword.get(r.opts, :stop)),
+        stop_hit: false
     }
 
     sessions =
@@ -1109,7 +1138,7 @@ defmodule LlamaCppEx.Server do
 
       slot = %{
         slot
-        | pending_token: if(eog, do: nil, else: token),
+        | pending_token: if(eog or slot.stop_hit, do: nil, else: token),
           pending_eog: eog,
           tokens_generated: slot.tokens_generated + 1
       }
@@ -1119,7 +1148,7 @@ defmodule LlamaCppEx.Server do
           slot
         else
           {emit, pending} = UTF8Stream.push(slot.utf8_pending, piece)
-          emit_piece(%{slot | utf8_pending: pending}, emit)
+          emit_text(%{slot | utf8_pending: pending}, emit)
         end
 
       %{state | slots: Map.put(state.slots, seq, slot)}

@@ -69,7 +69,7 @@ defmodule LlamaCppEx.Thinking do
          %{p | state: :content, buffer: ""}}
 
       [_] ->
-        keep = partial_suffix(data, @close)
+        keep = LlamaCppEx.StopMatcher.longest_partial(data, [@close])
         emit = binary_part(data, 0, byte_size(data) - keep)
 
         {nonempty(:thinking, emit),
@@ -79,13 +79,4 @@ defmodule LlamaCppEx.Thinking do
 
   defp nonempty(_kind, ""), do: []
   defp nonempty(kind, text), do: [{kind, text}]
-
-  # Length of the longest suffix of `data` that is a proper prefix of `tag`.
-  defp partial_suffix(data, tag) do
-    max = min(byte_size(data), byte_size(tag) - 1)
-
-    Enum.find(max..1//-1, 0, fn n ->
-      binary_part(data, byte_size(data) - n, n) == binary_part(tag, 0, n)
-    end)
-  end
 end
