@@ -40,7 +40,8 @@ defmodule LlamaCppEx do
 
   @doc false
   def generation_option_keys,
-    do: @own_keys ++ Sampler.option_keys() ++ Context.tuning_option_keys()
+    do:
+      @own_keys ++ Sampler.option_keys() ++ Sampler.logprob_keys() ++ Context.tuning_option_keys()
 
   @doc "Initialises the backend. Idempotent."
   @spec init() :: :ok
@@ -192,7 +193,8 @@ defmodule LlamaCppEx do
 
   defp next_chunk({:running, %{ref: ref} = gen, pending, timeout, matcher}) do
     receive do
-      {^ref, {:token, _id, piece}} ->
+      {^ref, {:token, _id, piece} = msg} ->
+        _ = msg
         {emit, pending} = UTF8Stream.push(pending, piece)
 
         case stop_push(matcher, emit) do
@@ -301,11 +303,11 @@ defmodule LlamaCppEx do
           NIF.generate_tokens(ctx.ref, sampler.ref, tokens, max_tokens, caller, ref, cancel)
         end)
 
-      result = collect(gen, timeout, {[], "", StopMatcher.new(opts[:stop])}, 0)
+      result = collect(gen, timeout, {[], "", StopMatcher.new(opts[:stop]), []}, 0)
       Generator.stop(gen)
 
-      with {:ok, text, n, reason} <- result do
-        {:ok, completion(model, text, length(tokens), n, reason, opts[:enable_thinking])}
+      with {:ok, text, n, reason, lps} <- result do
+        {:ok, completion(model, text, length(tokens), n, reason, opts, lps)}
       end
     end
   end
@@ -324,9 +326,10 @@ defmodule LlamaCppEx do
     with {:ok, model} <- Server.fetch_model(server),
          {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts),
          {:ok, tokens} <- prompt_tokens(model, prompt),
-         {:ok, %{text: text, completion_tokens: n, finish_reason: reason}} <-
+         {:ok, %{text: text, completion_tokens: n, finish_reason: reason} = reply} <-
            server_complete(server, tokens, Keyword.delete(req_opts, :json_schema)) do
-      {:ok, completion(model, text, length(tokens), n, reason, opts[:enable_thinking])}
+      lps = if is_map(reply), do: Map.get(reply, :logprobs, []), else: []
+      {:ok, completion(model, text, length(tokens), n, reason, opts, lps)}
     end
   end
 
@@ -340,19 +343,17 @@ defmodule LlamaCppEx do
       {:error, :noproc}
   end
 
-  defp collect(%{ref: ref} = gen, timeout, {acc, pending, matcher}, n) do
+  defp collect(%{ref: ref} = gen, timeout, {acc, pending, matcher, lps}, n) do
     receive do
       {^ref, {:token, _id, piece}} ->
-        {emit, pending} = UTF8Stream.push(pending, piece)
+        collect_piece(gen, timeout, {acc, pending, matcher, lps}, n, piece)
 
-        case stop_push(matcher, emit) do
-          {:cont, emit, matcher} -> collect(gen, timeout, {[acc, emit], pending, matcher}, n + 1)
-          {:stop, emit} -> {:ok, IO.iodata_to_binary([acc, emit]), n + 1, :stop}
-        end
+      {^ref, {:token, _id, piece, lp}} ->
+        collect_piece(gen, timeout, {acc, pending, matcher, [{piece, lp} | lps]}, n, piece)
 
       {^ref, done} when done in [:eog, :done] ->
         text = IO.iodata_to_binary([acc, stop_flush(matcher), pending])
-        {:ok, text, n, if(done == :eog, do: :eog, else: :max_tokens)}
+        {:ok, text, n, if(done == :eog, do: :eog, else: :max_tokens), Enum.reverse(lps)}
 
       {^ref, {:error, reason}} ->
         {:error, reason}
@@ -361,27 +362,65 @@ defmodule LlamaCppEx do
     end
   end
 
-  defp completion(model, text, n_prompt, n, reason, thinking?) do
-    {reasoning, content} = if thinking?, do: Thinking.parse(text), else: {"", text}
+  defp collect_piece(gen, timeout, {acc, pending, matcher, lps}, n, piece) do
+    {emit, pending} = UTF8Stream.push(pending, piece)
+
+    case stop_push(matcher, emit) do
+      {:cont, emit, matcher} ->
+        collect(gen, timeout, {[acc, emit], pending, matcher, lps}, n + 1)
+
+      {:stop, emit} ->
+        {:ok, IO.iodata_to_binary([acc, emit]), n + 1, :stop, Enum.reverse(lps)}
+    end
+  end
+
+  defp completion(model, text, n_prompt, n, reason, opts, lps) do
+    {reasoning, content} = if opts[:enable_thinking], do: Thinking.parse(text), else: {"", text}
+
+    choice = %{
+      index: 0,
+      message: %{
+        role: "assistant",
+        content: content,
+        reasoning_content: if(reasoning == "", do: nil, else: reasoning)
+      },
+      finish_reason: finish_reason(reason)
+    }
+
+    choice =
+      if opts[:logprobs] == true or (opts[:top_logprobs] || 0) > 0,
+        do: Map.put(choice, :logprobs, %{content: Enum.map(lps, &openai_logprob/1)}),
+        else: choice
 
     %ChatCompletion{
       id: completion_id(),
       object: "chat.completion",
       created: System.os_time(:second),
       model: Model.desc(model),
-      choices: [
-        %{
-          index: 0,
-          message: %{
-            role: "assistant",
-            content: content,
-            reasoning_content: if(reasoning == "", do: nil, else: reasoning)
-          },
-          finish_reason: finish_reason(reason)
-        }
-      ],
+      choices: [choice],
       usage: %{prompt_tokens: n_prompt, completion_tokens: n, total_tokens: n_prompt + n}
     }
+  end
+
+  defp openai_logprob({piece, {lp, top}}) do
+    %{
+      token: printable(piece),
+      logprob: lp,
+      bytes: :binary.bin_to_list(piece),
+      top_logprobs:
+        Enum.map(top, fn {_id, p, l} ->
+          %{token: printable(p), logprob: l, bytes: :binary.bin_to_list(p)}
+        end)
+    }
+  end
+
+  # A token's text; bytes that are not valid UTF-8 on their own (a codepoint split across
+  # tokens) become U+FFFD, as OpenAI's API does; `bytes` keeps them exact.
+  defp printable(piece) do
+    case :unicode.characters_to_binary(piece) do
+      s when is_binary(s) -> s
+      {_, good, rest} -> good <> "\uFFFD" <> printable(binary_part(rest, 1, byte_size(rest) - 1))
+    end
   end
 
   defp finish_reason(reason) when reason in [:eog, :stop], do: "stop"
@@ -516,6 +555,7 @@ defmodule LlamaCppEx do
   end
 
   defp normalize_msg({:token, _id, piece}), do: {:piece, piece}
+  defp normalize_msg({:token, _id, piece, _logprobs}), do: {:piece, piece}
   defp normalize_msg({:token, piece}), do: {:piece, piece}
   defp normalize_msg(:eog), do: {:done, :eog}
   defp normalize_msg(:done), do: {:done, :max_tokens}
@@ -600,7 +640,7 @@ defmodule LlamaCppEx do
       |> Keyword.take(Context.tuning_option_keys())
       |> Keyword.put(:n_ctx, max(n_ctx, length(tokens) + max_tokens))
 
-    sampler_opts = Keyword.take(opts, Sampler.option_keys())
+    sampler_opts = Keyword.take(opts, Sampler.option_keys() ++ Sampler.logprob_keys())
 
     with {:ok, ctx} <- Context.create(model, ctx_opts),
          {:ok, sampler} <- Sampler.create(model, sampler_opts) do

@@ -183,6 +183,20 @@ defmodule LlamaCppEx.Context do
   end
 
   @doc """
+  The `n` most likely tokens and their log-probabilities for entry `idx` of the last batch
+  (-1 = the last entry with logits), from the raw logits — llama.cpp's `n_probs`.
+  """
+  @spec top_logprobs(t(), integer(), non_neg_integer()) ::
+          {:ok, [{non_neg_integer(), float()}]} | {:error, String.t()}
+  def top_logprobs(%__MODULE__{ref: ref}, idx \\ -1, n) when is_integer(n) and n >= 0 do
+    NIF.get_top_logprobs(ref, idx, n)
+  end
+
+  @doc "The raw logits of entry `idx` of the last batch (-1 = last entry with logits)."
+  @spec logits(t(), integer()) :: {:ok, [float()]} | {:error, String.t()}
+  def logits(%__MODULE__{ref: ref}, idx \\ -1), do: NIF.get_logits(ref, idx)
+
+  @doc """
   Block usage of the KV cache after an integrity audit:
   `%{n_blocks: n, used: [per layer group], owners: [[{seq_id, blocks}]]}`.
   """

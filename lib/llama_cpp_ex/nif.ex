@@ -52,6 +52,7 @@ defmodule LlamaCppEx.NIF do
   def decode(_ctx, _tokens), do: err()
   def batch_eval(_ctx, _entries), do: err()
   def get_logits(_ctx, _idx), do: err()
+  def get_top_logprobs(_ctx, _idx, _n), do: err()
 
   def sampler_init(
         _model,
@@ -64,7 +65,8 @@ defmodule LlamaCppEx.NIF do
         _penalty_freq,
         _penalty_present,
         _grammar,
-        _grammar_root
+        _grammar_root,
+        _logprobs
       ),
       do: err()
 

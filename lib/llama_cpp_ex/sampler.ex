@@ -29,9 +29,15 @@ defmodule LlamaCppEx.Sampler do
     :grammar_root
   ]
 
+  @logprob_keys [:logprobs, :top_logprobs]
+
   @doc "Sampling option keys."
   @spec option_keys() :: [atom()]
   def option_keys, do: @keys
+
+  @doc "Log-probability reporting keys (accepted by `create/2` and every generation route)."
+  @spec logprob_keys() :: [atom()]
+  def logprob_keys, do: @logprob_keys
 
   @doc """
   Creates a sampler.
@@ -47,14 +53,18 @@ defmodule LlamaCppEx.Sampler do
       last 64 tokens.
     * `:grammar`, `:grammar_root` - GBNF constraint (not yet available: a non-empty grammar
       returns an error).
+    * `:logprobs` - report the log-probability of each sampled token (from the raw logits,
+      before any sampling stage). Default `false`.
+    * `:top_logprobs` - with `:logprobs`, also report the 0..20 most likely alternatives.
   """
   @spec create(Model.t(), keyword()) :: {:ok, t()} | {:error, term()}
   def create(%Model{ref: mref} = model, opts \\ []) do
-    Options.validate!(opts, @keys, "LlamaCppEx.Sampler.create/2")
+    Options.validate!(opts, @keys ++ @logprob_keys, "LlamaCppEx.Sampler.create/2")
     seed = Keyword.get_lazy(opts, :seed, fn -> :rand.uniform(1_000_000_000) end)
 
     with :ok <- check(:seed, seed, &(is_integer(&1) and &1 >= 0)),
          :ok <- check(:top_k, Keyword.get(opts, :top_k, 40), &is_integer/1),
+         {:ok, logprobs} <- logprobs(opts),
          :ok <- check_numbers(opts) do
       case NIF.sampler_init(
              mref,
@@ -67,11 +77,30 @@ defmodule LlamaCppEx.Sampler do
              float(opts, :penalty_freq, 0.0),
              float(opts, :penalty_present, 0.0),
              Keyword.get(opts, :grammar) || "",
-             Keyword.get(opts, :grammar_root) || "root"
+             Keyword.get(opts, :grammar_root) || "root",
+             logprobs
            ) do
         {:ok, ref} -> {:ok, %__MODULE__{ref: ref, model: model}}
         {:error, _} = error -> error
       end
+    end
+  end
+
+  @max_top_logprobs 20
+
+  defp logprobs(opts) do
+    top = Keyword.get(opts, :top_logprobs, 0)
+
+    cond do
+      not (is_integer(top) and top >= 0 and top <= @max_top_logprobs) ->
+        {:error,
+         "top_logprobs must be an integer in 0..#{@max_top_logprobs}, got #{inspect(top)}"}
+
+      Keyword.get(opts, :logprobs, false) == true or top > 0 ->
+        {:ok, top}
+
+      true ->
+        {:ok, -1}
     end
   end
 

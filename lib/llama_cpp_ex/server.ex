@@ -105,7 +105,7 @@ defmodule LlamaCppEx.Server do
 
   @doc "Per-request options."
   @spec request_option_keys() :: [atom()]
-  def request_option_keys, do: @request_keys ++ Sampler.option_keys()
+  def request_option_keys, do: @request_keys ++ Sampler.option_keys() ++ Sampler.logprob_keys()
 
   @doc false
   def child_spec(opts) do
@@ -485,7 +485,8 @@ defmodule LlamaCppEx.Server do
       t_last_used: 0,
       session: nil,
       stop_matcher: nil,
-      stop_hit: false
+      stop_hit: false,
+      token_logprobs: []
     }
   end
 
@@ -595,14 +596,10 @@ defmodule LlamaCppEx.Server do
   end
 
   defp request_sampler(state, opts) do
-    sampler_opts =
-      Keyword.merge(state.sampler_defaults, Keyword.take(opts, Sampler.option_keys()))
+    request = Keyword.take(opts, Sampler.option_keys() ++ Sampler.logprob_keys())
+    sampler_opts = Keyword.merge(state.sampler_defaults, request)
 
-    case Sampler.create(state.model, sampler_opts) do
-      {:ok, sampler} -> {:ok, sampler}
-      {:error, :invalid_grammar} -> {:error, :invalid_grammar}
-      {:error, reason} -> {:error, reason}
-    end
+    Sampler.create(state.model, sampler_opts)
   end
 
   # ---- tick loop
@@ -742,7 +739,7 @@ defmodule LlamaCppEx.Server do
       slot.from != nil and reason != :cancelled ->
         reply =
           if slot.reply_mode == :full,
-            do: %{text: text, completion_tokens: slot.tokens_generated, finish_reason: reason},
+            do: full_reply(slot, text, reason),
             else: text
 
         GenServer.reply(slot.from, {:ok, reply})
@@ -755,6 +752,15 @@ defmodule LlamaCppEx.Server do
     emit_done(state, seq, slot, reason, now)
     state = update_stats(state, slot)
     release_slot(state, seq, slot, now)
+  end
+
+  defp full_reply(slot, text, reason) do
+    reply = %{text: text, completion_tokens: slot.tokens_generated, finish_reason: reason}
+
+    case slot.token_logprobs do
+      [] -> reply
+      lps -> Map.put(reply, :logprobs, Enum.reverse(lps))
+    end
   end
 
   defp fail_seq(state, seq, reason) do
@@ -1009,7 +1015,8 @@ defmodule LlamaCppEx.Server do
         t_last_used: now,
         session: Keyword.get(r.opts, :session),
         stop_matcher: StopMatcher.new(Keyword.get(r.opts, :stop)),
-        stop_hit: false
+        stop_hit: false,
+        token_logprobs: []
     }
 
     sessions =
@@ -1119,7 +1126,7 @@ defmodule LlamaCppEx.Server do
     %{state | slots: slots}
   end
 
-  defp apply_sample({seq, token, piece, eog}, state) do
+  defp apply_sample({seq, token, piece, eog, logprobs}, state) do
     slot = Map.fetch!(state.slots, seq)
 
     if slot.state == :idle do
@@ -1140,7 +1147,12 @@ defmodule LlamaCppEx.Server do
         slot
         | pending_token: if(eog or slot.stop_hit, do: nil, else: token),
           pending_eog: eog,
-          tokens_generated: slot.tokens_generated + 1
+          tokens_generated: slot.tokens_generated + 1,
+          token_logprobs:
+            if(logprobs && not eog,
+              do: [{piece, logprobs} | slot.token_logprobs],
+              else: slot.token_logprobs
+            )
       }
 
       slot =

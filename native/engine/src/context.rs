@@ -4,7 +4,7 @@ use crate::batch::Batch;
 use crate::error::{EngineError, Result};
 use crate::kv::{KvCache, KvType, KvUsage};
 use crate::model::Model;
-use crate::sampler::Sampler;
+use crate::sampler::{Sampler, TokenLogprobs};
 use crate::tokenizer::TokenId;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -230,7 +230,7 @@ impl Context {
         prompt: &[TokenId],
         max_tokens: usize,
         cancel: Option<&AtomicBool>,
-        mut on_token: impl FnMut(TokenId, bool) -> bool,
+        mut on_token: impl FnMut(TokenId, bool, Option<TokenLogprobs>) -> bool,
     ) -> Result<(Vec<TokenId>, StopReason)> {
         if prompt.is_empty() {
             return Err(EngineError::InvalidArgument(
@@ -252,10 +252,10 @@ impl Context {
         }
         let mut out = Vec::new();
         while out.len() < max_tokens {
-            let token = sampler.sample(self.logits_ith(-1)?);
+            let (token, logprobs) = sampler.sample_with_logprobs(self.logits_ith(-1)?);
             let eog = self.model.tokenizer.is_eog(token);
             out.push(token);
-            if !on_token(token, eog) {
+            if !on_token(token, eog, logprobs) {
                 return Ok((out, StopReason::Cancelled));
             }
             if eog {
@@ -284,6 +284,7 @@ pub struct Sampled {
     pub seq: usize,
     pub token: TokenId,
     pub is_eog: bool,
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// Result of a batched evaluate-and-sample step.
@@ -369,11 +370,12 @@ impl Context {
                 continue;
             }
             if let Some((_, sampler)) = samplers.iter_mut().find(|(s, _)| *s == seq) {
-                let token = sampler.sample(self.logits_ith(i as i64)?);
+                let (token, logprobs) = sampler.sample_with_logprobs(self.logits_ith(i as i64)?);
                 outcome.sampled.push(Sampled {
                     seq,
                     token,
                     is_eog: self.model.tokenizer.is_eog(token),
+                    logprobs,
                 });
             }
         }

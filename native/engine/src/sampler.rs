@@ -17,6 +17,47 @@ pub struct SamplerParams {
     pub penalty_repeat: f32,
     pub penalty_freq: f32,
     pub penalty_present: f32,
+    /// Report log-probabilities of sampled tokens: `None` off, `Some(n)` with the `n` most
+    /// likely alternatives (from the raw logits, before any sampler stage).
+    pub logprobs: Option<usize>,
+}
+
+/// Maximum number of alternatives reported per token.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Log-probability of a token and the most likely alternatives, from raw logits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(TokenId, f32)>,
+}
+
+/// Log-softmax of `logits` at `token` plus the `n` most likely tokens (descending).
+pub fn token_logprobs(logits: &[f32], token: TokenId, n: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let lse = max as f64 + sum.ln();
+    let lp = |l: f32| (l as f64 - lse) as f32;
+    let n = n.min(MAX_TOP_LOGPROBS).min(logits.len());
+    let mut top: Vec<(TokenId, f32)> = Vec::with_capacity(n);
+    if n > 0 {
+        let mut idx: Vec<(TokenId, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as TokenId, l))
+            .collect();
+        idx.select_nth_unstable_by(n - 1, |a, b| b.1.total_cmp(&a.1));
+        idx.truncate(n);
+        idx.sort_by(|a, b| b.1.total_cmp(&a.1));
+        top = idx.into_iter().map(|(i, l)| (i, lp(l))).collect();
+    }
+    TokenLogprobs {
+        logprob: logits
+            .get(token as usize)
+            .map(|&l| lp(l))
+            .unwrap_or(f32::NEG_INFINITY),
+        top,
+    }
 }
 
 impl Default for SamplerParams {
@@ -30,6 +71,7 @@ impl Default for SamplerParams {
             penalty_repeat: 1.0,
             penalty_freq: 0.0,
             penalty_present: 0.0,
+            logprobs: None,
         }
     }
 }
@@ -141,6 +183,13 @@ impl Sampler {
         let t = self.pick(logits);
         self.accept(t);
         t
+    }
+
+    /// Like `sample`, also returning log-probabilities when the sampler reports them.
+    pub fn sample_with_logprobs(&mut self, logits: &[f32]) -> (TokenId, Option<TokenLogprobs>) {
+        let t = self.sample(logits);
+        let lp = self.params.logprobs.map(|n| token_logprobs(logits, t, n));
+        (t, lp)
     }
 
     fn pick(&mut self, logits: &[f32]) -> TokenId {
@@ -326,6 +375,17 @@ mod tests {
         });
         s.accept(1);
         assert_eq!(s.sample(&[1.0, 4.0]), 0);
+    }
+
+    #[test]
+    fn token_logprobs_match_log_softmax() {
+        let logits = [1.0, 3.0, 2.0, -1.0];
+        let lp = token_logprobs(&logits, 2, 2);
+        let full = log_softmax(&logits);
+        assert!((lp.logprob - full[2]).abs() < 1e-6);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert!((lp.top[0].1 - full[1]).abs() < 1e-6);
+        assert!(token_logprobs(&logits, 0, 0).top.is_empty());
     }
 
     #[test]

@@ -29,7 +29,9 @@ fn free_running_greedy_matches_the_fixture_start() {
     let expected = ids(&case["generated_ids"]);
     let mut c = ctx(&model, 512, 1);
     let mut s = Sampler::new(SamplerParams::greedy());
-    let (out, _) = c.generate(&mut s, &prompt, 8, None, |_, _| true).unwrap();
+    let (out, _) = c
+        .generate(&mut s, &prompt, 8, None, |_, _, _| true)
+        .unwrap();
     assert_eq!(out, expected[..8]);
 }
 

@@ -6,6 +6,7 @@
 use crossbeam_channel::{unbounded, Sender};
 use llama_cpp_ex_engine::context::StopReason;
 use llama_cpp_ex_engine::kv::KvType;
+use llama_cpp_ex_engine::sampler::TokenLogprobs;
 use llama_cpp_ex_engine::{
     Batch, Context, ContextParams, EngineError, LoadOptions, Model, Requantize, Sampler,
     SamplerParams,
@@ -567,6 +568,24 @@ fn get_logits<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, idx: i64) -> Term<'a
     ok_or_error(env, r)
 }
 
+/// Log-probabilities of the `n` most likely tokens of entry `idx` of the last batch
+/// (llama.cpp's `n_probs`): `{:ok, [{id, logprob}]}`.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn get_top_logprobs<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, idx: i64, n: i64) -> Term<'a> {
+    let r = guard(|| {
+        let ctx = lock(&c.ctx);
+        let row = ctx.logits_ith(idx)?;
+        let n = count(n, "n")?;
+        let lp = llama_cpp_ex_engine::sampler::token_logprobs(row, 0, n);
+        Ok(lp
+            .top
+            .into_iter()
+            .map(|(id, l)| (id, l as f64))
+            .collect::<Vec<_>>())
+    });
+    ok_or_error(env, r)
+}
+
 // ---------------------------------------------------------------- sampler
 
 #[rustler::nif(schedule = "DirtyCpu")]
@@ -584,6 +603,7 @@ fn sampler_init<'a>(
     penalty_present: f64,
     grammar: String,
     _grammar_root: String,
+    logprobs: i64,
 ) -> Term<'a> {
     let r = guard(|| {
         if !grammar.is_empty() {
@@ -600,6 +620,7 @@ fn sampler_init<'a>(
             penalty_repeat: penalty_repeat as f32,
             penalty_freq: penalty_freq as f32,
             penalty_present: penalty_present as f32,
+            logprobs: usize::try_from(logprobs).ok(),
         };
         params.validate().map_err(NifError::Message)?;
         Ok(ResourceArc::new(SamplerRes {
@@ -644,12 +665,25 @@ fn sampler_sample_at<'a>(
 // ---------------------------------------------------------------- engine thread
 
 type EvalReply = (
-    Vec<(usize, u32, Vec<u8>, bool)>,
+    Vec<(usize, u32, Vec<u8>, bool, Option<TokenLogprobs>)>,
     Vec<usize>,
     usize,
     Vec<usize>,
     u64,
 );
+
+/// `{logprob, [{id, piece, logprob}]}`.
+fn encode_logprobs<'a>(env: Env<'a>, model: &Model, lp: &TokenLogprobs) -> Term<'a> {
+    let top: Vec<Term> = lp
+        .top
+        .iter()
+        .map(|&(id, l)| {
+            let piece = model.tokenizer.token_to_piece(id).unwrap_or(&[]);
+            (id, binary(env, piece), l as f64).encode(env)
+        })
+        .collect();
+    (lp.logprob as f64, top).encode(env)
+}
 
 fn run_job(ctx: &ContextRes, job: &Job) -> NifOut<EvalReply> {
     guard(|| {
@@ -691,7 +725,7 @@ fn run_job(ctx: &ContextRes, job: &Job) -> NifOut<EvalReply> {
                     .token_to_piece(s.token)
                     .map(<[u8]>::to_vec)
                     .unwrap_or_default();
-                (s.seq, s.token, piece, s.is_eog)
+                (s.seq, s.token, piece, s.is_eog, s.logprobs.clone())
             })
             .collect();
         let eval_us = started.elapsed().as_micros() as u64;
@@ -711,6 +745,7 @@ fn engine_start(c: ResourceArc<ContextRes>) -> NifResult<ResourceArc<EngineRes>>
     std::thread::Builder::new()
         .name("llama_cpp_ex-engine".into())
         .spawn(move || {
+            let model = lock(&c.ctx).model.clone();
             for mut job in rx {
                 let reply = run_job(&c, &job);
                 let reference = job.reference;
@@ -720,8 +755,12 @@ fn engine_start(c: ResourceArc<ContextRes>) -> NifResult<ResourceArc<EngineRes>>
                         Ok((sampled, purged, splits, failed, eval_us)) => {
                             let sampled: Vec<Term> = sampled
                                 .iter()
-                                .map(|(seq, t, piece, eog)| {
-                                    (*seq, *t, binary(env, piece), *eog).encode(env)
+                                .map(|(seq, t, piece, eog, lp)| {
+                                    let lp = match lp {
+                                        Some(lp) => encode_logprobs(env, &model, lp),
+                                        None => rustler::types::atom::nil().encode(env),
+                                    };
+                                    (*seq, *t, binary(env, piece), *eog, lp).encode(env)
                                 })
                                 .collect();
                             (r, (atoms::ok(), sampled, purged, splits, failed, eval_us)).encode(env)
@@ -830,7 +869,7 @@ fn generate_loop(
     prompt: &[i64],
     max_tokens: i64,
     cancel: &AtomicBool,
-    mut emit: impl FnMut(u32, &[u8], bool) -> bool,
+    mut emit: impl FnMut(u32, &[u8], bool, Option<TokenLogprobs>) -> bool,
 ) -> NifOut<(Vec<u32>, StopReason)> {
     if prompt.is_empty() {
         return Err(NifError::Message("prompt cannot be empty".into()));
@@ -845,13 +884,13 @@ fn generate_loop(
         &prompt,
         max_tokens as usize,
         Some(cancel),
-        |t, eog| {
+        |t, eog, lp| {
             let piece = if eog {
                 &[][..]
             } else {
                 model.tokenizer.token_to_piece(t).unwrap_or(&[])
             };
-            emit(t, piece, eog)
+            emit(t, piece, eog, lp)
         },
     )?;
     Ok(r)
@@ -876,7 +915,7 @@ fn generate<'a>(
             &prompt,
             max_tokens,
             &cancel.flag,
-            |_, piece, _| {
+            |_, piece, _, _| {
                 text.extend_from_slice(piece);
                 true
             },
@@ -906,18 +945,28 @@ fn generate_tokens<'a>(
     let r = guard(|| {
         let mut ctx = lock(&c.ctx);
         let mut sampler = lock(&s.sampler);
+        let model = ctx.model.clone();
         generate_loop(
             &mut ctx,
             &mut sampler,
             &prompt,
             max_tokens,
             &cancel.flag,
-            |t, piece, eog| {
+            |t, piece, eog, lp| {
                 if eog || cancel.flag.load(Ordering::Relaxed) {
                     return true;
                 }
-                let msg = (reference, (atoms::token(), t, binary(env, piece)));
-                env.send(&pid, msg).is_ok()
+                let sent = match lp {
+                    None => env.send(&pid, (reference, (atoms::token(), t, binary(env, piece)))),
+                    Some(lp) => {
+                        let lp = encode_logprobs(env, &model, &lp);
+                        env.send(
+                            &pid,
+                            (reference, (atoms::token(), t, binary(env, piece), lp)),
+                        )
+                    }
+                };
+                sent.is_ok()
             },
         )
     });
