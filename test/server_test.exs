@@ -219,6 +219,12 @@ defmodule LlamaCppEx.ServerTest do
              server |> Server.stream("Hello there", max_tokens: 200, timeout: 1) |> Enum.to_list()
 
     assert %{active_slots: 0, queue_depth: 0} = Server.get_stats(server)
+
+    # a blocking call that times out exits, and its request does not keep running
+    assert {:timeout, _} =
+             catch_exit(Server.generate(server, "Hello again", max_tokens: 300, timeout: 1))
+
+    assert %{active_slots: 0, queue_depth: 0} = Server.get_stats(server)
   end
 
   test "get_stats answers during a forward pass", %{server: server} do

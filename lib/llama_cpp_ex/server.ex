@@ -25,7 +25,10 @@ defmodule LlamaCppEx.Server do
 
   Tokenization happens in the caller. Sampling options (`:temp`, `:top_k`, `:top_p`, `:min_p`,
   `:seed`, penalties) apply per request on top of the server-wide defaults, with a fresh sampler
-  per request. `:cache_prompt`, `:session` and `:cache_scope` steer prefix reuse.
+  per request. `:cache_prompt`, `:session` and `:cache_scope` steer prefix reuse. `:stop` takes
+  stop strings (matched across token boundaries, never emitted; the request finishes with
+  `:stop`); `:logprobs` / `:top_logprobs` add per-token log-probabilities to
+  `complete_tokens/3`'s reply. A blocking call that times out cancels its request.
 
   ## Prefix reuse
 
@@ -175,7 +178,16 @@ defmodule LlamaCppEx.Server do
 
   defp call_generate(server, ids, opts, mode) do
     {max_tokens, timeout, req_opts} = split_call_opts(opts)
-    GenServer.call(server, {:generate_tokens, ids, max_tokens, req_opts, mode}, timeout)
+    ref = make_ref()
+
+    try do
+      GenServer.call(server, {:generate_tokens, ids, max_tokens, req_opts, mode, ref}, timeout)
+    catch
+      :exit, {:timeout, _} = reason ->
+        # the request may have been admitted after we gave up: do not leave it running
+        cancel(server, ref)
+        exit(reason)
+    end
   end
 
   @doc """
@@ -203,8 +215,12 @@ defmodule LlamaCppEx.Server do
     try do
       GenServer.call(server, {:stream_tokens, ids, max_tokens, req_opts, self(), ref}, timeout)
     catch
-      :exit, {:timeout, _} -> {:error, :timeout}
-      :exit, reason -> {:error, exit_reason(reason)}
+      :exit, {:timeout, _} ->
+        cancel(server, ref)
+        {:error, :timeout}
+
+      :exit, reason ->
+        {:error, exit_reason(reason)}
     end
   end
 
@@ -520,8 +536,11 @@ defmodule LlamaCppEx.Server do
     {:noreply, maybe_answer_audits(%{state | audits: [from | state.audits]})}
   end
 
-  def handle_call({:generate_tokens, ids, max, opts, mode}, from, state) do
-    request = Request.sync(ids, max, Keyword.put(opts, :reply_mode, mode), from)
+  def handle_call({:generate_tokens, ids, max, opts, mode, ref}, from, state) do
+    request = %{
+      Request.sync(ids, max, Keyword.put(opts, :reply_mode, mode), from)
+      | stream_ref: ref
+    }
 
     case admit(state, request) do
       {:ok, state} -> {:noreply, state}
