@@ -481,7 +481,9 @@ defmodule LlamaCppEx do
         pending: "",
         timeout: timeout,
         phase: :role,
-        matcher: StopMatcher.new(opts[:stop])
+        matcher: StopMatcher.new(opts[:stop]),
+        lps: [],
+        want_lps: opts[:logprobs] == true or (opts[:top_logprobs] || 0) > 0
       }
     else
       {:error, reason} -> {:failed, reason}
@@ -524,39 +526,65 @@ defmodule LlamaCppEx do
     receive do
       {^ref, msg} ->
         case normalize_msg(msg) do
+          {:logprob, entry} ->
+            next_chat_chunk(%{st | lps: [entry | st.lps]})
+
+          {:piece, piece, entry} ->
+            chat_piece(%{st | lps: [entry | st.lps]}, piece)
+
           {:piece, piece} ->
-            {emit, pending} = UTF8Stream.push(st.pending, piece)
-
-            case stop_push(st.matcher, emit) do
-              {:cont, emit, matcher} ->
-                {deltas, st} = route(%{st | pending: pending, matcher: matcher}, emit)
-                {Enum.map(deltas, &chunk(st, &1, nil)), st}
-
-              {:stop, emit} ->
-                {deltas, st} = route(%{st | pending: "", matcher: nil}, emit)
-
-                {Enum.map(deltas, &chunk(st, &1, nil)) ++ [chunk(st, %{}, "stop")],
-                 %{st | phase: :done}}
-            end
+            chat_piece(st, piece)
 
           {:done, reason} ->
             {deltas, st} = route(%{st | pending: ""}, stop_flush(st.matcher) <> st.pending)
-
-            {Enum.map(deltas, &chunk(st, &1, nil)) ++ [chunk(st, %{}, finish_reason(reason))],
-             %{st | phase: :done}}
+            {chunks, st} = delta_chunks(st, deltas)
+            {chunks ++ [chunk(st, %{}, finish_reason(reason))], %{st | phase: :done}}
 
           {:error, reason} ->
             {deltas, st} = route(%{st | pending: ""}, st.pending)
-            {Enum.map(deltas, &chunk(st, &1, nil)) ++ [{:error, reason}], %{st | phase: :done}}
+            {chunks, st} = delta_chunks(st, deltas)
+            {chunks ++ [{:error, reason}], %{st | phase: :done}}
         end
     after
       st.timeout -> {[{:error, :timeout}], %{st | phase: :done}}
     end
   end
 
+  defp chat_piece(st, piece) do
+    {emit, pending} = UTF8Stream.push(st.pending, piece)
+
+    case stop_push(st.matcher, emit) do
+      {:cont, emit, matcher} ->
+        {deltas, st} = route(%{st | pending: pending, matcher: matcher}, emit)
+        delta_chunks(st, deltas)
+
+      {:stop, emit} ->
+        {deltas, st} = route(%{st | pending: "", matcher: nil}, emit)
+        {chunks, st} = delta_chunks(st, deltas)
+        {chunks ++ [chunk(st, %{}, "stop")], %{st | phase: :done}}
+    end
+  end
+
+  # Content chunks; the log-probabilities of the tokens behind them ride on the first one.
+  defp delta_chunks(st, []), do: {[], st}
+
+  defp delta_chunks(st, deltas) do
+    [first | rest] = Enum.map(deltas, &chunk(st, &1, nil))
+
+    if st.want_lps and st.lps != [] do
+      content = st.lps |> Enum.reverse() |> Enum.map(&openai_logprob/1)
+      [choice] = first.choices
+      first = %{first | choices: [Map.put(choice, :logprobs, %{content: content})]}
+      {[first | rest], %{st | lps: []}}
+    else
+      {[first | rest], st}
+    end
+  end
+
   defp normalize_msg({:token, _id, piece}), do: {:piece, piece}
-  defp normalize_msg({:token, _id, piece, _logprobs}), do: {:piece, piece}
+  defp normalize_msg({:token, _id, piece, logprobs}), do: {:piece, piece, {piece, logprobs}}
   defp normalize_msg({:token, piece}), do: {:piece, piece}
+  defp normalize_msg({:logprob, entry}), do: {:logprob, entry}
   defp normalize_msg(:eog), do: {:done, :eog}
   defp normalize_msg(:done), do: {:done, :max_tokens}
   defp normalize_msg({:done, reason}), do: {:done, reason}

@@ -98,6 +98,25 @@ defmodule LlamaCppEx.LogprobsTest do
       LlamaCppEx.chat_completion(s, msgs, max_tokens: 6, logprobs: true, top_logprobs: 2)
 
     assert hd(remote.choices).logprobs == hd(local.choices).logprobs
+
+    # streamed: each content chunk carries the log-probabilities of its tokens
+    for target <- [model, s] do
+      chunks =
+        target
+        |> LlamaCppEx.stream_chat_completion(msgs,
+          max_tokens: 6,
+          temp: 0.0,
+          logprobs: true,
+          top_logprobs: 2
+        )
+        |> Enum.to_list()
+
+      streamed =
+        Enum.flat_map(chunks, fn c -> get_in(hd(c.choices), [:logprobs, :content]) || [] end)
+
+      assert streamed == hd(local.choices).logprobs.content
+    end
+
     GenServer.stop(s)
   end
 end

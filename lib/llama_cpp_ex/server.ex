@@ -331,6 +331,7 @@ defmodule LlamaCppEx.Server do
   defp stream_next({:running, server, ref, timeout} = s) do
     receive do
       {^ref, {:token, piece}} -> {[piece], s}
+      {^ref, {:logprob, _}} -> stream_next(s)
       {^ref, {:done, _reason}} -> {:halt, {:finished, server, ref}}
       {^ref, {:error, reason}} -> {[{:error, reason}], {:finished, server, ref}}
     after
@@ -1173,6 +1174,9 @@ defmodule LlamaCppEx.Server do
               else: slot.token_logprobs
             )
       }
+
+      if logprobs && not eog && slot.stream_pid,
+        do: send(slot.stream_pid, {slot.stream_ref, {:logprob, {piece, logprobs}}})
 
       slot =
         if eog do
