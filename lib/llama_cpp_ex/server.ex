@@ -343,19 +343,11 @@ defmodule LlamaCppEx.Server do
 
   defp stream_after({:running, server, ref, _}) do
     cancel(server, ref)
-    drain(ref)
+    LlamaCppEx.Generator.drain(ref)
   end
 
-  defp stream_after({:finished, _server, ref}), do: drain(ref)
+  defp stream_after({:finished, _server, ref}), do: LlamaCppEx.Generator.drain(ref)
   defp stream_after(_), do: :ok
-
-  defp drain(ref) do
-    receive do
-      {^ref, _} -> drain(ref)
-    after
-      0 -> :ok
-    end
-  end
 
   # ------------------------------------------------------------------ server
 

@@ -157,27 +157,14 @@ impl Context {
     }
 
     fn decode_ubatch(&mut self, batch: &Batch) -> Result<()> {
-        let mut ranges: Vec<(usize, usize, usize)> = Vec::new();
-        for i in 0..batch.len() {
-            let s = batch.seq[i];
-            match ranges.iter_mut().find(|r| r.0 == s) {
-                Some(r) => r.2 = batch.pos[i] + 1,
-                None => ranges.push((s, batch.pos[i], batch.pos[i] + 1)),
-            }
-        }
-        let before: Vec<(usize, usize)> =
-            ranges.iter().map(|r| (r.0, self.kv.seq_len(r.0))).collect();
-        for &(s, from, to) in &ranges {
-            if let Err(e) = self.kv.reserve(s, from, to) {
-                self.rollback(&before);
-                return Err(e);
-            }
-        }
+        let ranges = seq_ranges(batch);
+        self.reserve_batch(&ranges)
+            .map_err(|seq| EngineError::ContextFull { seq })?;
         let arch = self.model.architecture()?;
         let logits = match arch.forward(batch, &mut self.kv) {
             Ok(l) => l,
             Err(e) => {
-                self.rollback(&before);
+                self.release_reserved(&ranges);
                 return Err(e);
             }
         };
@@ -198,9 +185,24 @@ impl Context {
         Ok(())
     }
 
-    fn rollback(&mut self, before: &[(usize, usize)]) {
-        for &(s, len) in before {
-            debug_assert_eq!(self.kv.seq_len(s), len);
+    /// Reserves blocks for every sequence's new positions; on failure releases what was
+    /// reserved and names the sequence that did not fit.
+    fn reserve_batch(
+        &mut self,
+        ranges: &[(usize, usize, usize)],
+    ) -> std::result::Result<(), usize> {
+        for &(s, from, to) in ranges {
+            if self.kv.reserve(s, from, to).is_err() {
+                self.release_reserved(ranges);
+                return Err(s);
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees blocks reserved beyond each sequence's committed positions.
+    fn release_reserved(&mut self, ranges: &[(usize, usize, usize)]) {
+        for &(s, _, _) in ranges {
             self.kv.release_unused(s);
         }
     }
@@ -278,6 +280,19 @@ impl Context {
     }
 }
 
+/// `(seq, first position, end position)` of every sequence in a (validated) batch.
+fn seq_ranges(batch: &Batch) -> Vec<(usize, usize, usize)> {
+    let mut ranges: Vec<(usize, usize, usize)> = Vec::new();
+    for i in 0..batch.len() {
+        let s = batch.seq[i];
+        match ranges.iter_mut().find(|r| r.0 == s) {
+            Some(r) => r.2 = batch.pos[i] + 1,
+            None => ranges.push((s, batch.pos[i], batch.pos[i] + 1)),
+        }
+    }
+    ranges
+}
+
 /// One sequence's outcome in [`Context::eval_sample`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sampled {
@@ -300,30 +315,6 @@ pub struct EvalOutcome {
 }
 
 impl Context {
-    /// Blocks a batch needs beyond what its sequences hold (a conservative count: shared
-    /// blocks that would be copied count as needed).
-    fn can_reserve(&mut self, batch: &Batch) -> std::result::Result<(), usize> {
-        let mut ranges: Vec<(usize, usize, usize)> = Vec::new();
-        for i in 0..batch.len() {
-            let s = batch.seq[i];
-            match ranges.iter_mut().find(|r| r.0 == s) {
-                Some(r) => r.2 = batch.pos[i] + 1,
-                None => ranges.push((s, batch.pos[i], batch.pos[i] + 1)),
-            }
-        }
-        let before: Vec<(usize, usize)> =
-            ranges.iter().map(|r| (r.0, self.kv.seq_len(r.0))).collect();
-        for &(s, from, to) in &ranges {
-            if self.kv.reserve(s, from, to).is_err() {
-                for &(s2, _) in &before {
-                    self.kv.release_unused(s2);
-                }
-                return Err(s);
-            }
-        }
-        Ok(())
-    }
-
     /// Evaluates a batch and samples one token for every entry with its logits flag set, with
     /// that entry's sequence's sampler. Under KV pressure, drops the caches of `purgeable`
     /// sequences (in order) first, then fails the sequences that still do not fit and evaluates
@@ -342,7 +333,7 @@ impl Context {
             if batch.is_empty() {
                 return Ok(outcome);
             }
-            match self.can_reserve(&batch) {
+            match self.reserve_batch(&seq_ranges(&batch)) {
                 Ok(()) => break,
                 Err(seq) => {
                     outcome.n_splits += 1;

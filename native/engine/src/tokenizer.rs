@@ -114,6 +114,20 @@ fn byte_to_unicode() -> [char; 256] {
     table
 }
 
+fn build_bpe(
+    vocab: &HashMap<String, u32>,
+    merges: Vec<(String, String)>,
+    byte_fallback: bool,
+) -> Result<BPE> {
+    let vocab: tokenizers::models::bpe::Vocab =
+        vocab.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(byte_fallback)
+        .build()
+        .map_err(|e| meta_err(format!("BPE: {e}")))
+}
+
 fn parse_byte_token(text: &str) -> Option<u8> {
     let hex = text.strip_prefix("<0x")?.strip_suffix('>')?;
     if hex.len() != 2 {
@@ -281,16 +295,7 @@ impl Tokenizer {
             })
             .map(|(a, b)| (a.to_owned(), b.to_owned()))
             .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(
-                vocab
-                    .iter()
-                    .map(|(k, v)| (k.clone(), *v))
-                    .collect::<tokenizers::models::bpe::Vocab>(),
-                merges,
-            )
-            .build()
-            .map_err(|e| meta_err(format!("BPE: {e}")))?;
+        let bpe = build_bpe(vocab, merges, false)?;
         let pre = gguf.get_str("tokenizer.ggml.pre").unwrap_or("default");
         let byte_level = PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, true));
         let pre_tokenizer = match pre {
@@ -353,17 +358,7 @@ impl Tokenizer {
                 (a.to_owned(), b.to_owned())
             })
             .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(
-                vocab
-                    .iter()
-                    .map(|(k, v)| (k.clone(), *v))
-                    .collect::<tokenizers::models::bpe::Vocab>(),
-                merges,
-            )
-            .byte_fallback(true)
-            .build()
-            .map_err(|e| meta_err(format!("BPE: {e}")))?;
+        let bpe = build_bpe(vocab, merges, true)?;
         let mut hf = HfTokenizer::new(ModelWrapper::BPE(bpe));
         let replace = Replace::new(" ", SPM_SPACE).map_err(|e| meta_err(e.to_string()))?;
         hf.with_normalizer(Some(NormalizerWrapper::Replace(replace)));

@@ -6,6 +6,7 @@
 //! online-softmax state over the blocks it can see: positions `[lo, pos]` of its sequence,
 //! where `lo` comes from the layer's sliding window. Tasks run on candle's worker pool.
 
+use super::ops::Rope;
 use crate::batch::Batch;
 use crate::kv::{KvCache, KV_BLOCK_SIZE};
 
@@ -43,6 +44,35 @@ fn tiles(batch: &Batch) -> Vec<(usize, usize)> {
         }
     }
     out
+}
+
+/// Rotates every token's queries and keys at its own position, then writes its keys and
+/// values into the sequence's KV blocks for `layer`.
+#[allow(clippy::too_many_arguments)]
+pub fn rotate_and_store(
+    kv: &mut KvCache,
+    layer: usize,
+    batch: &Batch,
+    rope: &Rope,
+    neox: bool,
+    p: &AttnParams,
+    q: &mut [f32],
+    k: &mut [f32],
+    v: &[f32],
+) {
+    let q_dim = p.n_head * p.head_dim;
+    let kv_dim = p.n_kv_heads * p.head_dim;
+    for t in 0..batch.len() {
+        rope.apply(t, &mut q[t * q_dim..(t + 1) * q_dim], p.head_dim, neox);
+        rope.apply(t, &mut k[t * kv_dim..(t + 1) * kv_dim], p.head_dim, neox);
+        kv.write(
+            layer,
+            batch.seq[t],
+            batch.pos[t],
+            &k[t * kv_dim..(t + 1) * kv_dim],
+            &v[t * kv_dim..(t + 1) * kv_dim],
+        );
+    }
 }
 
 /// `q`: `[n_tokens, n_head * head_dim]` (already rotated). `out`: same shape.

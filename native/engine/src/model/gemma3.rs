@@ -4,8 +4,10 @@
 //! layers are a separate KV layer group (see `Config::layer_windows`), so they only keep the
 //! blocks inside their window.
 
-use super::attention::{paged_attention, AttnParams};
-use super::ops::{add_assign, gelu_tanh_mul, inv_freq, rms_norm, Embedding, Linear, Rope};
+use super::attention::{paged_attention, rotate_and_store, AttnParams};
+use super::ops::{
+    add_assign, gelu_tanh_mul, inv_freq, output_logits, rms_norm, Embedding, Linear, Rope,
+};
 use super::{Architecture, Config, TensorLoader};
 use crate::batch::Batch;
 use crate::error::Result;
@@ -97,7 +99,6 @@ impl Architecture for Gemma3 {
             scale: 1.0 / (hd as f32).sqrt(),
         };
         let q_dim = c.n_head * hd;
-        let kv_dim = c.n_head_kv * hd;
         let mut attn_out = vec![0f32; n * q_dim];
         for (li, layer) in self.layers.iter().enumerate() {
             let rope = if layer.local {
@@ -112,17 +113,7 @@ impl Architecture for Gemma3 {
             let v = layer.wv.forward(&h, n)?;
             rms_norm(&mut q, &layer.q_norm, c.eps);
             rms_norm(&mut k, &layer.k_norm, c.eps);
-            for t in 0..n {
-                rope.apply(t, &mut q[t * q_dim..(t + 1) * q_dim], hd, true);
-                rope.apply(t, &mut k[t * kv_dim..(t + 1) * kv_dim], hd, true);
-                kv.write(
-                    li,
-                    batch.seq[t],
-                    batch.pos[t],
-                    &k[t * kv_dim..(t + 1) * kv_dim],
-                    &v[t * kv_dim..(t + 1) * kv_dim],
-                );
-            }
+            rotate_and_store(kv, li, batch, rope, true, &attn, &mut q, &mut k, &v);
             paged_attention(kv, li, batch, &q, &attn, &mut attn_out);
             let mut o = layer.wo.forward(&attn_out, n)?;
             rms_norm(&mut o, &layer.post_attn_norm, c.eps);
@@ -137,15 +128,6 @@ impl Architecture for Gemma3 {
             rms_norm(&mut down, &layer.post_ffn_norm, c.eps);
             add_assign(&mut x, &down);
         }
-        let rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut h = Vec::with_capacity(rows.len() * d);
-        for &t in &rows {
-            h.extend_from_slice(&x[t * d..(t + 1) * d]);
-        }
-        rms_norm(&mut h, &self.norm, c.eps);
-        self.output.forward(&h, rows.len())
+        output_logits(&x, d, &batch.logits, &self.norm, c.eps, &self.output)
     }
 }

@@ -1,8 +1,10 @@
 //! The `llama` architecture (Llama 2/3, Mistral, SmolLM2): RMSNorm, rotary embeddings on
 //! adjacent pairs, grouped-query attention, SwiGLU feed-forward.
 
-use super::attention::{paged_attention, AttnParams};
-use super::ops::{add_assign, inv_freq, rms_norm, silu_mul, Embedding, Linear, Rope};
+use super::attention::{paged_attention, rotate_and_store, AttnParams};
+use super::ops::{
+    add_assign, inv_freq, output_logits, rms_norm, silu_mul, Embedding, Linear, Rope,
+};
 use super::{Architecture, Config, TensorLoader};
 use crate::batch::Batch;
 use crate::error::Result;
@@ -81,7 +83,6 @@ impl Architecture for Llama {
             scale: 1.0 / (hd as f32).sqrt(),
         };
         let q_dim = c.n_head * hd;
-        let kv_dim = c.n_head_kv * hd;
         let mut attn_out = vec![0f32; n * q_dim];
         for (li, layer) in self.layers.iter().enumerate() {
             let mut h = x.clone();
@@ -89,17 +90,7 @@ impl Architecture for Llama {
             let mut q = layer.wq.forward(&h, n)?;
             let mut k = layer.wk.forward(&h, n)?;
             let v = layer.wv.forward(&h, n)?;
-            for t in 0..n {
-                rope.apply(t, &mut q[t * q_dim..(t + 1) * q_dim], hd, false);
-                rope.apply(t, &mut k[t * kv_dim..(t + 1) * kv_dim], hd, false);
-                kv.write(
-                    li,
-                    batch.seq[t],
-                    batch.pos[t],
-                    &k[t * kv_dim..(t + 1) * kv_dim],
-                    &v[t * kv_dim..(t + 1) * kv_dim],
-                );
-            }
+            rotate_and_store(kv, li, batch, &rope, false, &attn, &mut q, &mut k, &v);
             paged_attention(kv, li, batch, &q, &attn, &mut attn_out);
             let o = layer.wo.forward(&attn_out, n)?;
             add_assign(&mut x, &o);
@@ -112,15 +103,6 @@ impl Architecture for Llama {
             let down = layer.down.forward(&g, n)?;
             add_assign(&mut x, &down);
         }
-        let rows: Vec<usize> = (0..n).filter(|&t| batch.logits[t]).collect();
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut h = Vec::with_capacity(rows.len() * d);
-        for &t in &rows {
-            h.extend_from_slice(&x[t * d..(t + 1) * d]);
-        }
-        rms_norm(&mut h, &self.norm, c.eps);
-        self.output.forward(&h, rows.len())
+        output_logits(&x, d, &batch.logits, &self.norm, c.eps, &self.output)
     }
 }

@@ -118,6 +118,27 @@ pub fn inv_freq(n_rot: usize, base: f32, factors: Option<&[f32]>) -> Vec<f32> {
         .collect()
 }
 
+/// Final norm and output head for the rows whose logits flag is set, in batch order.
+pub fn output_logits(
+    x: &[f32],
+    d: usize,
+    wanted: &[bool],
+    norm: &[f32],
+    eps: f32,
+    output: &Linear,
+) -> Result<Vec<f32>> {
+    let rows: Vec<usize> = (0..wanted.len()).filter(|&t| wanted[t]).collect();
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut h = Vec::with_capacity(rows.len() * d);
+    for &t in &rows {
+        h.extend_from_slice(&x[t * d..(t + 1) * d]);
+    }
+    rms_norm(&mut h, norm, eps);
+    output.forward(&h, rows.len())
+}
+
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + (-*g).exp()) * u;
