@@ -84,7 +84,13 @@ path =
     )
 
 threads = String.to_integer(System.get_env("LLAMA_THREADS") || "#{System.schedulers_online()}")
-requantize = System.get_env("LLAMA_REQUANTIZE", "1") != "0"
+
+requantize =
+  case System.get_env("LLAMA_REQUANTIZE", "1") do
+    "0" -> false
+    "all" -> :all
+    _ -> true
+  end
 
 {load_us, {:ok, model}} = :timer.tc(fn -> LlamaCppEx.load_model(path, requantize: requantize) end)
 

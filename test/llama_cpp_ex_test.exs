@@ -94,12 +94,15 @@ defmodule LlamaCppExTest do
   end
 
   test "stream chunks are valid UTF-8 even when tokens split codepoints", %{model: model} do
-    chunks =
-      model
-      |> LlamaCppEx.stream("日本語のテキストです。そして", max_tokens: 24, temp: 0.0)
-      |> Enum.to_list()
-
-    assert Enum.all?(chunks, &String.valid?/1)
+    opts = [max_tokens: 24, temp: 0.0]
+    prompt = "日本語のテキストです。そして"
+    chunks = model |> LlamaCppEx.stream(prompt, opts) |> Enum.to_list()
+    {:ok, text} = LlamaCppEx.generate(model, prompt, opts)
+    assert Enum.join(chunks) == text
+    # only a final flush of a codepoint cut off by max_tokens may be incomplete
+    assert chunks |> Enum.drop(-1) |> Enum.all?(&String.valid?/1)
+    # Japanese output is made of multi-byte pieces split across tokens
+    assert Enum.any?(chunks, &(byte_size(&1) >= 3))
   end
 
   test "a stream timeout yields {:error, :timeout}", %{model: model} do

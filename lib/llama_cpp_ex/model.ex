@@ -52,9 +52,10 @@ defmodule LlamaCppEx.Model do
 
   ## Options
 
-    * `:requantize` - re-quantize weight types whose CPU kernels are scalar-only
-      (Q4_1, Q5_0, Q5_1) to Q8_0 at load: faster prefill and decode for a little precision.
-      Default `true`.
+    * `:requantize` - `true` (default) re-quantizes weight types whose candle CPU kernels are
+      scalar-only (Q4_1, Q5_0, Q5_1) to Q8_0 at load, which runs on the engine's own Q8_0
+      kernel; `:all` also converts K-quants (Q4_K, Q6_K, ...) so every product uses it
+      (fastest, more memory); `false` keeps the file's types.
     * `:vocab_only` - load only the tokenizer. Default `false`.
     * `:n_gpu_layers`, `:main_gpu`, `:split_mode`, `:tensor_split`, `:use_mmap`, `:use_mlock`,
       `:use_direct_io`, `:check_tensors`, `:load_mtp`, `:rpc_servers`, `:devices` - accepted
@@ -74,7 +75,13 @@ defmodule LlamaCppEx.Model do
         {:error, "failed to load model from: #{inspect(path)} (path must be a string)"}
 
       true ->
-        requantize = Keyword.get(opts, :requantize, true) == true
+        requantize =
+          case Keyword.get(opts, :requantize, true) do
+            :all -> :all
+            true -> :scalar
+            _ -> :off
+          end
+
         vocab_only = Keyword.get(opts, :vocab_only, false) == true
 
         case NIF.model_load(path, requantize, vocab_only) do

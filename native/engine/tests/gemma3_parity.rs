@@ -71,3 +71,10 @@ fn gemma3_sliding_window_and_batch_invariance() {
     assert!(rel_close(&alone, chunked.logits_ith(1).unwrap()) <= 1e-3);
     chunked.kv.audit().unwrap();
 }
+
+#[test]
+fn gemma3_greedy_parity_everything_q8_0() {
+    let model = load(GEMMA3, Requantize::AllQ8_0);
+    let rates = teacher_forced(&model, FIXTURE);
+    assert_parity("Gemma 3 (every matrix re-quantized to Q8_0)", &rates, 0.95);
+}

@@ -34,6 +34,8 @@ mod atoms {
         trim,
         share,
         clear,
+        all,
+        scalar,
     }
 }
 
@@ -201,10 +203,12 @@ fn cancel_requested(flag: ResourceArc<CancelFlag>) -> bool {
 // ---------------------------------------------------------------- model
 
 #[rustler::nif(schedule = "DirtyIo")]
-fn model_load<'a>(env: Env<'a>, path: String, requantize: bool, vocab_only: bool) -> Term<'a> {
+fn model_load<'a>(env: Env<'a>, path: String, requantize: Atom, vocab_only: bool) -> Term<'a> {
     let r = guard(|| {
         let opts = LoadOptions {
-            requantize: if requantize {
+            requantize: if requantize == atoms::all() {
+                Requantize::AllQ8_0
+            } else if requantize == atoms::scalar() {
                 Requantize::Q8_0
             } else {
                 Requantize::Off

@@ -1,16 +1,29 @@
 //! Small row-wise operations on flat `f32` activations.
 
 use crate::error::Result;
+use crate::kernels::q8::Q8Matrix;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-/// A weight matrix `[out, in]` applied to row-major activations `[m, in]`.
+/// A weight matrix `[out, in]` applied to row-major activations `[m, in]`: the engine's own
+/// kernel for Q8_0 weights on CPU, candle's `QMatMul` otherwise (other types, CUDA).
 pub struct Linear {
-    w: QMatMul,
+    kernel: Kernel,
     pub n_in: usize,
     pub n_out: usize,
     pub dtype: GgmlDType,
+}
+
+enum Kernel {
+    Candle(QMatMul),
+    Q8(Q8Matrix),
+}
+
+/// `LLAMA_CPP_EX_KERNELS=candle` keeps candle's kernels everywhere (for comparisons).
+fn own_kernels_enabled() -> bool {
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("LLAMA_CPP_EX_KERNELS").map_or(true, |v| v != "candle"))
 }
 
 impl Linear {
@@ -22,8 +35,18 @@ impl Linear {
     pub fn from_arc(t: Arc<QTensor>) -> Result<Self> {
         let (n_out, n_in) = t.shape().dims2()?;
         let dtype = t.dtype();
+        let own = dtype == GgmlDType::Q8_0 && t.device().is_cpu() && own_kernels_enabled();
+        let q8 = if own {
+            Q8Matrix::from_q8_0_bytes(&t.data()?, n_out, n_in)
+        } else {
+            None
+        };
+        let kernel = match q8 {
+            Some(m) => Kernel::Q8(m),
+            None => Kernel::Candle(QMatMul::from_arc(t)?),
+        };
         Ok(Linear {
-            w: QMatMul::from_arc(t)?,
+            kernel,
             n_in,
             n_out,
             dtype,
@@ -31,9 +54,18 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
-        let t = Tensor::from_slice(x, (m, self.n_in), &Device::Cpu)?;
-        let y = self.w.forward(&t)?;
-        Ok(y.flatten_all()?.to_vec1::<f32>()?)
+        match &self.kernel {
+            Kernel::Q8(w) => {
+                let mut out = vec![0f32; m * self.n_out];
+                w.matmul(x, m, &mut out);
+                Ok(out)
+            }
+            Kernel::Candle(w) => {
+                let t = Tensor::from_slice(x, (m, self.n_in), &Device::Cpu)?;
+                let y = w.forward(&t)?;
+                Ok(y.flatten_all()?.to_vec1::<f32>()?)
+            }
+        }
     }
 }
 
