@@ -48,6 +48,28 @@ impl Q8Matrix {
         })
     }
 
+    /// Stacks matrices with the same input width (e.g. Q, K and V) so one product computes
+    /// all of them.
+    pub fn concat(parts: &[&Q8Matrix]) -> Option<Q8Matrix> {
+        let n_in = parts.first()?.n_in;
+        if parts.iter().any(|p| p.n_in != n_in) {
+            return None;
+        }
+        Some(Q8Matrix {
+            n_out: parts.iter().map(|p| p.n_out).sum(),
+            n_in,
+            nb: n_in / QK8_0,
+            scales: parts
+                .iter()
+                .flat_map(|p| p.scales.iter().copied())
+                .collect(),
+            quants: parts
+                .iter()
+                .flat_map(|p| p.quants.iter().copied())
+                .collect(),
+        })
+    }
+
     /// `out[r * n_out + o] = Σ_i w[o, i] · x[r, i]` for `m` rows of `x`.
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
         assert_eq!(x.len(), m * self.n_in);
@@ -250,6 +272,27 @@ mod tests {
         for (p, q) in simd.iter().zip(&scalar) {
             assert!((p - q).abs() <= 1e-4 * q.abs().max(1.0), "{p} vs {q}");
         }
+    }
+
+    #[test]
+    fn stacked_matrices_compute_every_part() {
+        let mut seed = 9;
+        let (b1, _) = random_q8(5, 64, &mut seed);
+        let (b2, _) = random_q8(3, 64, &mut seed);
+        let w1 = Q8Matrix::from_q8_0_bytes(&b1, 5, 64).unwrap();
+        let w2 = Q8Matrix::from_q8_0_bytes(&b2, 3, 64).unwrap();
+        let both = Q8Matrix::concat(&[&w1, &w2]).unwrap();
+        let x: Vec<f32> = (0..2 * 64).map(|_| lcg(&mut seed)).collect();
+        let (mut o1, mut o2, mut o) = (vec![0f32; 10], vec![0f32; 6], vec![0f32; 16]);
+        w1.matmul(&x, 2, &mut o1);
+        w2.matmul(&x, 2, &mut o2);
+        both.matmul(&x, 2, &mut o);
+        for r in 0..2 {
+            assert_eq!(&o[r * 8..r * 8 + 5], &o1[r * 5..r * 5 + 5]);
+            assert_eq!(&o[r * 8 + 5..r * 8 + 8], &o2[r * 3..r * 3 + 3]);
+        }
+        let narrow = Q8Matrix::from_q8_0_bytes(&b2[..34], 1, 32).unwrap();
+        assert!(Q8Matrix::concat(&[&w1, &narrow]).is_none());
     }
 
     #[test]

@@ -6,7 +6,8 @@
 
 use super::attention::{paged_attention, rotate_and_store, AttnParams};
 use super::ops::{
-    add_assign, gelu_tanh_mul, inv_freq, output_logits, rms_norm, Embedding, Linear, Rope,
+    add_assign, gelu_tanh_mul, inv_freq, output_logits, rms_norm, Embedding, FusedLinear, Linear,
+    Rope,
 };
 use super::{Architecture, Config, TensorLoader};
 use crate::batch::Batch;
@@ -15,16 +16,13 @@ use crate::kv::KvCache;
 
 struct Layer {
     attn_norm: Vec<f32>,
-    wq: Linear,
-    wk: Linear,
-    wv: Linear,
+    qkv: FusedLinear,
     q_norm: Vec<f32>,
     k_norm: Vec<f32>,
     wo: Linear,
     post_attn_norm: Vec<f32>,
     ffn_norm: Vec<f32>,
-    gate: Linear,
-    up: Linear,
+    gate_up: FusedLinear,
     down: Linear,
     post_ffn_norm: Vec<f32>,
     local: bool,
@@ -52,16 +50,20 @@ impl Gemma3 {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: l.vector(&n("attn_norm"), d)?,
-                wq: Linear::new(l.matrix(&n("attn_q"), q_dim, d)?)?,
-                wk: Linear::new(l.matrix(&n("attn_k"), kv_dim, d)?)?,
-                wv: Linear::new(l.matrix(&n("attn_v"), kv_dim, d)?)?,
+                qkv: FusedLinear::new(vec![
+                    Linear::new(l.matrix(&n("attn_q"), q_dim, d)?)?,
+                    Linear::new(l.matrix(&n("attn_k"), kv_dim, d)?)?,
+                    Linear::new(l.matrix(&n("attn_v"), kv_dim, d)?)?,
+                ]),
                 q_norm: l.vector(&n("attn_q_norm"), hd)?,
                 k_norm: l.vector(&n("attn_k_norm"), hd)?,
                 wo: Linear::new(l.matrix(&n("attn_output"), d, q_dim)?)?,
                 post_attn_norm: l.vector(&n("post_attention_norm"), d)?,
                 ffn_norm: l.vector(&n("ffn_norm"), d)?,
-                gate: Linear::new(l.matrix(&n("ffn_gate"), cfg.n_ff, d)?)?,
-                up: Linear::new(l.matrix(&n("ffn_up"), cfg.n_ff, d)?)?,
+                gate_up: FusedLinear::new(vec![
+                    Linear::new(l.matrix(&n("ffn_gate"), cfg.n_ff, d)?)?,
+                    Linear::new(l.matrix(&n("ffn_up"), cfg.n_ff, d)?)?,
+                ]),
                 down: Linear::new(l.matrix(&n("ffn_down"), d, cfg.n_ff)?)?,
                 post_ffn_norm: l.vector(&n("post_ffw_norm"), d)?,
                 local: cfg.layer_windows[i].is_some(),
@@ -108,9 +110,11 @@ impl Architecture for Gemma3 {
             };
             let mut h = x.clone();
             rms_norm(&mut h, &layer.attn_norm, c.eps);
-            let mut q = layer.wq.forward(&h, n)?;
-            let mut k = layer.wk.forward(&h, n)?;
-            let v = layer.wv.forward(&h, n)?;
+            let mut qkv = layer.qkv.forward(&h, n)?.into_iter();
+            let (mut q, mut k, v) = match (qkv.next(), qkv.next(), qkv.next()) {
+                (Some(q), Some(k), Some(v)) => (q, k, v),
+                _ => unreachable!("three projections"),
+            };
             rms_norm(&mut q, &layer.q_norm, c.eps);
             rms_norm(&mut k, &layer.k_norm, c.eps);
             rotate_and_store(kv, li, batch, rope, true, &attn, &mut q, &mut k, &v);
@@ -121,8 +125,11 @@ impl Architecture for Gemma3 {
 
             let mut h = x.clone();
             rms_norm(&mut h, &layer.ffn_norm, c.eps);
-            let mut g = layer.gate.forward(&h, n)?;
-            let u = layer.up.forward(&h, n)?;
+            let mut gu = layer.gate_up.forward(&h, n)?.into_iter();
+            let (mut g, u) = match (gu.next(), gu.next()) {
+                (Some(g), Some(u)) => (g, u),
+                _ => unreachable!("two projections"),
+            };
             gelu_tanh_mul(&mut g, &u);
             let mut down = layer.down.forward(&g, n)?;
             rms_norm(&mut down, &layer.post_ffn_norm, c.eps);

@@ -2,6 +2,7 @@
 //! adjacent pairs, grouped-query attention, SwiGLU feed-forward.
 
 use super::attention::{paged_attention, rotate_and_store, AttnParams};
+use super::ops::FusedLinear;
 use super::ops::{
     add_assign, inv_freq, output_logits, rms_norm, silu_mul, Embedding, Linear, Rope,
 };
@@ -12,13 +13,10 @@ use crate::kv::KvCache;
 
 struct Layer {
     attn_norm: Vec<f32>,
-    wq: Linear,
-    wk: Linear,
-    wv: Linear,
+    qkv: FusedLinear,
     wo: Linear,
     ffn_norm: Vec<f32>,
-    gate: Linear,
-    up: Linear,
+    gate_up: FusedLinear,
     down: Linear,
 }
 
@@ -42,13 +40,17 @@ impl Llama {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: l.vector(&n("attn_norm"), d)?,
-                wq: Linear::new(l.matrix(&n("attn_q"), q_dim, d)?)?,
-                wk: Linear::new(l.matrix(&n("attn_k"), kv_dim, d)?)?,
-                wv: Linear::new(l.matrix(&n("attn_v"), kv_dim, d)?)?,
+                qkv: FusedLinear::new(vec![
+                    Linear::new(l.matrix(&n("attn_q"), q_dim, d)?)?,
+                    Linear::new(l.matrix(&n("attn_k"), kv_dim, d)?)?,
+                    Linear::new(l.matrix(&n("attn_v"), kv_dim, d)?)?,
+                ]),
                 wo: Linear::new(l.matrix(&n("attn_output"), d, q_dim)?)?,
                 ffn_norm: l.vector(&n("ffn_norm"), d)?,
-                gate: Linear::new(l.matrix(&n("ffn_gate"), cfg.n_ff, d)?)?,
-                up: Linear::new(l.matrix(&n("ffn_up"), cfg.n_ff, d)?)?,
+                gate_up: FusedLinear::new(vec![
+                    Linear::new(l.matrix(&n("ffn_gate"), cfg.n_ff, d)?)?,
+                    Linear::new(l.matrix(&n("ffn_up"), cfg.n_ff, d)?)?,
+                ]),
                 down: Linear::new(l.matrix(&n("ffn_down"), d, cfg.n_ff)?)?,
             });
         }
@@ -87,9 +89,11 @@ impl Architecture for Llama {
         for (li, layer) in self.layers.iter().enumerate() {
             let mut h = x.clone();
             rms_norm(&mut h, &layer.attn_norm, c.eps);
-            let mut q = layer.wq.forward(&h, n)?;
-            let mut k = layer.wk.forward(&h, n)?;
-            let v = layer.wv.forward(&h, n)?;
+            let mut qkv = layer.qkv.forward(&h, n)?.into_iter();
+            let (mut q, mut k, v) = match (qkv.next(), qkv.next(), qkv.next()) {
+                (Some(q), Some(k), Some(v)) => (q, k, v),
+                _ => unreachable!("three projections"),
+            };
             rotate_and_store(kv, li, batch, &rope, false, &attn, &mut q, &mut k, &v);
             paged_attention(kv, li, batch, &q, &attn, &mut attn_out);
             let o = layer.wo.forward(&attn_out, n)?;
@@ -97,8 +101,11 @@ impl Architecture for Llama {
 
             let mut h = x.clone();
             rms_norm(&mut h, &layer.ffn_norm, c.eps);
-            let mut g = layer.gate.forward(&h, n)?;
-            let u = layer.up.forward(&h, n)?;
+            let mut gu = layer.gate_up.forward(&h, n)?.into_iter();
+            let (mut g, u) = match (gu.next(), gu.next()) {
+                (Some(g), Some(u)) => (g, u),
+                _ => unreachable!("two projections"),
+            };
             silu_mul(&mut g, &u);
             let down = layer.down.forward(&g, n)?;
             add_assign(&mut x, &down);

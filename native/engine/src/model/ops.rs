@@ -69,6 +69,58 @@ impl Linear {
     }
 }
 
+/// Several products of the same input (Q/K/V, gate/up) computed as one when their weights
+/// can be stacked, which saves a pass over the activations and a worker-pool round trip.
+pub enum FusedLinear {
+    Stacked { w: Linear, widths: Vec<usize> },
+    Separate(Vec<Linear>),
+}
+
+impl FusedLinear {
+    pub fn new(parts: Vec<Linear>) -> Self {
+        let q8: Vec<&Q8Matrix> = parts
+            .iter()
+            .filter_map(|p| match &p.kernel {
+                Kernel::Q8(m) => Some(m),
+                Kernel::Candle(_) => None,
+            })
+            .collect();
+        if q8.len() == parts.len() {
+            if let Some(m) = Q8Matrix::concat(&q8) {
+                let widths = parts.iter().map(|p| p.n_out).collect();
+                let w = Linear {
+                    n_in: m.n_in,
+                    n_out: m.n_out,
+                    dtype: GgmlDType::Q8_0,
+                    kernel: Kernel::Q8(m),
+                };
+                return FusedLinear::Stacked { w, widths };
+            }
+        }
+        FusedLinear::Separate(parts)
+    }
+
+    /// One output per part, each `[m, part.n_out]`.
+    pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<Vec<f32>>> {
+        match self {
+            FusedLinear::Separate(parts) => parts.iter().map(|p| p.forward(x, m)).collect(),
+            FusedLinear::Stacked { w, widths } => {
+                let y = w.forward(x, m)?;
+                let mut outs: Vec<Vec<f32>> =
+                    widths.iter().map(|&n| Vec::with_capacity(m * n)).collect();
+                for row in y.chunks_exact(w.n_out) {
+                    let mut off = 0;
+                    for (out, &n) in outs.iter_mut().zip(widths) {
+                        out.extend_from_slice(&row[off..off + n]);
+                        off += n;
+                    }
+                }
+                Ok(outs)
+            }
+        }
+    }
+}
+
 /// The token embedding, kept quantized; rows are dequantized on lookup.
 pub struct Embedding {
     pub table: Arc<QTensor>,
