@@ -287,9 +287,15 @@ mod tests {
         w1.matmul(&x, 2, &mut o1);
         w2.matmul(&x, 2, &mut o2);
         both.matmul(&x, 2, &mut o);
+        // (tail rows of a part use the scalar path: equal up to summation order)
+        let close = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .all(|(x, y)| (x - y).abs() <= 1e-4 * y.abs().max(1.0))
+        };
         for r in 0..2 {
-            assert_eq!(&o[r * 8..r * 8 + 5], &o1[r * 5..r * 5 + 5]);
-            assert_eq!(&o[r * 8 + 5..r * 8 + 8], &o2[r * 3..r * 3 + 3]);
+            assert!(close(&o[r * 8..r * 8 + 5], &o1[r * 5..r * 5 + 5]));
+            assert!(close(&o[r * 8 + 5..r * 8 + 8], &o2[r * 3..r * 3 + 3]));
         }
         let narrow = Q8Matrix::from_q8_0_bytes(&b2[..34], 1, 32).unwrap();
         assert!(Q8Matrix::concat(&[&w1, &narrow]).is_none());
