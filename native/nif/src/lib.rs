@@ -530,12 +530,10 @@ fn decode<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, tokens: Vec<i64>) -> Ter
             return Err(NifError::Message("empty token list".into()));
         }
         let toks = tokens_of(&ctx.model, &tokens)?;
-        let start = ctx.kv.seq_len(0);
         for chunk in toks.chunks(ctx.params.n_batch) {
             let pos = ctx.kv.seq_len(0);
             ctx.decode(&Batch::for_sequence(chunk, pos, 0))?;
         }
-        let _ = start;
         Ok(())
     });
     unit_or_error(env, r)

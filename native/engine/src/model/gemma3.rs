@@ -6,24 +6,20 @@
 
 use super::attention::{paged_attention, rotate_and_store, AttnParams};
 use super::ops::{
-    add_assign, gelu_tanh_mul, inv_freq, output_logits, rms_norm, Embedding, FusedLinear, Linear,
-    Rope,
+    add_assign, gelu_tanh_mul, inv_freq, output_logits, rms_norm, Embedding, Linear, Rope,
 };
-use super::{Architecture, Config, TensorLoader};
+use super::{Architecture, Config, Projections, TensorLoader};
 use crate::batch::Batch;
 use crate::error::Result;
 use crate::kv::KvCache;
 
 struct Layer {
     attn_norm: Vec<f32>,
-    qkv: FusedLinear,
+    proj: Projections,
     q_norm: Vec<f32>,
     k_norm: Vec<f32>,
-    wo: Linear,
     post_attn_norm: Vec<f32>,
     ffn_norm: Vec<f32>,
-    gate_up: FusedLinear,
-    down: Linear,
     post_ffn_norm: Vec<f32>,
     local: bool,
 }
@@ -42,29 +38,17 @@ impl Gemma3 {
     pub(crate) fn load(cfg: &Config, l: &TensorLoader) -> Result<Self> {
         let d = cfg.n_embd;
         let hd = cfg.head_dim;
-        let q_dim = cfg.n_head * hd;
-        let kv_dim = cfg.n_head_kv * hd;
         let (embd, output) = l.embedding_and_output(cfg.n_vocab, d)?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: l.vector(&n("attn_norm"), d)?,
-                qkv: FusedLinear::new(vec![
-                    Linear::new(l.matrix(&n("attn_q"), q_dim, d)?)?,
-                    Linear::new(l.matrix(&n("attn_k"), kv_dim, d)?)?,
-                    Linear::new(l.matrix(&n("attn_v"), kv_dim, d)?)?,
-                ]),
+                proj: l.projections(cfg, i)?,
                 q_norm: l.vector(&n("attn_q_norm"), hd)?,
                 k_norm: l.vector(&n("attn_k_norm"), hd)?,
-                wo: Linear::new(l.matrix(&n("attn_output"), d, q_dim)?)?,
                 post_attn_norm: l.vector(&n("post_attention_norm"), d)?,
                 ffn_norm: l.vector(&n("ffn_norm"), d)?,
-                gate_up: FusedLinear::new(vec![
-                    Linear::new(l.matrix(&n("ffn_gate"), cfg.n_ff, d)?)?,
-                    Linear::new(l.matrix(&n("ffn_up"), cfg.n_ff, d)?)?,
-                ]),
-                down: Linear::new(l.matrix(&n("ffn_down"), d, cfg.n_ff)?)?,
                 post_ffn_norm: l.vector(&n("post_ffw_norm"), d)?,
                 local: cfg.layer_windows[i].is_some(),
             });
@@ -110,7 +94,7 @@ impl Architecture for Gemma3 {
             };
             let mut h = x.clone();
             rms_norm(&mut h, &layer.attn_norm, c.eps);
-            let mut qkv = layer.qkv.forward(&h, n)?.into_iter();
+            let mut qkv = layer.proj.qkv.forward(&h, n)?.into_iter();
             let (mut q, mut k, v) = match (qkv.next(), qkv.next(), qkv.next()) {
                 (Some(q), Some(k), Some(v)) => (q, k, v),
                 _ => unreachable!("three projections"),
@@ -119,19 +103,19 @@ impl Architecture for Gemma3 {
             rms_norm(&mut k, &layer.k_norm, c.eps);
             rotate_and_store(kv, li, batch, rope, true, &attn, &mut q, &mut k, &v);
             paged_attention(kv, li, batch, &q, &attn, &mut attn_out);
-            let mut o = layer.wo.forward(&attn_out, n)?;
+            let mut o = layer.proj.wo.forward(&attn_out, n)?;
             rms_norm(&mut o, &layer.post_attn_norm, c.eps);
             add_assign(&mut x, &o);
 
             let mut h = x.clone();
             rms_norm(&mut h, &layer.ffn_norm, c.eps);
-            let mut gu = layer.gate_up.forward(&h, n)?.into_iter();
+            let mut gu = layer.proj.gate_up.forward(&h, n)?.into_iter();
             let (mut g, u) = match (gu.next(), gu.next()) {
                 (Some(g), Some(u)) => (g, u),
                 _ => unreachable!("two projections"),
             };
             gelu_tanh_mul(&mut g, &u);
-            let mut down = layer.down.forward(&g, n)?;
+            let mut down = layer.proj.down.forward(&g, n)?;
             rms_norm(&mut down, &layer.post_ffn_norm, c.eps);
             add_assign(&mut x, &down);
         }

@@ -2,22 +2,18 @@
 //! adjacent pairs, grouped-query attention, SwiGLU feed-forward.
 
 use super::attention::{paged_attention, rotate_and_store, AttnParams};
-use super::ops::FusedLinear;
 use super::ops::{
     add_assign, inv_freq, output_logits, rms_norm, silu_mul, Embedding, Linear, Rope,
 };
-use super::{Architecture, Config, TensorLoader};
+use super::{Architecture, Config, Projections, TensorLoader};
 use crate::batch::Batch;
 use crate::error::Result;
 use crate::kv::KvCache;
 
 struct Layer {
     attn_norm: Vec<f32>,
-    qkv: FusedLinear,
-    wo: Linear,
+    proj: Projections,
     ffn_norm: Vec<f32>,
-    gate_up: FusedLinear,
-    down: Linear,
 }
 
 pub struct Llama {
@@ -32,26 +28,14 @@ pub struct Llama {
 impl Llama {
     pub(crate) fn load(cfg: &Config, l: &TensorLoader) -> Result<Self> {
         let d = cfg.n_embd;
-        let q_dim = cfg.n_head * cfg.head_dim;
-        let kv_dim = cfg.n_head_kv * cfg.head_dim;
         let (embd, output) = l.embedding_and_output(cfg.n_vocab, d)?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: l.vector(&n("attn_norm"), d)?,
-                qkv: FusedLinear::new(vec![
-                    Linear::new(l.matrix(&n("attn_q"), q_dim, d)?)?,
-                    Linear::new(l.matrix(&n("attn_k"), kv_dim, d)?)?,
-                    Linear::new(l.matrix(&n("attn_v"), kv_dim, d)?)?,
-                ]),
-                wo: Linear::new(l.matrix(&n("attn_output"), d, q_dim)?)?,
+                proj: l.projections(cfg, i)?,
                 ffn_norm: l.vector(&n("ffn_norm"), d)?,
-                gate_up: FusedLinear::new(vec![
-                    Linear::new(l.matrix(&n("ffn_gate"), cfg.n_ff, d)?)?,
-                    Linear::new(l.matrix(&n("ffn_up"), cfg.n_ff, d)?)?,
-                ]),
-                down: Linear::new(l.matrix(&n("ffn_down"), d, cfg.n_ff)?)?,
             });
         }
         let factors = if l.gguf.has_tensor("rope_freqs.weight") {
@@ -89,25 +73,25 @@ impl Architecture for Llama {
         for (li, layer) in self.layers.iter().enumerate() {
             let mut h = x.clone();
             rms_norm(&mut h, &layer.attn_norm, c.eps);
-            let mut qkv = layer.qkv.forward(&h, n)?.into_iter();
+            let mut qkv = layer.proj.qkv.forward(&h, n)?.into_iter();
             let (mut q, mut k, v) = match (qkv.next(), qkv.next(), qkv.next()) {
                 (Some(q), Some(k), Some(v)) => (q, k, v),
                 _ => unreachable!("three projections"),
             };
             rotate_and_store(kv, li, batch, &rope, false, &attn, &mut q, &mut k, &v);
             paged_attention(kv, li, batch, &q, &attn, &mut attn_out);
-            let o = layer.wo.forward(&attn_out, n)?;
+            let o = layer.proj.wo.forward(&attn_out, n)?;
             add_assign(&mut x, &o);
 
             let mut h = x.clone();
             rms_norm(&mut h, &layer.ffn_norm, c.eps);
-            let mut gu = layer.gate_up.forward(&h, n)?.into_iter();
+            let mut gu = layer.proj.gate_up.forward(&h, n)?.into_iter();
             let (mut g, u) = match (gu.next(), gu.next()) {
                 (Some(g), Some(u)) => (g, u),
                 _ => unreachable!("two projections"),
             };
             silu_mul(&mut g, &u);
-            let down = layer.down.forward(&g, n)?;
+            let down = layer.proj.down.forward(&g, n)?;
             add_assign(&mut x, &down);
         }
         output_logits(&x, d, &batch.logits, &self.norm, c.eps, &self.output)

@@ -237,6 +237,31 @@ impl TensorLoader<'_> {
         Ok((ops::Embedding { table }, output))
     }
 
+    /// The attention and feed-forward products of block `i`, shared by every architecture
+    /// with llama-style tensor names.
+    pub fn projections(&self, cfg: &Config, i: usize) -> Result<Projections> {
+        let d = cfg.n_embd;
+        let q_dim = cfg.n_head * cfg.head_dim;
+        let kv_dim = cfg.n_head_kv * cfg.head_dim;
+        let n = |s: &str| format!("blk.{i}.{s}.weight");
+        let linear = |name: &str, rows: usize, cols: usize| {
+            ops::Linear::new(self.matrix(&n(name), rows, cols)?)
+        };
+        Ok(Projections {
+            qkv: ops::FusedLinear::new(vec![
+                linear("attn_q", q_dim, d)?,
+                linear("attn_k", kv_dim, d)?,
+                linear("attn_v", kv_dim, d)?,
+            ]),
+            wo: linear("attn_output", d, q_dim)?,
+            gate_up: ops::FusedLinear::new(vec![
+                linear("ffn_gate", cfg.n_ff, d)?,
+                linear("ffn_up", cfg.n_ff, d)?,
+            ]),
+            down: linear("ffn_down", d, cfg.n_ff)?,
+        })
+    }
+
     pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         let info = self.gguf.tensor_info(name)?;
         if info.shape.iter().product::<usize>() != len {
@@ -247,6 +272,14 @@ impl TensorLoader<'_> {
         }
         self.gguf.f32_vec(name)
     }
+}
+
+/// Q/K/V (stacked), attention output, gate/up (stacked) and down products of one block.
+pub struct Projections {
+    pub qkv: ops::FusedLinear,
+    pub wo: ops::Linear,
+    pub gate_up: ops::FusedLinear,
+    pub down: ops::Linear,
 }
 
 pub struct Model {
