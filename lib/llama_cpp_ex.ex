@@ -28,6 +28,7 @@ defmodule LlamaCppEx do
     Model,
     NIF,
     Options,
+    Grammar,
     Sampler,
     Server,
     StopMatcher,
@@ -41,7 +42,9 @@ defmodule LlamaCppEx do
   @doc false
   def generation_option_keys,
     do:
-      @own_keys ++ Sampler.option_keys() ++ Sampler.logprob_keys() ++ Context.tuning_option_keys()
+      @own_keys ++
+        Sampler.option_keys() ++
+        Sampler.logprob_keys() ++ Sampler.extra_keys() ++ Context.tuning_option_keys()
 
   @doc "Initialises the backend. Idempotent."
   @spec init() :: :ok
@@ -116,7 +119,7 @@ defmodule LlamaCppEx do
   @spec generate(Model.t(), String.t(), keyword()) :: {:ok, String.t()} | {:error, term()}
   def generate(%Model{} = model, prompt, opts \\ []) do
     Options.validate!(opts, generation_option_keys(), "LlamaCppEx.generate/3")
-    check_grammar_opts!(opts)
+    opts = resolve_grammar_opts!(opts)
 
     if StopMatcher.new(opts[:stop]) do
       generate_via_stream(model, prompt, opts)
@@ -163,7 +166,7 @@ defmodule LlamaCppEx do
   @spec stream(Model.t(), String.t(), keyword()) :: Enumerable.t()
   def stream(%Model{} = model, prompt, opts \\ []) do
     Options.validate!(opts, generation_option_keys(), "LlamaCppEx.stream/3")
-    check_grammar_opts!(opts)
+    opts = resolve_grammar_opts!(opts)
     timeout = Options.timeout(opts, :stream)
 
     Stream.resource(
@@ -289,7 +292,7 @@ defmodule LlamaCppEx do
       "LlamaCppEx.chat_completion/3"
     )
 
-    check_grammar_opts!(opts)
+    opts = resolve_grammar_opts!(opts)
     opts = Keyword.put_new(opts, :enable_thinking, false)
     {chat_opts, gen_opts} = Keyword.split(opts, Chat.option_keys())
     timeout = Options.timeout(opts, :blocking)
@@ -319,7 +322,7 @@ defmodule LlamaCppEx do
       "LlamaCppEx.chat_completion/3"
     )
 
-    check_grammar_opts!(opts)
+    opts = resolve_grammar_opts!(opts)
     opts = Keyword.put_new(opts, :enable_thinking, false)
     {chat_opts, req_opts} = Keyword.split(opts, Chat.option_keys())
 
@@ -447,7 +450,7 @@ defmodule LlamaCppEx do
         else: generation_option_keys() ++ Chat.option_keys()
 
     Options.validate!(opts, keys, "LlamaCppEx.stream_chat_completion/3")
-    check_grammar_opts!(opts)
+    opts = resolve_grammar_opts!(opts)
     opts = Keyword.put_new(opts, :enable_thinking, false)
     timeout = Options.timeout(opts, :stream)
 
@@ -621,9 +624,19 @@ defmodule LlamaCppEx do
 
   defp stop_chat_stream(_), do: :ok
 
-  defp check_grammar_opts!(opts) do
+  # `:json_schema` becomes a `:grammar` before routing (both routes): llguidance compiles the
+  # schema; conversion errors raise like `Grammar.from_json_schema!/1`.
+  defp resolve_grammar_opts!(opts) do
     if present?(opts[:grammar]) and present?(opts[:json_schema]) do
       raise ArgumentError, "cannot use both :grammar and :json_schema options"
+    end
+
+    case Keyword.pop(opts, :json_schema) do
+      {schema, rest} when schema in [nil, ""] ->
+        rest
+
+      {schema, rest} ->
+        Keyword.put(rest, :grammar, Grammar.json_schema_constraint!(schema))
     end
   end
 
@@ -649,16 +662,12 @@ defmodule LlamaCppEx do
     do: {:error, "prompt must be a string, got #{inspect(prompt)}"}
 
   defp setup(model, tokens, max_tokens, opts) do
-    if present?(opts[:json_schema]) or present?(opts[:grammar]) do
-      {:error, "grammar-constrained sampling (:grammar, :json_schema) is not available yet"}
-    else
-      n_ctx = Keyword.get(opts, :n_ctx, 2048)
+    n_ctx = Keyword.get(opts, :n_ctx, 2048)
 
-      if is_integer(n_ctx) and n_ctx > 0 do
-        create_context_and_sampler(model, tokens, max_tokens, n_ctx, opts)
-      else
-        {:error, "n_ctx must be a positive integer, got #{inspect(n_ctx)}"}
-      end
+    if is_integer(n_ctx) and n_ctx > 0 do
+      create_context_and_sampler(model, tokens, max_tokens, n_ctx, opts)
+    else
+      {:error, "n_ctx must be a positive integer, got #{inspect(n_ctx)}"}
     end
   end
 
@@ -668,7 +677,8 @@ defmodule LlamaCppEx do
       |> Keyword.take(Context.tuning_option_keys())
       |> Keyword.put(:n_ctx, max(n_ctx, length(tokens) + max_tokens))
 
-    sampler_opts = Keyword.take(opts, Sampler.option_keys() ++ Sampler.logprob_keys())
+    sampler_opts =
+      Keyword.take(opts, Sampler.option_keys() ++ Sampler.logprob_keys() ++ Sampler.extra_keys())
 
     with {:ok, ctx} <- Context.create(model, ctx_opts),
          {:ok, sampler} <- Sampler.create(model, sampler_opts) do

@@ -66,9 +66,13 @@ defmodule LlamaCppEx.NIF do
         _penalty_present,
         _grammar,
         _grammar_root,
-        _logprobs
+        _logprobs,
+        _extras
       ),
       do: err()
+
+  def grammar_validate(_model, _grammar, _root), do: err()
+  def grammar_from_json_schema(_schema_json, _mode), do: err()
 
   def sampler_reset(_sampler), do: err()
   def sampler_accept(_sampler, _token), do: err()

@@ -102,13 +102,15 @@ defmodule LlamaCppEx.Server do
   def start_option_keys do
     Enum.uniq(
       @own_keys ++
-        Sampler.option_keys() ++ Model.tuning_option_keys() ++ Context.tuning_option_keys()
+        Sampler.option_keys() ++
+        Sampler.extra_keys() ++ Model.tuning_option_keys() ++ Context.tuning_option_keys()
     )
   end
 
   @doc "Per-request options."
   @spec request_option_keys() :: [atom()]
-  def request_option_keys, do: @request_keys ++ Sampler.option_keys() ++ Sampler.logprob_keys()
+  def request_option_keys,
+    do: @request_keys ++ Sampler.option_keys() ++ Sampler.logprob_keys() ++ Sampler.extra_keys()
 
   @doc false
   def child_spec(opts) do
@@ -373,7 +375,7 @@ defmodule LlamaCppEx.Server do
         max_queue: Keyword.get(opts, :max_queue, 64),
         cache_prompt: Keyword.get(opts, :cache_prompt, true),
         kv_unified: Keyword.get(opts, :kv_unified, true),
-        sampler_defaults: Keyword.take(opts, Sampler.option_keys()),
+        sampler_defaults: Keyword.take(opts, Sampler.option_keys() ++ Sampler.extra_keys()),
         swa_window: 0,
         slots: %{},
         queue: :queue.new(),
@@ -608,7 +610,9 @@ defmodule LlamaCppEx.Server do
   end
 
   defp request_sampler(state, opts) do
-    request = Keyword.take(opts, Sampler.option_keys() ++ Sampler.logprob_keys())
+    request =
+      Keyword.take(opts, Sampler.option_keys() ++ Sampler.logprob_keys() ++ Sampler.extra_keys())
+
     sampler_opts = Keyword.merge(state.sampler_defaults, request)
 
     Sampler.create(state.model, sampler_opts)

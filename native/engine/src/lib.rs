@@ -9,6 +9,7 @@ pub mod chat;
 pub mod context;
 pub mod error;
 pub mod gguf;
+pub mod grammar;
 pub mod kernels;
 pub mod kv;
 pub mod model;

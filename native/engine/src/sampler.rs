@@ -1,11 +1,22 @@
 //! Token sampling with llama.cpp's stage order and semantics:
-//! penalties → top-k → top-p → min-p → temperature → seeded draw (or greedy when temp ≤ 0).
+//! logit bias → grammar → penalties → DRY → top-n-sigma → top-k → typical → top-p → min-p →
+//! XTC → temperature (dynamic when `dynatemp_range` > 0) → seeded draw; greedy when temp ≤ 0
+//! (after bias, grammar, penalties and DRY). Mirostat v1/v2 replace the truncation stages with
+//! temperature → mirostat, as in llama.cpp's common sampler.
 
-use crate::tokenizer::TokenId;
-use std::collections::VecDeque;
+use crate::grammar::Constraint;
+use crate::tokenizer::{TokenId, Tokenizer};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
-/// Penalties look at this many most recent tokens (llama.cpp's `penalty_last_n` default).
+/// Penalties look at this many most recent tokens by default (llama.cpp's `penalty_last_n`).
 pub const PENALTY_LAST_N: usize = 64;
+/// Longest history kept for penalties and DRY (`-1`, "the whole context", is capped here).
+pub const MAX_HISTORY: usize = 4096;
+/// Mirostat v1 estimates the distribution's shape from this many top tokens (llama.cpp's m).
+const MIROSTAT_M: usize = 100;
+/// llama.cpp's default DRY sequence breakers.
+pub const DEFAULT_DRY_BREAKERS: &[&str] = &["\n", ":", "\"", "*"];
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplerParams {
@@ -17,6 +28,31 @@ pub struct SamplerParams {
     pub penalty_repeat: f32,
     pub penalty_freq: f32,
     pub penalty_present: f32,
+    /// Tokens of history the penalties see: 0 disables them, -1 means all (up to MAX_HISTORY).
+    pub penalty_last_n: i32,
+    /// Fewest candidates the truncation stages (top-p, min-p, typical, XTC) may leave.
+    pub min_keep: usize,
+    /// Locally typical sampling; 1.0 disables it.
+    pub typical_p: f32,
+    /// Keep logits within n standard deviations of the maximum; ≤ 0 disables it.
+    pub top_n_sigma: f32,
+    pub xtc_probability: f32,
+    pub xtc_threshold: f32,
+    /// DRY repetition penalty; 0 disables it.
+    pub dry_multiplier: f32,
+    pub dry_base: f32,
+    pub dry_allowed_length: i32,
+    /// History DRY looks at: 0 disables, -1 means all (up to MAX_HISTORY).
+    pub dry_penalty_last_n: i32,
+    /// 0 off, 1 Mirostat, 2 Mirostat 2.0.
+    pub mirostat: u8,
+    pub mirostat_tau: f32,
+    pub mirostat_eta: f32,
+    /// Dynamic temperature: temp ± range scaled by the normalized entropy^exponent.
+    pub dynatemp_range: f32,
+    pub dynatemp_exponent: f32,
+    /// Added to the logits before anything else (-inf bans a token).
+    pub logit_bias: Vec<(TokenId, f32)>,
     /// Report log-probabilities of sampled tokens: `None` off, `Some(n)` with the `n` most
     /// likely alternatives (from the raw logits, before any sampler stage).
     pub logprobs: Option<usize>,
@@ -71,6 +107,22 @@ impl Default for SamplerParams {
             penalty_repeat: 1.0,
             penalty_freq: 0.0,
             penalty_present: 0.0,
+            penalty_last_n: PENALTY_LAST_N as i32,
+            min_keep: 0,
+            typical_p: 1.0,
+            top_n_sigma: -1.0,
+            xtc_probability: 0.0,
+            xtc_threshold: 0.1,
+            dry_multiplier: 0.0,
+            dry_base: 1.75,
+            dry_allowed_length: 2,
+            dry_penalty_last_n: -1,
+            mirostat: 0,
+            mirostat_tau: 5.0,
+            mirostat_eta: 0.1,
+            dynatemp_range: 0.0,
+            dynatemp_exponent: 1.0,
+            logit_bias: Vec::new(),
             logprobs: None,
         }
     }
@@ -92,6 +144,16 @@ impl SamplerParams {
             self.penalty_repeat,
             self.penalty_freq,
             self.penalty_present,
+            self.typical_p,
+            self.top_n_sigma,
+            self.xtc_probability,
+            self.xtc_threshold,
+            self.dry_multiplier,
+            self.dry_base,
+            self.mirostat_tau,
+            self.mirostat_eta,
+            self.dynatemp_range,
+            self.dynatemp_exponent,
         ]
         .iter()
         .all(|v| v.is_finite());
@@ -101,12 +163,56 @@ impl SamplerParams {
         if self.penalty_repeat <= 0.0 {
             return Err("penalty_repeat must be positive".into());
         }
+        if self.mirostat > 2 {
+            return Err("mirostat must be 0, 1 or 2".into());
+        }
+        if self.penalty_last_n < -1 || self.dry_penalty_last_n < -1 {
+            return Err("penalty_last_n and dry_penalty_last_n must be >= -1".into());
+        }
+        if self.logit_bias.iter().any(|(_, b)| b.is_nan()) {
+            return Err("logit_bias values must be numbers".into());
+        }
         Ok(())
     }
 
     fn penalties_active(&self) -> bool {
-        self.penalty_repeat != 1.0 || self.penalty_freq != 0.0 || self.penalty_present != 0.0
+        self.penalty_last_n != 0
+            && (self.penalty_repeat != 1.0 || self.penalty_freq != 0.0 || self.penalty_present != 0.0)
     }
+
+    fn dry_active(&self) -> bool {
+        self.dry_multiplier > 0.0 && self.dry_base >= 1.0 && self.dry_penalty_last_n != 0
+    }
+
+    fn history_len(&self) -> usize {
+        let want = |n: i32| if n < 0 { MAX_HISTORY } else { n as usize };
+        let mut len = 0;
+        if self.penalties_active() {
+            len = want(self.penalty_last_n);
+        }
+        if self.dry_active() {
+            len = len.max(want(self.dry_penalty_last_n));
+        }
+        len.min(MAX_HISTORY)
+    }
+}
+
+/// Tokens that end a DRY repetition: those whose text contains a breaker string.
+pub fn dry_breaker_tokens(tokenizer: &Tokenizer, breakers: &[String]) -> HashSet<TokenId> {
+    let mut out = HashSet::new();
+    if breakers.is_empty() {
+        return out;
+    }
+    for id in 0..tokenizer.n_vocab() as TokenId {
+        let Ok(piece) = tokenizer.token_to_piece(id) else {
+            continue;
+        };
+        let text = String::from_utf8_lossy(piece);
+        if breakers.iter().any(|b| !b.is_empty() && text.contains(b.as_str())) {
+            out.insert(id);
+        }
+    }
+    out
 }
 
 /// xoshiro256** seeded through splitmix64: small, fast and reproducible across platforms.
@@ -152,30 +258,67 @@ pub struct Sampler {
     pub params: SamplerParams,
     rng: Rng,
     history: VecDeque<TokenId>,
+    history_cap: usize,
     candidates: Vec<(TokenId, f32)>,
+    scratch: Vec<f32>,
+    grammar: Option<Box<Constraint>>,
+    dry_breakers: Arc<HashSet<TokenId>>,
+    mirostat_mu: f32,
 }
 
 impl Sampler {
     pub fn new(params: SamplerParams) -> Self {
+        let history_cap = params.history_len();
         Sampler {
             rng: Rng::new(params.seed),
+            mirostat_mu: 2.0 * params.mirostat_tau,
             params,
-            history: VecDeque::with_capacity(PENALTY_LAST_N),
+            history: VecDeque::with_capacity(history_cap),
+            history_cap,
             candidates: Vec::new(),
+            scratch: Vec::new(),
+            grammar: None,
+            dry_breakers: Arc::new(HashSet::new()),
         }
     }
 
-    /// Restores the initial state (RNG and penalty history).
+    /// Constrains every sampled token to `grammar`.
+    pub fn with_grammar(mut self, grammar: Constraint) -> Self {
+        self.grammar = Some(Box::new(grammar));
+        self
+    }
+
+    /// Sets the tokens that end a DRY repetition (see [`dry_breaker_tokens`]).
+    pub fn with_dry_breakers(mut self, breakers: Arc<HashSet<TokenId>>) -> Self {
+        self.dry_breakers = breakers;
+        self
+    }
+
+    pub fn has_grammar(&self) -> bool {
+        self.grammar.is_some()
+    }
+
+    /// Restores the initial state (RNG, history, Mirostat's mu and the grammar).
     pub fn reset(&mut self) {
         self.rng = Rng::new(self.params.seed);
         self.history.clear();
+        self.mirostat_mu = 2.0 * self.params.mirostat_tau;
+        if let Some(g) = self.grammar.as_mut() {
+            g.reset();
+        }
     }
 
+    /// Records a token in the history and advances the grammar past it.
     pub fn accept(&mut self, token: TokenId) {
-        if self.history.len() == PENALTY_LAST_N {
-            self.history.pop_front();
+        if self.history_cap > 0 {
+            if self.history.len() == self.history_cap {
+                self.history.pop_front();
+            }
+            self.history.push_back(token);
         }
-        self.history.push_back(token);
+        if let Some(g) = self.grammar.as_mut() {
+            g.accept(token);
+        }
     }
 
     /// Samples a token from one row of logits and accepts it.
@@ -196,62 +339,227 @@ impl Sampler {
         let p = self.params.clone();
         let mut cand = std::mem::take(&mut self.candidates);
         cand.clear();
-        cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
+        if let Some(g) = self.grammar.as_mut() {
+            let mut row = std::mem::take(&mut self.scratch);
+            row.clear();
+            row.extend_from_slice(logits);
+            g.mask(&mut row);
+            cand.extend(row.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
+            self.scratch = row;
+        } else {
+            cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
+        }
+        for &(t, b) in &p.logit_bias {
+            if let Some(c) = cand.get_mut(t as usize) {
+                c.1 += b;
+            }
+        }
         if p.penalties_active() && !self.history.is_empty() {
             self.apply_penalties(&mut cand);
         }
+        if p.dry_active() {
+            self.apply_dry(&mut cand);
+        }
+        if self.grammar.is_some() || !p.logit_bias.is_empty() {
+            cand.retain(|c| c.1 > f32::NEG_INFINITY);
+            if cand.is_empty() {
+                // Everything was banned: fall back to the raw row rather than fail.
+                cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
+            }
+        }
         let token = if p.temp <= 0.0 {
             argmax(&cand)
+        } else if p.mirostat == 1 {
+            self.mirostat_v1(&mut cand)
+        } else if p.mirostat == 2 {
+            self.mirostat_v2(&mut cand)
         } else {
-            if p.top_k > 0 && (p.top_k as usize) < cand.len() {
-                let k = p.top_k as usize;
-                cand.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
-                cand.truncate(k);
-            }
-            cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
-            if p.top_p < 1.0 {
-                let probs = softmax(&cand, 1.0);
-                let mut cum = 0.0;
-                let mut keep = cand.len();
-                for (i, pr) in probs.iter().enumerate() {
-                    cum += pr;
-                    if cum >= p.top_p as f64 {
-                        keep = i + 1;
-                        break;
-                    }
-                }
-                cand.truncate(keep.max(1));
-            }
-            if p.min_p > 0.0 && !cand.is_empty() {
-                let threshold = cand[0].1 + p.min_p.ln();
-                let keep = cand.iter().take_while(|c| c.1 >= threshold).count();
-                cand.truncate(keep.max(1));
-            }
-            let probs = softmax(&cand, p.temp);
-            let r = self.rng.next_f64();
-            let mut cum = 0.0;
-            let mut chosen = cand[cand.len() - 1].0;
-            for (c, pr) in cand.iter().zip(&probs) {
-                cum += pr;
-                if r < cum {
-                    chosen = c.0;
-                    break;
-                }
-            }
-            chosen
+            self.truncate(&mut cand);
+            let temp = self.dynamic_temperature(&cand);
+            let probs = softmax(&cand, temp);
+            self.draw(&cand, &probs)
         };
         self.candidates = cand;
         token
     }
 
+    /// top-n-sigma → top-k → typical → top-p → min-p → XTC; leaves `cand` sorted by logit.
+    fn truncate(&mut self, cand: &mut Vec<(TokenId, f32)>) {
+        let p = &self.params;
+        let min_keep = p.min_keep.max(1);
+        if p.top_n_sigma > 0.0 && cand.len() > 1 {
+            let n = cand.len() as f64;
+            let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+            let mean = cand.iter().map(|c| c.1 as f64).sum::<f64>() / n;
+            let var = cand.iter().map(|c| (c.1 as f64 - mean).powi(2)).sum::<f64>() / n;
+            let threshold = max as f64 - p.top_n_sigma as f64 * var.sqrt();
+            cand.retain(|c| c.1 as f64 >= threshold);
+        }
+        if p.top_k > 0 {
+            let k = (p.top_k as usize).max(min_keep);
+            if k < cand.len() {
+                cand.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
+                cand.truncate(k);
+            }
+        }
+        cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
+        if p.typical_p < 1.0 && cand.len() > 1 {
+            let probs = softmax(cand, 1.0);
+            let entropy: f64 = -probs.iter().filter(|&&x| x > 0.0).map(|x| x * x.ln()).sum::<f64>();
+            let mut order: Vec<(usize, f64)> = probs
+                .iter()
+                .enumerate()
+                .map(|(i, pr)| (i, (-pr.ln() - entropy).abs()))
+                .collect();
+            order.sort_by(|a, b| a.1.total_cmp(&b.1));
+            let mut cum = 0.0;
+            let mut last = order.len();
+            for (i, (idx, _)) in order.iter().enumerate() {
+                cum += probs[*idx];
+                if cum > p.typical_p as f64 && i + 1 >= min_keep {
+                    last = i + 1;
+                    break;
+                }
+            }
+            let kept: Vec<(TokenId, f32)> = order[..last].iter().map(|(i, _)| cand[*i]).collect();
+            *cand = kept;
+            cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
+        }
+        if p.top_p < 1.0 {
+            let probs = softmax(cand, 1.0);
+            let mut cum = 0.0;
+            let mut keep = cand.len();
+            for (i, pr) in probs.iter().enumerate() {
+                cum += pr;
+                if cum >= p.top_p as f64 && i + 1 >= min_keep {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cand.truncate(keep.max(1));
+        }
+        if p.min_p > 0.0 && !cand.is_empty() {
+            let threshold = cand[0].1 + p.min_p.ln();
+            let keep = cand.iter().take_while(|c| c.1 >= threshold).count();
+            cand.truncate(keep.max(min_keep));
+        }
+        if p.xtc_probability > 0.0 && p.xtc_threshold <= 0.5 && cand.len() >= 2 {
+            let r = self.rng.next_f64();
+            if r <= self.params.xtc_probability as f64 {
+                let probs = softmax(cand, 1.0);
+                let above = probs.iter().take_while(|&&pr| pr >= self.params.xtc_threshold as f64).count();
+                // Remove every token above the threshold except the least likely of them.
+                let pos_last = above.saturating_sub(1);
+                if pos_last > 0 && cand.len() - pos_last >= min_keep {
+                    cand.drain(..pos_last);
+                }
+            }
+        }
+    }
+
+    fn dynamic_temperature(&self, cand: &[(TokenId, f32)]) -> f32 {
+        let p = &self.params;
+        if p.dynatemp_range <= 0.0 || cand.len() <= 1 {
+            return p.temp;
+        }
+        let min_t = (p.temp - p.dynatemp_range).max(0.0);
+        let max_t = p.temp + p.dynatemp_range;
+        let probs = softmax(cand, 1.0);
+        let entropy: f64 = -probs.iter().filter(|&&x| x > 0.0).map(|x| x * x.ln()).sum::<f64>();
+        let max_entropy = (cand.len() as f64).ln();
+        let normalized = (entropy / max_entropy).clamp(0.0, 1.0);
+        let t = min_t as f64 + (max_t - min_t) as f64 * normalized.powf(p.dynatemp_exponent as f64);
+        (t as f32).max(f32::MIN_POSITIVE)
+    }
+
+    fn draw(&mut self, cand: &[(TokenId, f32)], probs: &[f64]) -> TokenId {
+        let r = self.rng.next_f64();
+        let mut cum = 0.0;
+        for (c, pr) in cand.iter().zip(probs) {
+            cum += pr;
+            if r < cum {
+                return c.0;
+            }
+        }
+        cand[cand.len() - 1].0
+    }
+
+    fn draw_index(&mut self, probs: &[f64]) -> usize {
+        let r = self.rng.next_f64();
+        let mut cum = 0.0;
+        for (i, pr) in probs.iter().enumerate() {
+            cum += pr;
+            if r < cum {
+                return i;
+            }
+        }
+        probs.len() - 1
+    }
+
+    fn mirostat_update(&mut self, prob: f64) {
+        let surprise = -(prob.max(f64::MIN_POSITIVE)).log2() as f32;
+        self.mirostat_mu -= self.params.mirostat_eta * (surprise - self.params.mirostat_tau);
+    }
+
+    fn mirostat_v1(&mut self, cand: &mut Vec<(TokenId, f32)>) -> TokenId {
+        let temp = self.params.temp;
+        cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
+        let probs = softmax(cand, temp);
+        let m = MIROSTAT_M.min(probs.len());
+        let (mut sum_tb, mut sum_t2) = (0.0f64, 0.0f64);
+        for i in 0..m.saturating_sub(1) {
+            if probs[i + 1] <= 0.0 {
+                break;
+            }
+            let t = ((i as f64 + 2.0) / (i as f64 + 1.0)).ln();
+            let b = (probs[i] / probs[i + 1]).ln();
+            sum_tb += t * b;
+            sum_t2 += t * t;
+        }
+        let s_hat = if sum_t2 > 0.0 { sum_tb / sum_t2 } else { 1.0 };
+        let eps = s_hat - 1.0;
+        let n = cand.len() as f64;
+        let mu = self.mirostat_mu as f64;
+        let k = if eps.abs() < 1e-9 {
+            n
+        } else {
+            ((eps * 2f64.powf(mu)) / (1.0 - n.powf(-eps))).powf(1.0 / s_hat)
+        };
+        let k = if k.is_finite() { (k as usize).clamp(1, cand.len()) } else { cand.len() };
+        cand.truncate(k);
+        let probs = softmax(cand, temp);
+        let i = self.draw_index(&probs);
+        self.mirostat_update(probs[i]);
+        cand[i].0
+    }
+
+    fn mirostat_v2(&mut self, cand: &mut Vec<(TokenId, f32)>) -> TokenId {
+        let temp = self.params.temp;
+        cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
+        let probs = softmax(cand, temp);
+        let mu = self.mirostat_mu as f64;
+        let keep = probs.iter().take_while(|&&pr| -(pr.max(f64::MIN_POSITIVE)).log2() <= mu).count();
+        cand.truncate(keep.max(1));
+        let probs = softmax(cand, temp);
+        let i = self.draw_index(&probs);
+        self.mirostat_update(probs[i]);
+        cand[i].0
+    }
+
+    fn recent(&self, last_n: i32) -> impl Iterator<Item = &TokenId> {
+        let n = if last_n < 0 { self.history.len() } else { (last_n as usize).min(self.history.len()) };
+        self.history.iter().skip(self.history.len() - n)
+    }
+
     fn apply_penalties(&self, cand: &mut [(TokenId, f32)]) {
         let p = &self.params;
-        let mut counts: std::collections::HashMap<TokenId, u32> = std::collections::HashMap::new();
-        for &t in &self.history {
+        let mut counts: HashMap<TokenId, u32> = HashMap::new();
+        for &t in self.recent(p.penalty_last_n) {
             *counts.entry(t).or_default() += 1;
         }
         for (t, c) in counts {
-            let Some(entry) = cand.get_mut(t as usize) else {
+            // Candidates are still indexed by token id at this stage.
+            let Some(entry) = cand.get_mut(t as usize).filter(|e| e.0 == t) else {
                 continue;
             };
             if entry.1 <= 0.0 {
@@ -260,6 +568,50 @@ impl Sampler {
                 entry.1 /= p.penalty_repeat;
             }
             entry.1 -= c as f32 * p.penalty_freq + p.penalty_present;
+        }
+    }
+
+    /// DRY ("don't repeat yourself"): penalises the token that would extend a repetition of
+    /// the recent history, growing exponentially with the repeated length.
+    fn apply_dry(&self, cand: &mut [(TokenId, f32)]) {
+        let p = &self.params;
+        let last: Vec<TokenId> = self.recent(p.dry_penalty_last_n).copied().collect();
+        let n = last.len();
+        if n < 2 {
+            return;
+        }
+        let allowed = p.dry_allowed_length.max(0) as usize;
+        let rep_limit = last
+            .iter()
+            .rev()
+            .take_while(|t| !self.dry_breakers.contains(t))
+            .count();
+        if rep_limit < allowed {
+            return;
+        }
+        let mut max_len: HashMap<TokenId, usize> = HashMap::new();
+        for i in 0..n - 1 {
+            let mut k = 0;
+            while k < rep_limit && k <= i && last[i - k] == last[n - 1 - k] {
+                k += 1;
+            }
+            if k >= allowed && k > 0 {
+                let next = last[i + 1];
+                let e = max_len.entry(next).or_default();
+                *e = (*e).max(k);
+            }
+        }
+        let max_exponent = if p.dry_base > 1.0 {
+            (f32::MAX.ln() / p.dry_base.ln()) as i32
+        } else {
+            0
+        };
+        for (t, len) in max_len {
+            let exponent = ((len - allowed) as i32).min(max_exponent);
+            let penalty = p.dry_multiplier * p.dry_base.powi(exponent);
+            if let Some(entry) = cand.get_mut(t as usize).filter(|e| e.0 == t) {
+                entry.1 -= penalty;
+            }
         }
     }
 }

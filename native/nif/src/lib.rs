@@ -6,7 +6,8 @@
 use crossbeam_channel::{unbounded, Sender};
 use llama_cpp_ex_engine::context::StopReason;
 use llama_cpp_ex_engine::kv::KvType;
-use llama_cpp_ex_engine::sampler::TokenLogprobs;
+use llama_cpp_ex_engine::grammar::{self, GrammarSpec};
+use llama_cpp_ex_engine::sampler::{dry_breaker_tokens, TokenLogprobs};
 use llama_cpp_ex_engine::{
     Batch, Context, ContextParams, EngineError, LoadOptions, Model, Requantize, Sampler,
     SamplerParams,
@@ -36,6 +37,7 @@ mod atoms {
         clear,
         all,
         scalar,
+        llguidance,
     }
 }
 
@@ -590,11 +592,44 @@ fn get_top_logprobs<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, idx: i64, n: i
 
 // ---------------------------------------------------------------- sampler
 
+/// Sampler settings beyond the contract's positional ones (Elixir always sends every key).
+#[derive(rustler::NifMap)]
+struct SamplerExtras {
+    penalty_last_n: i64,
+    min_keep: i64,
+    typical_p: f64,
+    top_n_sigma: f64,
+    xtc_probability: f64,
+    xtc_threshold: f64,
+    dry_multiplier: f64,
+    dry_base: f64,
+    dry_allowed_length: i64,
+    dry_penalty_last_n: i64,
+    dry_sequence_breakers: Vec<String>,
+    mirostat: i64,
+    mirostat_tau: f64,
+    mirostat_eta: f64,
+    dynatemp_range: f64,
+    dynatemp_exponent: f64,
+    logit_bias: Vec<(i64, f64)>,
+}
+
+fn clamp_i32(v: i64) -> i32 {
+    v.clamp(i32::MIN as i64, i32::MAX as i64) as i32
+}
+
+fn grammar_spec(grammar: String, root: String) -> GrammarSpec {
+    GrammarSpec::Gbnf {
+        text: grammar,
+        root: if root.is_empty() { "root".into() } else { root },
+    }
+}
+
 #[rustler::nif(schedule = "DirtyCpu")]
 #[allow(clippy::too_many_arguments)]
 fn sampler_init<'a>(
     env: Env<'a>,
-    _m: ResourceArc<ModelRes>,
+    m: ResourceArc<ModelRes>,
     seed: u64,
     temp: f64,
     top_k: i64,
@@ -604,30 +639,98 @@ fn sampler_init<'a>(
     penalty_freq: f64,
     penalty_present: f64,
     grammar: String,
-    _grammar_root: String,
+    grammar_root: String,
     logprobs: i64,
+    extras: SamplerExtras,
 ) -> Term<'a> {
     let r = guard(|| {
-        if !grammar.is_empty() {
-            return Err(NifError::Message(
-                "grammar-constrained sampling is not available in this build yet".into(),
-            ));
+        let tokenizer = &m.model.tokenizer;
+        let mut logit_bias = Vec::with_capacity(extras.logit_bias.len());
+        for &(id, bias) in &extras.logit_bias {
+            let bias = if bias <= -1.0e30 { f32::NEG_INFINITY } else { bias as f32 };
+            logit_bias.push((tokenizer.check_id(id)?, bias));
         }
+        let mirostat = u8::try_from(extras.mirostat)
+            .map_err(|_| NifError::Message("mirostat must be 0, 1 or 2".into()))?;
         let params = SamplerParams {
             seed,
             temp: temp as f32,
-            top_k: top_k.clamp(i32::MIN as i64, i32::MAX as i64) as i32,
+            top_k: clamp_i32(top_k),
             top_p: top_p as f32,
             min_p: min_p as f32,
             penalty_repeat: penalty_repeat as f32,
             penalty_freq: penalty_freq as f32,
             penalty_present: penalty_present as f32,
+            penalty_last_n: clamp_i32(extras.penalty_last_n),
+            min_keep: usize::try_from(extras.min_keep).unwrap_or(0),
+            typical_p: extras.typical_p as f32,
+            top_n_sigma: extras.top_n_sigma as f32,
+            xtc_probability: extras.xtc_probability as f32,
+            xtc_threshold: extras.xtc_threshold as f32,
+            dry_multiplier: extras.dry_multiplier as f32,
+            dry_base: extras.dry_base as f32,
+            dry_allowed_length: clamp_i32(extras.dry_allowed_length),
+            dry_penalty_last_n: clamp_i32(extras.dry_penalty_last_n),
+            mirostat,
+            mirostat_tau: extras.mirostat_tau as f32,
+            mirostat_eta: extras.mirostat_eta as f32,
+            dynatemp_range: extras.dynatemp_range as f32,
+            dynatemp_exponent: extras.dynatemp_exponent as f32,
+            logit_bias,
             logprobs: usize::try_from(logprobs).ok(),
         };
         params.validate().map_err(NifError::Message)?;
+        let dry_active = params.dry_multiplier > 0.0;
+        let mut sampler = Sampler::new(params);
+        if dry_active {
+            let breakers = dry_breaker_tokens(tokenizer, &extras.dry_sequence_breakers);
+            sampler = sampler.with_dry_breakers(Arc::new(breakers));
+        }
+        if !grammar.is_empty() {
+            let constraint = m
+                .model
+                .compile_grammar(&grammar_spec(grammar, grammar_root))
+                .map_err(|_| NifError::Atom(atoms::invalid_grammar()))?;
+            sampler = sampler.with_grammar(constraint);
+        }
         Ok(ResourceArc::new(SamplerRes {
-            sampler: Mutex::new(Sampler::new(params)),
+            sampler: Mutex::new(sampler),
         }))
+    });
+    ok_or_error(env, r)
+}
+
+/// `:ok`, or `{:error, message}` explaining why the grammar does not compile.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn grammar_validate<'a>(
+    env: Env<'a>,
+    m: ResourceArc<ModelRes>,
+    grammar: String,
+    grammar_root: String,
+) -> Term<'a> {
+    let r = guard(|| {
+        m.model
+            .compile_grammar(&grammar_spec(grammar, grammar_root))
+            .map(|_| ())
+            .map_err(|e| NifError::Message(e.0))
+    });
+    match r {
+        Ok(()) => atoms::ok().encode(env),
+        Err(e) => e.encode(env),
+    }
+}
+
+/// JSON Schema (JSON text) → `{:ok, text}`: GBNF for `:gbnf`, llguidance Lark for
+/// `:llguidance`; or `{:error, message}`.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn grammar_from_json_schema<'a>(env: Env<'a>, schema_json: String, mode: Atom) -> Term<'a> {
+    let r = guard(|| {
+        let out = if mode == atoms::llguidance() {
+            grammar::json_schema_grammar(&schema_json)
+        } else {
+            grammar::json_schema::to_gbnf(&schema_json)
+        };
+        out.map_err(|e| NifError::Message(e.0))
     });
     ok_or_error(env, r)
 }

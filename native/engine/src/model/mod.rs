@@ -9,7 +9,9 @@ use crate::batch::Batch;
 use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
 use crate::kv::KvCache;
+use crate::grammar::{Constraint, GrammarError, GrammarFactory, GrammarSpec};
 use crate::tokenizer::Tokenizer;
+use std::sync::{Arc, OnceLock};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
 use std::path::Path;
@@ -284,7 +286,9 @@ pub struct Projections {
 
 pub struct Model {
     pub config: Config,
-    pub tokenizer: Tokenizer,
+    pub tokenizer: Arc<Tokenizer>,
+    /// Built on first use: grammar compilation needs a token trie over the whole vocabulary.
+    grammar: OnceLock<std::result::Result<Arc<GrammarFactory>, GrammarError>>,
     pub arch: Option<Box<dyn Architecture>>,
     pub desc: String,
     pub size_bytes: u64,
@@ -373,7 +377,8 @@ impl Model {
         metadata.sort();
         Ok(Model {
             config,
-            tokenizer,
+            tokenizer: Arc::new(tokenizer),
+            grammar: OnceLock::new(),
             arch,
             desc,
             size_bytes,
@@ -381,6 +386,18 @@ impl Model {
             chat_template,
             metadata,
         })
+    }
+
+    /// The model's grammar compiler (built on first call, then shared).
+    pub fn grammar_factory(&self) -> std::result::Result<Arc<GrammarFactory>, GrammarError> {
+        self.grammar
+            .get_or_init(|| GrammarFactory::new(self.tokenizer.clone()).map(Arc::new))
+            .clone()
+    }
+
+    /// Compiles a grammar for this model's vocabulary.
+    pub fn compile_grammar(&self, spec: &GrammarSpec) -> std::result::Result<Constraint, GrammarError> {
+        self.grammar_factory()?.compile(spec)
     }
 
     pub fn architecture(&self) -> Result<&dyn Architecture> {

@@ -1,0 +1,294 @@
+//! Grammar-constrained sampling on llguidance: GBNF (our front end → llguidance Lark), Lark
+//! text (`%llguidance` prefix, llama.cpp's convention) and JSON Schema (llguidance's compiler).
+//!
+//! A [`GrammarFactory`] is built once per model (lazily: the token trie of a 262k vocabulary
+//! takes a moment) and compiles grammars into [`Constraint`]s, one per request.
+
+pub mod gbnf;
+pub mod json_schema;
+
+use crate::tokenizer::{TokenId, TokenType, Tokenizer};
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{self, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+use std::sync::Arc;
+
+/// Largest grammar (or schema) text accepted, in bytes.
+pub const MAX_GRAMMAR_BYTES: usize = 1 << 20;
+/// Deepest parenthesis (or schema) nesting accepted.
+pub const MAX_NESTING: usize = 64;
+/// Grammar text starting with this is llguidance Lark, passed through (llama.cpp's rule).
+pub const LLGUIDANCE_PREFIX: &str = "%llguidance";
+
+/// Why a grammar was rejected; the NIF maps it to `{:error, :invalid_grammar}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GrammarError(pub String);
+
+impl std::fmt::Display for GrammarError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A grammar as the user gave it.
+#[derive(Debug, Clone)]
+pub enum GrammarSpec {
+    /// GBNF text and the name of its start rule (or Lark text behind [`LLGUIDANCE_PREFIX`]).
+    Gbnf { text: String, root: String },
+    /// A JSON Schema document (JSON text).
+    JsonSchema(String),
+}
+
+/// Compact, bounded JSON layout: a small model that may emit arbitrary whitespace can loop on
+/// it until `max_tokens`; these separators keep output readable and finite.
+const JSON_LAYOUT: &str =
+    r#"{"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}"#;
+
+impl GrammarSpec {
+    /// Checks the text and translates it into llguidance's input.
+    pub fn to_llguidance(&self) -> Result<TopLevelGrammar, GrammarError> {
+        match self {
+            GrammarSpec::Gbnf { text, root } => {
+                if text.len() > MAX_GRAMMAR_BYTES {
+                    return Err(GrammarError(format!(
+                        "grammar larger than {MAX_GRAMMAR_BYTES} bytes"
+                    )));
+                }
+                if text.trim_start().starts_with(LLGUIDANCE_PREFIX) {
+                    return Ok(TopLevelGrammar::from_lark(text.clone()));
+                }
+                let g = gbnf::parse(text, root)?;
+                Ok(TopLevelGrammar::from_lark(gbnf::to_lark(&g, root)))
+            }
+            GrammarSpec::JsonSchema(json) => {
+                if json.len() > MAX_GRAMMAR_BYTES {
+                    return Err(GrammarError("schema too large".into()));
+                }
+                let mut schema: serde_json::Value = serde_json::from_str(json)
+                    .map_err(|e| GrammarError(format!("schema is not JSON: {e}")))?;
+                with_layout(&mut schema)?;
+                Ok(TopLevelGrammar::from_json_schema(schema))
+            }
+        }
+    }
+}
+
+/// Grammar text (llguidance Lark behind [`LLGUIDANCE_PREFIX`]) that constrains output to a
+/// JSON Schema with llguidance's own compiler. The schema is first run through the GBNF
+/// converter so unsupported or broken schemas fail with the same errors as
+/// `Grammar.from_json_schema/1`.
+pub fn json_schema_grammar(schema_json: &str) -> Result<String, GrammarError> {
+    json_schema::to_gbnf(schema_json)?;
+    let mut schema: serde_json::Value = serde_json::from_str(schema_json)
+        .map_err(|e| GrammarError(format!("Unrecognized schema: not JSON: {e}")))?;
+    with_layout(&mut schema)?;
+    Ok(format!("{LLGUIDANCE_PREFIX} {{}}\nstart: %json {schema}\n"))
+}
+
+fn with_layout(schema: &mut serde_json::Value) -> Result<(), GrammarError> {
+    if let Some(obj) = schema.as_object_mut() {
+        if !obj.contains_key("x-guidance") {
+            let layout: serde_json::Value =
+                serde_json::from_str(JSON_LAYOUT).map_err(|e| GrammarError(e.to_string()))?;
+            obj.insert("x-guidance".into(), layout);
+        }
+    }
+    Ok(())
+}
+
+/// The tokenizer as llguidance sees it: every token's bytes, special tokens behind 0xFF.
+struct Env {
+    trie: TokTrie,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for Env {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<toktrie::TokenId> {
+        match std::str::from_utf8(s) {
+            Ok(text) => match self.tokenizer.encode(text, false, false) {
+                Ok(ids) => ids,
+                Err(_) => self.trie.greedy_tokenize(s),
+            },
+            Err(_) => self.trie.greedy_tokenize(s),
+        }
+    }
+}
+
+/// Compiles grammars for one model's vocabulary.
+pub struct GrammarFactory {
+    factory: ParserFactory,
+    eog: Arc<[TokenId]>,
+    eos: TokenId,
+    n_vocab: usize,
+}
+
+impl std::fmt::Debug for GrammarFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrammarFactory")
+            .field("n_vocab", &self.n_vocab)
+            .finish()
+    }
+}
+
+impl GrammarFactory {
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Result<Self, GrammarError> {
+        let n_vocab = tokenizer.n_vocab();
+        let eog: Arc<[TokenId]> = tokenizer.eog_tokens().to_vec().into();
+        let eos = tokenizer
+            .eos
+            .or_else(|| eog.first().copied())
+            .ok_or_else(|| GrammarError("the vocabulary has no end-of-generation token".into()))?;
+        let mut words = Vec::with_capacity(n_vocab);
+        for id in 0..n_vocab as TokenId {
+            let piece = tokenizer.token_to_piece(id).unwrap_or(&[]);
+            let special = matches!(
+                tokenizer.token_type(id),
+                Some(TokenType::Control | TokenType::Unknown | TokenType::Unused)
+            ) || eog.contains(&id)
+                || piece.is_empty();
+            if special {
+                let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                match tokenizer.token_text(id) {
+                    Some(t) if !t.is_empty() => w.extend_from_slice(t.as_bytes()),
+                    _ => w.extend_from_slice(format!("<[{id}]>").as_bytes()),
+                }
+                words.push(w);
+            } else {
+                words.push(piece.to_vec());
+            }
+        }
+        let info = TokRxInfo {
+            vocab_size: n_vocab as u32,
+            tok_eos: eos,
+            tok_bos: tokenizer.bos,
+            tok_pad: None,
+            tok_unk: None,
+            tok_end_of_turn: None,
+        };
+        let env: TokEnv = Arc::new(Env {
+            trie: TokTrie::from(&info, &words),
+            tokenizer,
+        });
+        let mut factory =
+            ParserFactory::new_simple(&env).map_err(|e| GrammarError(e.to_string()))?;
+        factory.quiet();
+        Ok(GrammarFactory {
+            factory,
+            eog,
+            eos,
+            n_vocab,
+        })
+    }
+
+    /// Compiles `spec` into a fresh constraint; errors are grammar errors.
+    pub fn compile(&self, spec: &GrammarSpec) -> Result<Constraint, GrammarError> {
+        let grammar = spec.to_llguidance()?;
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| GrammarError(first_line(&e.to_string())))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(GrammarError(first_line(&e)));
+        }
+        Ok(Constraint {
+            matcher,
+            eog: self.eog.clone(),
+            eos: self.eos,
+            n_vocab: self.n_vocab,
+        })
+    }
+}
+
+fn first_line(s: &str) -> String {
+    s.lines().next().unwrap_or("invalid grammar").to_string()
+}
+
+/// One request's grammar state: masks logits and follows accepted tokens.
+#[derive(Clone)]
+pub struct Constraint {
+    matcher: Matcher,
+    eog: Arc<[TokenId]>,
+    eos: TokenId,
+    n_vocab: usize,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint")
+            .field("stopped", &self.matcher.is_stopped())
+            .finish()
+    }
+}
+
+impl Constraint {
+    /// Sets the logit of every token the grammar forbids to -inf. End-of-generation tokens are
+    /// allowed exactly when the grammar can end here. A matcher in an error state allows only
+    /// end-of-generation, so the request finishes instead of producing unconstrained text.
+    pub fn mask(&mut self, logits: &mut [f32]) {
+        let Ok(set) = self.matcher.compute_mask_or_eos() else {
+            return self.only_eog(logits);
+        };
+        let eos_ok = set.is_allowed(self.eos);
+        let saved: Vec<(usize, f32)> = self
+            .eog
+            .iter()
+            .filter_map(|&t| logits.get(t as usize).map(|&l| (t as usize, l)))
+            .collect();
+        let covered = (set.as_slice().len() * 32).min(self.n_vocab).min(logits.len());
+        for (w, chunk) in set.as_slice().iter().zip(logits[..covered].chunks_mut(32)) {
+            match *w {
+                u32::MAX => {}
+                0 => chunk.fill(f32::NEG_INFINITY),
+                bits => {
+                    for (j, l) in chunk.iter_mut().enumerate() {
+                        if bits >> j & 1 == 0 {
+                            *l = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+            }
+        }
+        logits[covered..].fill(f32::NEG_INFINITY);
+        for (i, l) in saved {
+            logits[i] = if eos_ok { l } else { f32::NEG_INFINITY };
+        }
+    }
+
+    fn only_eog(&self, logits: &mut [f32]) {
+        let keep: Vec<(usize, f32)> = self
+            .eog
+            .iter()
+            .filter_map(|&t| logits.get(t as usize).map(|&l| (t as usize, l)))
+            .collect();
+        logits.fill(f32::NEG_INFINITY);
+        for (i, l) in keep {
+            logits[i] = if l.is_finite() { l } else { 0.0 };
+        }
+    }
+
+    /// Advances the grammar past a sampled token (end-of-generation tokens count as EOS).
+    pub fn accept(&mut self, token: TokenId) {
+        let t = if self.eog.contains(&token) {
+            self.eos
+        } else {
+            token
+        };
+        if !self.matcher.is_stopped() {
+            let _ = self.matcher.consume_token(t);
+        }
+    }
+
+    /// Whether the grammar is complete (only end-of-generation may follow).
+    pub fn is_stopped(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+
+    pub fn reset(&mut self) {
+        let _ = self.matcher.reset();
+    }
+}
