@@ -75,6 +75,7 @@ defmodule LlamaCppEx.NIF do
   def grammar_from_json_schema(_schema_json, _mode), do: err()
 
   def sampler_reset(_sampler), do: err()
+  def sampler_grammar_stats(_sampler), do: err()
   def sampler_accept(_sampler, _token), do: err()
   def sampler_sample_at(_sampler, _ctx, _idx), do: err()
 

@@ -238,6 +238,16 @@ defmodule LlamaCppEx.Sampler do
 
   defp float(opts, key, default), do: opts |> Keyword.get(key, default) |> Kernel.*(1.0)
 
+  @doc """
+  Time this sampler spent computing grammar masks:
+  `%{masks: n, mean_us: float, max_us: float}` (zeros without a grammar).
+  """
+  @spec grammar_stats(t()) :: %{masks: non_neg_integer(), mean_us: float(), max_us: float()}
+  def grammar_stats(%__MODULE__{ref: ref}) do
+    {n, total_ns, max_ns} = NIF.sampler_grammar_stats(ref)
+    %{masks: n, mean_us: if(n > 0, do: total_ns / n / 1000, else: 0.0), max_us: max_ns / 1000}
+  end
+
   @doc "Resets the RNG, the penalty history, Mirostat's state and the grammar."
   @spec reset(t()) :: :ok
   def reset(%__MODULE__{ref: ref}), do: NIF.sampler_reset(ref)

@@ -177,7 +177,9 @@ impl SamplerParams {
 
     fn penalties_active(&self) -> bool {
         self.penalty_last_n != 0
-            && (self.penalty_repeat != 1.0 || self.penalty_freq != 0.0 || self.penalty_present != 0.0)
+            && (self.penalty_repeat != 1.0
+                || self.penalty_freq != 0.0
+                || self.penalty_present != 0.0)
     }
 
     fn dry_active(&self) -> bool {
@@ -208,7 +210,10 @@ pub fn dry_breaker_tokens(tokenizer: &Tokenizer, breakers: &[String]) -> HashSet
             continue;
         };
         let text = String::from_utf8_lossy(piece);
-        if breakers.iter().any(|b| !b.is_empty() && text.contains(b.as_str())) {
+        if breakers
+            .iter()
+            .any(|b| !b.is_empty() && text.contains(b.as_str()))
+        {
             out.insert(id);
         }
     }
@@ -264,6 +269,15 @@ pub struct Sampler {
     grammar: Option<Box<Constraint>>,
     dry_breakers: Arc<HashSet<TokenId>>,
     mirostat_mu: f32,
+    grammar_stats: GrammarStats,
+}
+
+/// Time spent computing grammar masks (for benchmarks and telemetry).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GrammarStats {
+    pub masks: u64,
+    pub total_ns: u64,
+    pub max_ns: u64,
 }
 
 impl Sampler {
@@ -279,6 +293,7 @@ impl Sampler {
             scratch: Vec::new(),
             grammar: None,
             dry_breakers: Arc::new(HashSet::new()),
+            grammar_stats: GrammarStats::default(),
         }
     }
 
@@ -296,6 +311,10 @@ impl Sampler {
 
     pub fn has_grammar(&self) -> bool {
         self.grammar.is_some()
+    }
+
+    pub fn grammar_stats(&self) -> GrammarStats {
+        self.grammar_stats
     }
 
     /// Restores the initial state (RNG, history, Mirostat's mu and the grammar).
@@ -343,7 +362,13 @@ impl Sampler {
             let mut row = std::mem::take(&mut self.scratch);
             row.clear();
             row.extend_from_slice(logits);
+            let t0 = std::time::Instant::now();
             g.mask(&mut row);
+            let ns = t0.elapsed().as_nanos() as u64;
+            let st = &mut self.grammar_stats;
+            st.masks += 1;
+            st.total_ns += ns;
+            st.max_ns = st.max_ns.max(ns);
             cand.extend(row.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
             self.scratch = row;
         } else {
@@ -391,7 +416,11 @@ impl Sampler {
             let n = cand.len() as f64;
             let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
             let mean = cand.iter().map(|c| c.1 as f64).sum::<f64>() / n;
-            let var = cand.iter().map(|c| (c.1 as f64 - mean).powi(2)).sum::<f64>() / n;
+            let var = cand
+                .iter()
+                .map(|c| (c.1 as f64 - mean).powi(2))
+                .sum::<f64>()
+                / n;
             let threshold = max as f64 - p.top_n_sigma as f64 * var.sqrt();
             cand.retain(|c| c.1 as f64 >= threshold);
         }
@@ -405,7 +434,11 @@ impl Sampler {
         cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
         if p.typical_p < 1.0 && cand.len() > 1 {
             let probs = softmax(cand, 1.0);
-            let entropy: f64 = -probs.iter().filter(|&&x| x > 0.0).map(|x| x * x.ln()).sum::<f64>();
+            let entropy: f64 = -probs
+                .iter()
+                .filter(|&&x| x > 0.0)
+                .map(|x| x * x.ln())
+                .sum::<f64>();
             let mut order: Vec<(usize, f64)> = probs
                 .iter()
                 .enumerate()
@@ -447,7 +480,10 @@ impl Sampler {
             let r = self.rng.next_f64();
             if r <= self.params.xtc_probability as f64 {
                 let probs = softmax(cand, 1.0);
-                let above = probs.iter().take_while(|&&pr| pr >= self.params.xtc_threshold as f64).count();
+                let above = probs
+                    .iter()
+                    .take_while(|&&pr| pr >= self.params.xtc_threshold as f64)
+                    .count();
                 // Remove every token above the threshold except the least likely of them.
                 let pos_last = above.saturating_sub(1);
                 if pos_last > 0 && cand.len() - pos_last >= min_keep {
@@ -465,7 +501,11 @@ impl Sampler {
         let min_t = (p.temp - p.dynatemp_range).max(0.0);
         let max_t = p.temp + p.dynatemp_range;
         let probs = softmax(cand, 1.0);
-        let entropy: f64 = -probs.iter().filter(|&&x| x > 0.0).map(|x| x * x.ln()).sum::<f64>();
+        let entropy: f64 = -probs
+            .iter()
+            .filter(|&&x| x > 0.0)
+            .map(|x| x * x.ln())
+            .sum::<f64>();
         let max_entropy = (cand.len() as f64).ln();
         let normalized = (entropy / max_entropy).clamp(0.0, 1.0);
         let t = min_t as f64 + (max_t - min_t) as f64 * normalized.powf(p.dynatemp_exponent as f64);
@@ -525,7 +565,11 @@ impl Sampler {
         } else {
             ((eps * 2f64.powf(mu)) / (1.0 - n.powf(-eps))).powf(1.0 / s_hat)
         };
-        let k = if k.is_finite() { (k as usize).clamp(1, cand.len()) } else { cand.len() };
+        let k = if k.is_finite() {
+            (k as usize).clamp(1, cand.len())
+        } else {
+            cand.len()
+        };
         cand.truncate(k);
         let probs = softmax(cand, temp);
         let i = self.draw_index(&probs);
@@ -538,7 +582,10 @@ impl Sampler {
         cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
         let probs = softmax(cand, temp);
         let mu = self.mirostat_mu as f64;
-        let keep = probs.iter().take_while(|&&pr| -(pr.max(f64::MIN_POSITIVE)).log2() <= mu).count();
+        let keep = probs
+            .iter()
+            .take_while(|&&pr| -(pr.max(f64::MIN_POSITIVE)).log2() <= mu)
+            .count();
         cand.truncate(keep.max(1));
         let probs = softmax(cand, temp);
         let i = self.draw_index(&probs);
@@ -547,7 +594,11 @@ impl Sampler {
     }
 
     fn recent(&self, last_n: i32) -> impl Iterator<Item = &TokenId> {
-        let n = if last_n < 0 { self.history.len() } else { (last_n as usize).min(self.history.len()) };
+        let n = if last_n < 0 {
+            self.history.len()
+        } else {
+            (last_n as usize).min(self.history.len())
+        };
         self.history.iter().skip(self.history.len() - n)
     }
 
@@ -745,5 +796,167 @@ mod tests {
         let lp = log_softmax(&[1.0, 2.0, 3.0]);
         let total: f32 = lp.iter().map(|v| v.exp()).sum();
         assert!((total - 1.0).abs() < 1e-5);
+    }
+
+    fn sampled(params: SamplerParams, logits: &[f32], n: usize) -> HashSet<TokenId> {
+        let mut s = Sampler::new(params);
+        (0..n).map(|_| s.sample(logits)).collect()
+    }
+
+    fn open(seed: u64) -> SamplerParams {
+        SamplerParams {
+            seed,
+            temp: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn logit_bias_bans_and_boosts() {
+        let mut p = SamplerParams::greedy();
+        p.logit_bias = vec![(1, f32::NEG_INFINITY), (3, 0.5)];
+        let mut s = Sampler::new(p);
+        // 1 is the argmax but banned; 3 gets +0.5 and overtakes 0.
+        assert_eq!(s.sample(&[2.0, 5.0, 0.0, 1.8]), 3);
+    }
+
+    #[test]
+    fn penalty_last_n_limits_the_window() {
+        let mut p = SamplerParams::greedy();
+        p.penalty_present = 10.0;
+        p.penalty_last_n = 1;
+        let mut s = Sampler::new(p);
+        s.accept(0);
+        s.accept(2);
+        // Only token 2 is inside the window, so token 0 keeps its lead.
+        assert_eq!(s.sample(&[3.0, 1.0, 2.9]), 0);
+    }
+
+    #[test]
+    fn top_n_sigma_keeps_the_head() {
+        let mut logits = vec![0.0f32; 50];
+        logits[0] = 10.0;
+        logits[1] = 9.8;
+        let p = SamplerParams {
+            top_n_sigma: 1.0,
+            ..open(3)
+        };
+        let got = sampled(p, &logits, 200);
+        assert!(got.is_subset(&[0, 1].into_iter().collect()), "{got:?}");
+        assert_eq!(got.len(), 2);
+    }
+
+    #[test]
+    fn typical_p_prefers_typical_tokens() {
+        // A dominant token is "atypical" when the entropy is spread by many small ones.
+        let mut logits = vec![0.0f32; 100];
+        logits[0] = 3.0;
+        let p = SamplerParams {
+            typical_p: 0.2,
+            min_keep: 1,
+            ..open(9)
+        };
+        let got = sampled(p, &logits, 100);
+        assert!(!got.contains(&0), "{got:?}");
+    }
+
+    #[test]
+    fn xtc_removes_top_choices() {
+        let logits = [(0.5f32).ln(), (0.3f32).ln(), (0.2f32).ln()];
+        let p = SamplerParams {
+            xtc_probability: 1.0,
+            xtc_threshold: 0.1,
+            ..open(1)
+        };
+        // All three are above the threshold: all but the least likely of them go.
+        assert_eq!(sampled(p, &logits, 50), [2].into_iter().collect());
+        let p = SamplerParams {
+            xtc_probability: 1.0,
+            xtc_threshold: 0.1,
+            min_keep: 2,
+            ..open(1)
+        };
+        assert!(sampled(p, &logits, 100).len() > 1, "min_keep stops XTC");
+    }
+
+    #[test]
+    fn min_keep_bounds_min_p() {
+        let p = SamplerParams {
+            min_p: 0.9,
+            min_keep: 3,
+            ..open(5)
+        };
+        assert_eq!(sampled(p, &[5.0, 4.0, 3.9, -10.0], 300).len(), 3);
+    }
+
+    #[test]
+    fn dry_penalises_the_continuation_of_a_repeat() {
+        let p = SamplerParams {
+            dry_multiplier: 1.0,
+            dry_allowed_length: 2,
+            ..SamplerParams::greedy()
+        };
+        let mut s = Sampler::new(p.clone());
+        for t in [1, 2, 3, 1, 2] {
+            s.accept(t);
+        }
+        // "1 2" repeats; "3" would continue it and is pushed below token 0.
+        assert_eq!(s.sample(&[2.0, 0.0, 0.0, 2.5]), 0);
+        // A breaker inside the repeat stops it.
+        let mut s = Sampler::new(p).with_dry_breakers(Arc::new([2].into_iter().collect()));
+        for t in [1, 2, 3, 1, 2] {
+            s.accept(t);
+        }
+        assert_eq!(s.sample(&[2.0, 0.0, 0.0, 2.5]), 3);
+    }
+
+    #[test]
+    fn mirostat_is_seeded_and_tracks_surprise() {
+        let logits: Vec<f32> = (0..200).map(|i| -(i as f32) * 0.05).collect();
+        for mirostat in [1u8, 2] {
+            let p = SamplerParams {
+                mirostat,
+                mirostat_tau: 3.0,
+                ..open(77)
+            };
+            let run = || {
+                let mut s = Sampler::new(p.clone());
+                (0..40).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+            };
+            assert_eq!(run(), run());
+            let mut s = Sampler::new(p.clone());
+            for _ in 0..40 {
+                s.sample(&logits);
+            }
+            assert_ne!(s.mirostat_mu, 2.0 * p.mirostat_tau, "mu adapts");
+            s.reset();
+            assert_eq!(s.mirostat_mu, 2.0 * p.mirostat_tau);
+        }
+        // A tiny target surprise keeps Mirostat 2.0 on the top token.
+        let p = SamplerParams {
+            mirostat: 2,
+            mirostat_tau: 0.01,
+            mirostat_eta: 0.0,
+            ..open(1)
+        };
+        assert_eq!(sampled(p, &logits, 30), [0].into_iter().collect());
+    }
+
+    #[test]
+    fn dynamic_temperature_follows_entropy() {
+        let s = Sampler::new(SamplerParams {
+            temp: 1.0,
+            dynatemp_range: 0.5,
+            ..open(1)
+        });
+        let flat: Vec<(TokenId, f32)> = (0..10).map(|i| (i, 0.0)).collect();
+        let peaked: Vec<(TokenId, f32)> = (0..10)
+            .map(|i| (i, if i == 0 { 20.0 } else { 0.0 }))
+            .collect();
+        assert!((s.dynamic_temperature(&flat) - 1.5).abs() < 1e-3);
+        assert!(s.dynamic_temperature(&peaked) < 0.6);
     }
 }

@@ -68,9 +68,7 @@ fn run(
         mask_time += dt;
         replay.accept(t);
     }
-    if std::env::var_os("MASK_DEBUG").is_some() {
-        eprintln!("mask: {} steps, mean {:.3} ms, worst {:.3} ms", tokens.len(), mask_time / tokens.len().max(1) as f64 * 1e3, worst * 1e3);
-    }
+    let _ = worst;
     let _ = n;
     (
         String::from_utf8(text).unwrap(),
@@ -97,7 +95,13 @@ fn sampled(seed: u64) -> SamplerParams {
 fn hello_world(file: &str) {
     let model = load(file, Requantize::Q8_0);
     let prompt = chat_prompt(&model, "Say something.");
-    let (text, ended, _) = run(&model, &prompt, &gbnf(r#"root ::= "hello world""#), SamplerParams::greedy(), 32);
+    let (text, ended, _) = run(
+        &model,
+        &prompt,
+        &gbnf(r#"root ::= "hello world""#),
+        SamplerParams::greedy(),
+        32,
+    );
     assert_eq!(text, "hello world");
     assert!(ended, "the grammar forces end-of-generation after the text");
 }
@@ -153,7 +157,10 @@ fn regex_lite_match(re: &str, text: &str) -> bool {
         r"^[0-9]{3}-[0-9]{4}$" => {
             text.len() == 8
                 && text.as_bytes()[3] == b'-'
-                && text.chars().enumerate().all(|(i, c)| i == 3 || c.is_ascii_digit())
+                && text
+                    .chars()
+                    .enumerate()
+                    .all(|(i, c)| i == 3 || c.is_ascii_digit())
         }
         r"^(yes|no)\.$" => text == "yes." || text == "no.",
         r"^[a-z]+ [a-z]+ [a-z]+$" => {
@@ -166,7 +173,9 @@ fn regex_lite_match(re: &str, text: &str) -> bool {
         r"^#[A-F0-9]{6}$" => {
             text.len() == 7
                 && text.starts_with('#')
-                && text[1..].chars().all(|c| c.is_ascii_digit() || ('A'..='F').contains(&c))
+                && text[1..]
+                    .chars()
+                    .all(|c| c.is_ascii_digit() || ('A'..='F').contains(&c))
         }
         _ => unreachable!(),
     }
@@ -184,29 +193,98 @@ fn regex_like_gbnf_gemma3() {
 
 /// (prompt, schema) pairs covering the keywords the issue lists.
 const SCHEMAS: &[(&str, &str)] = &[
-    ("Describe a person.", r#"{"type":"object","properties":{"name":{"type":"string","maxLength":20},"age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"],"additionalProperties":false}"#),
-    ("Give a city and its country.", r#"{"type":"object","properties":{"city":{"type":"string","maxLength":24},"country":{"type":"string","maxLength":24}},"required":["city","country"],"additionalProperties":false}"#),
-    ("List three colors.", r#"{"type":"array","items":{"type":"string","maxLength":12},"minItems":3,"maxItems":3}"#),
-    ("List some primes.", r#"{"type":"array","items":{"type":"integer","minimum":2,"maximum":100},"minItems":1,"maxItems":5}"#),
-    ("Pick a size.", r#"{"type":"string","enum":["small","medium","large"]}"#),
-    ("Report the status.", r#"{"type":"object","properties":{"status":{"const":"ok"},"code":{"type":"integer","minimum":100,"maximum":599}},"required":["status","code"],"additionalProperties":false}"#),
-    ("Is water wet?", r#"{"type":"object","properties":{"answer":{"type":"boolean"}},"required":["answer"],"additionalProperties":false}"#),
-    ("What is a warm day's temperature in Celsius, e.g. 21.5?", r#"{"type":"object","properties":{"celsius":{"type":"number","minimum":-50,"maximum":60}},"required":["celsius"],"additionalProperties":false}"#),
-    ("Describe a book.", r#"{"type":"object","properties":{"title":{"type":"string","maxLength":30},"author":{"type":"string","maxLength":30},"year":{"type":"integer","minimum":1000,"maximum":2100},"isbn":{"type":"string","maxLength":20}},"required":["title","year"],"additionalProperties":false}"#),
-    ("Describe an order.", r#"{"type":"object","properties":{"id":{"type":"integer","minimum":1},"customer":{"type":"object","properties":{"name":{"type":"string","maxLength":20},"email":{"type":"string","maxLength":30}},"required":["name"],"additionalProperties":false}},"required":["id","customer"],"additionalProperties":false}"#),
-    ("Give a product code.", r#"{"type":"object","properties":{"code":{"type":"string","pattern":"^[A-Z]{3}-[0-9]{4}$"}},"required":["code"],"additionalProperties":false}"#),
-    ("When is the meeting?", r#"{"type":"object","properties":{"date":{"type":"string","format":"date"}},"required":["date"],"additionalProperties":false}"#),
-    ("Give an identifier.", r#"{"type":"object","properties":{"id":{"type":"string","format":"uuid"}},"required":["id"],"additionalProperties":false}"#),
-    ("Give a value or nothing.", r#"{"anyOf":[{"type":"integer","minimum":0,"maximum":9},{"type":"null"}]}"#),
-    ("Describe a shape.", r#"{"oneOf":[{"type":"object","properties":{"kind":{"const":"circle"},"radius":{"type":"number","minimum":0,"maximum":100}},"required":["kind","radius"],"additionalProperties":false},{"type":"object","properties":{"kind":{"const":"square"},"side":{"type":"number","minimum":0,"maximum":100}},"required":["kind","side"],"additionalProperties":false}]}"#),
-    ("Give a point.", r##"{"$defs":{"coord":{"type":"integer","minimum":-100,"maximum":100}},"type":"object","properties":{"x":{"$ref":"#/$defs/coord"},"y":{"$ref":"#/$defs/coord"}},"required":["x","y"],"additionalProperties":false}"##),
-    ("Describe a team.", r##"{"$defs":{"member":{"type":"object","properties":{"name":{"type":"string","maxLength":16},"role":{"enum":["dev","pm","qa"]}},"required":["name","role"],"additionalProperties":false}},"type":"object","properties":{"team":{"type":"string","maxLength":16},"members":{"type":"array","items":{"$ref":"#/$defs/member"},"minItems":1,"maxItems":2}},"required":["team","members"],"additionalProperties":false}"##),
-    ("Give a score.", r#"{"type":"object","properties":{"score":{"type":"number","minimum":0,"maximum":1}},"required":["score"],"additionalProperties":false}"#),
-    ("Name a username.", r#"{"type":"object","properties":{"username":{"type":"string","minLength":3,"maxLength":12,"pattern":"^[a-z][a-z0-9_]*$"}},"required":["username"],"additionalProperties":false}"#),
-    ("Give some tags.", r#"{"type":"object","properties":{"tags":{"type":"array","items":{"type":"string","maxLength":10},"maxItems":3}},"required":["tags"],"additionalProperties":false}"#),
-    ("Describe a matrix.", r#"{"type":"array","items":{"type":"array","items":{"type":"integer","minimum":0,"maximum":9},"minItems":2,"maxItems":2},"minItems":2,"maxItems":2}"#),
-    ("Give a setting.", r#"{"type":"object","properties":{"key":{"type":"string","maxLength":12},"value":{"type":["string","integer","boolean"],"maxLength":12}},"required":["key","value"],"additionalProperties":false}"#),
-    ("Describe a flight.", r#"{"type":"object","properties":{"from":{"type":"string","pattern":"^[A-Z]{3}$"},"to":{"type":"string","pattern":"^[A-Z]{3}$"},"departs":{"type":"string","pattern":"^([01][0-9]|2[0-3]):[0-5][0-9]$"},"seats":{"type":"integer","exclusiveMinimum":0,"maximum":500}},"required":["from","to","seats"],"additionalProperties":false}"#),
+    (
+        "Describe a person.",
+        r#"{"type":"object","properties":{"name":{"type":"string","maxLength":20},"age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"],"additionalProperties":false}"#,
+    ),
+    (
+        "Give a city and its country.",
+        r#"{"type":"object","properties":{"city":{"type":"string","maxLength":24},"country":{"type":"string","maxLength":24}},"required":["city","country"],"additionalProperties":false}"#,
+    ),
+    (
+        "List three colors.",
+        r#"{"type":"array","items":{"type":"string","maxLength":12},"minItems":3,"maxItems":3}"#,
+    ),
+    (
+        "List some primes.",
+        r#"{"type":"array","items":{"type":"integer","minimum":2,"maximum":100},"minItems":1,"maxItems":5}"#,
+    ),
+    (
+        "Pick a size.",
+        r#"{"type":"string","enum":["small","medium","large"]}"#,
+    ),
+    (
+        "Report the status.",
+        r#"{"type":"object","properties":{"status":{"const":"ok"},"code":{"type":"integer","minimum":100,"maximum":599}},"required":["status","code"],"additionalProperties":false}"#,
+    ),
+    (
+        "Is water wet?",
+        r#"{"type":"object","properties":{"answer":{"type":"boolean"}},"required":["answer"],"additionalProperties":false}"#,
+    ),
+    (
+        "What is a warm day's temperature in Celsius, e.g. 21.5?",
+        r#"{"type":"object","properties":{"celsius":{"type":"number","minimum":-50,"maximum":60}},"required":["celsius"],"additionalProperties":false}"#,
+    ),
+    (
+        "Describe a book.",
+        r#"{"type":"object","properties":{"title":{"type":"string","maxLength":30},"author":{"type":"string","maxLength":30},"year":{"type":"integer","minimum":1000,"maximum":2100},"isbn":{"type":"string","maxLength":20}},"required":["title","year"],"additionalProperties":false}"#,
+    ),
+    (
+        "Describe an order.",
+        r#"{"type":"object","properties":{"id":{"type":"integer","minimum":1},"customer":{"type":"object","properties":{"name":{"type":"string","maxLength":20},"email":{"type":"string","maxLength":30}},"required":["name"],"additionalProperties":false}},"required":["id","customer"],"additionalProperties":false}"#,
+    ),
+    (
+        "Give a product code.",
+        r#"{"type":"object","properties":{"code":{"type":"string","pattern":"^[A-Z]{3}-[0-9]{4}$"}},"required":["code"],"additionalProperties":false}"#,
+    ),
+    (
+        "When is the meeting?",
+        r#"{"type":"object","properties":{"date":{"type":"string","format":"date"}},"required":["date"],"additionalProperties":false}"#,
+    ),
+    (
+        "Give an identifier.",
+        r#"{"type":"object","properties":{"id":{"type":"string","format":"uuid"}},"required":["id"],"additionalProperties":false}"#,
+    ),
+    (
+        "Give a value or nothing.",
+        r#"{"anyOf":[{"type":"integer","minimum":0,"maximum":9},{"type":"null"}]}"#,
+    ),
+    (
+        "Describe a shape.",
+        r#"{"oneOf":[{"type":"object","properties":{"kind":{"const":"circle"},"radius":{"type":"number","minimum":0,"maximum":100}},"required":["kind","radius"],"additionalProperties":false},{"type":"object","properties":{"kind":{"const":"square"},"side":{"type":"number","minimum":0,"maximum":100}},"required":["kind","side"],"additionalProperties":false}]}"#,
+    ),
+    (
+        "Give a point.",
+        r##"{"$defs":{"coord":{"type":"integer","minimum":-100,"maximum":100}},"type":"object","properties":{"x":{"$ref":"#/$defs/coord"},"y":{"$ref":"#/$defs/coord"}},"required":["x","y"],"additionalProperties":false}"##,
+    ),
+    (
+        "Describe a team.",
+        r##"{"$defs":{"member":{"type":"object","properties":{"name":{"type":"string","maxLength":16},"role":{"enum":["dev","pm","qa"]}},"required":["name","role"],"additionalProperties":false}},"type":"object","properties":{"team":{"type":"string","maxLength":16},"members":{"type":"array","items":{"$ref":"#/$defs/member"},"minItems":1,"maxItems":2}},"required":["team","members"],"additionalProperties":false}"##,
+    ),
+    (
+        "Give a score.",
+        r#"{"type":"object","properties":{"score":{"type":"number","minimum":0,"maximum":1}},"required":["score"],"additionalProperties":false}"#,
+    ),
+    (
+        "Name a username.",
+        r#"{"type":"object","properties":{"username":{"type":"string","minLength":3,"maxLength":12,"pattern":"^[a-z][a-z0-9_]*$"}},"required":["username"],"additionalProperties":false}"#,
+    ),
+    (
+        "Give some tags.",
+        r#"{"type":"object","properties":{"tags":{"type":"array","items":{"type":"string","maxLength":10},"maxItems":3}},"required":["tags"],"additionalProperties":false}"#,
+    ),
+    (
+        "Describe a matrix.",
+        r#"{"type":"array","items":{"type":"array","items":{"type":"integer","minimum":0,"maximum":9},"minItems":2,"maxItems":2},"minItems":2,"maxItems":2}"#,
+    ),
+    (
+        "Give a setting.",
+        r#"{"type":"object","properties":{"key":{"type":"string","maxLength":12},"value":{"type":["string","integer","boolean"],"maxLength":12}},"required":["key","value"],"additionalProperties":false}"#,
+    ),
+    (
+        "Describe a flight.",
+        r#"{"type":"object","properties":{"from":{"type":"string","pattern":"^[A-Z]{3}$"},"to":{"type":"string","pattern":"^[A-Z]{3}$"},"departs":{"type":"string","pattern":"^([01][0-9]|2[0-3]):[0-5][0-9]$"},"seats":{"type":"integer","exclusiveMinimum":0,"maximum":500}},"required":["from","to","seats"],"additionalProperties":false}"#,
+    ),
 ];
 
 fn schema_suite(file: &str) {
@@ -227,10 +305,17 @@ fn schema_suite(file: &str) {
             worst_mask = worst_mask.max(mask);
             total_mask += mask;
             runs += 1;
-            assert!(ended, "{file} schema {i} (temp {}): not finished: {text:?}", params.temp);
+            assert!(
+                ended,
+                "{file} schema {i} (temp {}): not finished: {text:?}",
+                params.temp
+            );
             let value: serde_json::Value = serde_json::from_str(&text)
                 .unwrap_or_else(|e| panic!("{file} schema {i}: {e}: {text:?}"));
-            let errors: Vec<String> = validator.iter_errors(&value).map(|e| e.to_string()).collect();
+            let errors: Vec<String> = validator
+                .iter_errors(&value)
+                .map(|e| e.to_string())
+                .collect();
             assert!(errors.is_empty(), "{file} schema {i}: {text} -> {errors:?}");
         }
     }

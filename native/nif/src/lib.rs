@@ -5,8 +5,8 @@
 
 use crossbeam_channel::{unbounded, Sender};
 use llama_cpp_ex_engine::context::StopReason;
-use llama_cpp_ex_engine::kv::KvType;
 use llama_cpp_ex_engine::grammar::{self, GrammarSpec};
+use llama_cpp_ex_engine::kv::KvType;
 use llama_cpp_ex_engine::sampler::{dry_breaker_tokens, TokenLogprobs};
 use llama_cpp_ex_engine::{
     Batch, Context, ContextParams, EngineError, LoadOptions, Model, Requantize, Sampler,
@@ -647,7 +647,11 @@ fn sampler_init<'a>(
         let tokenizer = &m.model.tokenizer;
         let mut logit_bias = Vec::with_capacity(extras.logit_bias.len());
         for &(id, bias) in &extras.logit_bias {
-            let bias = if bias <= -1.0e30 { f32::NEG_INFINITY } else { bias as f32 };
+            let bias = if bias <= -1.0e30 {
+                f32::NEG_INFINITY
+            } else {
+                bias as f32
+            };
             logit_bias.push((tokenizer.check_id(id)?, bias));
         }
         let mirostat = u8::try_from(extras.mirostat)
@@ -733,6 +737,13 @@ fn grammar_from_json_schema<'a>(env: Env<'a>, schema_json: String, mode: Atom) -
         out.map_err(|e| NifError::Message(e.0))
     });
     ok_or_error(env, r)
+}
+
+/// `{masks, total_ns, max_ns}` spent computing grammar masks.
+#[rustler::nif]
+fn sampler_grammar_stats(s: ResourceArc<SamplerRes>) -> (u64, u64, u64) {
+    let st = lock(&s.sampler).grammar_stats();
+    (st.masks, st.total_ns, st.max_ns)
 }
 
 #[rustler::nif]

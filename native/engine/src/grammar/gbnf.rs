@@ -5,6 +5,7 @@
 //! one-character lexeme (a one-character lexeme can never be extended, so greedy lexing cannot
 //! cut off a parse that GBNF would accept); all structure lives in parser rules.
 
+use super::analysis::{char_regex, quantifier, Analysis};
 use super::{GrammarError, MAX_GRAMMAR_BYTES, MAX_NESTING};
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -124,7 +125,9 @@ impl<'a> Parser<'a> {
         while self.peek().is_some() {
             let name = self.name()?;
             self.skip_space();
-            if !(self.peek() == Some(':') && self.peek_at(1) == Some(':') && self.peek_at(2) == Some('='))
+            if !(self.peek() == Some(':')
+                && self.peek_at(1) == Some(':')
+                && self.peek_at(2) == Some('='))
             {
                 return self.fail("expected ::=");
             }
@@ -205,8 +208,7 @@ impl<'a> Parser<'a> {
                         }
                         Some(_) => {
                             let lo = self.char_in_literal()?;
-                            let hi = if self.peek() == Some('-') && self.peek_at(1) != Some(']')
-                            {
+                            let hi = if self.peek() == Some('-') && self.peek_at(1) != Some(']') {
                                 self.pos += 1;
                                 if self.peek().is_none() {
                                     return self.fail("unterminated character class");
@@ -371,9 +373,15 @@ pub fn parse(text: &str, root: &str) -> Result<Grammar, GrammarError> {
         pos: 0,
     }
     .grammar()?;
-    let names: HashMap<&str, ()> = grammar.rules.iter().map(|(n, _)| (n.as_str(), ())).collect();
+    let names: HashMap<&str, ()> = grammar
+        .rules
+        .iter()
+        .map(|(n, _)| (n.as_str(), ()))
+        .collect();
     if !names.contains_key(root) {
-        return Err(err(format!("grammar does not define the root rule '{root}'")));
+        return Err(err(format!(
+            "grammar does not define the root rule '{root}'"
+        )));
     }
     for (_, body) in &grammar.rules {
         check_refs(body, &names)?;
@@ -400,97 +408,126 @@ pub fn to_lark(g: &Grammar, root: &str) -> String {
         .enumerate()
         .map(|(i, (n, _))| (n.as_str(), i))
         .collect();
-    let lark_name = |n: &str| format!("r{}", index[n]);
+    let analysis = Analysis::new(g, root);
+    let ctx = Render {
+        index: &index,
+        analysis: analysis.ll1.then_some(&analysis),
+    };
     let mut out = String::new();
-    let _ = writeln!(out, "start: {}", lark_name(root));
+    let _ = writeln!(out, "start: {}", ctx.name(root));
     for (name, body) in &g.rules {
-        let _ = writeln!(out, "{}: {}", lark_name(name), render(body, &lark_name, true));
+        let _ = writeln!(out, "{}: {}", ctx.name(name), ctx.render(body, true));
     }
     out
 }
 
-fn char_regex(c: char) -> String {
-    format!("\\x{{{:x}}}", c as u32)
+struct Render<'a> {
+    index: &'a HashMap<&'a str, usize>,
+    /// Present when the grammar is LL(1): regular sub-expressions become whole lexemes.
+    analysis: Option<&'a Analysis<'a>>,
 }
 
-fn render(e: &Expr, name: &dyn Fn(&str) -> String, top: bool) -> String {
-    match e {
-        Expr::Alt(alts) => {
-            let has_empty = alts.iter().any(is_empty);
-            let parts: Vec<String> = alts
-                .iter()
-                .filter(|a| !is_empty(a))
-                .map(|a| render(a, name, false))
-                .collect();
-            if parts.is_empty() {
-                return EMPTY.to_string();
-            }
-            let joined = parts.join(" | ");
-            if has_empty {
-                format!("({joined})?")
-            } else if top {
-                joined
-            } else {
-                format!("({joined})")
-            }
+impl Render<'_> {
+    fn name(&self, n: &str) -> String {
+        format!("r{}", self.index[n])
+    }
+
+    /// One multi-character lexeme for a regular sub-expression, when that is safe.
+    fn lexeme(&self, e: &Expr) -> Option<String> {
+        let a = self.analysis?;
+        if matches!(e, Expr::Ref(_)) || !a.is_regular(e) {
+            return None;
         }
-        Expr::Seq(items) => {
-            if items.is_empty() {
-                return EMPTY.to_string();
-            }
-            let parts: Vec<String> = items.iter().map(|i| render(i, name, false)).collect();
-            if top {
-                parts.join(" ")
-            } else {
-                format!("({})", parts.join(" "))
-            }
+        if !a.nullable(e) {
+            return a.regex(e).map(|re| format!("/{re}/"));
         }
-        Expr::Literal(s) => {
-            if s.is_empty() {
-                return EMPTY.to_string();
+        match e {
+            Expr::Repeat { inner, min: 0, max } if *max != Some(0) && !a.nullable(inner) => {
+                let once_or_more = Expr::Repeat {
+                    inner: inner.clone(),
+                    min: 1,
+                    max: *max,
+                };
+                a.regex(&once_or_more).map(|re| format!("/{re}/?"))
             }
-            let parts: Vec<String> = s.chars().map(|c| format!("/{}/", char_regex(c))).collect();
-            if parts.len() == 1 || top {
-                parts.join(" ")
-            } else {
-                format!("({})", parts.join(" "))
-            }
+            _ => None,
         }
-        Expr::Class { negated, ranges } => {
-            let mut r = String::from("/[");
-            if *negated {
-                r.push('^');
-            }
-            for (lo, hi) in ranges {
-                r.push_str(&char_regex(*lo));
-                if hi != lo {
-                    r.push('-');
-                    r.push_str(&char_regex(*hi));
+    }
+
+    fn render(&self, e: &Expr, top: bool) -> String {
+        if let Some(lexeme) = self.lexeme(e) {
+            return lexeme;
+        }
+        match e {
+            Expr::Alt(alts) => {
+                let has_empty = alts.iter().any(is_empty);
+                let parts: Vec<String> = alts
+                    .iter()
+                    .filter(|a| !is_empty(a))
+                    .map(|a| self.render(a, false))
+                    .collect();
+                if parts.is_empty() {
+                    return EMPTY.to_string();
+                }
+                let joined = parts.join(" | ");
+                if has_empty {
+                    format!("({joined})?")
+                } else if top {
+                    joined
+                } else {
+                    format!("({joined})")
                 }
             }
-            if ranges.is_empty() {
-                // `[^]`: any character.
-                return "/(?s:.)/".to_string();
+            Expr::Seq(items) => {
+                if items.is_empty() {
+                    return EMPTY.to_string();
+                }
+                let parts: Vec<String> = items.iter().map(|i| self.render(i, false)).collect();
+                if top {
+                    parts.join(" ")
+                } else {
+                    format!("({})", parts.join(" "))
+                }
             }
-            r.push_str("]/");
-            r
-        }
-        Expr::Any => "/(?s:.)/".to_string(),
-        Expr::Ref(n) => name(n),
-        Expr::Repeat { inner, min, max } => {
-            let body = render(inner, name, false);
-            let body = if body == EMPTY {
-                return EMPTY.to_string();
-            } else {
-                body
-            };
-            match (min, max) {
-                (0, None) => format!("{body}*"),
-                (1, None) => format!("{body}+"),
-                (0, Some(1)) => format!("{body}?"),
-                (m, None) => format!("{body}{{{m},}}"),
-                (m, Some(n)) if m == n => format!("{body}{{{m}}}"),
-                (m, Some(n)) => format!("{body}{{{m},{n}}}"),
+            Expr::Literal(s) => {
+                if s.is_empty() {
+                    return EMPTY.to_string();
+                }
+                let parts: Vec<String> =
+                    s.chars().map(|c| format!("/{}/", char_regex(c))).collect();
+                if parts.len() == 1 || top {
+                    parts.join(" ")
+                } else {
+                    format!("({})", parts.join(" "))
+                }
+            }
+            Expr::Class { negated, ranges } => {
+                if ranges.is_empty() {
+                    // `[^]`: any character.
+                    return "/(?s:.)/".to_string();
+                }
+                let mut r = String::from("/[");
+                if *negated {
+                    r.push('^');
+                }
+                for (lo, hi) in ranges {
+                    r.push_str(&char_regex(*lo));
+                    if hi != lo {
+                        r.push('-');
+                        r.push_str(&char_regex(*hi));
+                    }
+                }
+                r.push_str("]/");
+                r
+            }
+            Expr::Any => "/(?s:.)/".to_string(),
+            Expr::Ref(n) => self.name(n),
+            Expr::Repeat { inner, min, max } => {
+                let body = self.render(inner, false);
+                if body == EMPTY {
+                    return EMPTY.to_string();
+                }
+                format!("{body}{}", quantifier(*min, *max))
             }
         }
     }
@@ -574,5 +611,93 @@ mod tests {
         assert_eq!(g.rules[0].1, Expr::Literal("2".into()));
         let lark = to_lark(&g, "b");
         assert!(lark.starts_with("start: r1\n"), "{lark}");
+    }
+
+    /// Runs text byte by byte through llguidance on a one-byte-per-token vocabulary.
+    fn accepts(gbnf: &str, input: &str) -> bool {
+        use llguidance::api::TopLevelGrammar;
+        use llguidance::toktrie::ApproximateTokEnv;
+        use llguidance::{Matcher, ParserFactory};
+        let env = ApproximateTokEnv::single_byte_env();
+        let mut f = ParserFactory::new_simple(&env).unwrap();
+        f.quiet();
+        let g = parse(gbnf, "root").unwrap();
+        let lark = to_lark(&g, "root");
+        let mut m = Matcher::new(f.create_parser(TopLevelGrammar::from_lark(lark.clone())));
+        assert!(m.get_error().is_none(), "{lark}: {:?}", m.get_error());
+        for b in input.bytes() {
+            let t = env.tok_trie().token_id(&[b]).unwrap();
+            if m.is_stopped() || !m.compute_mask().unwrap().is_allowed(t) {
+                return false;
+            }
+            m.consume_token(t).unwrap();
+        }
+        m.is_accepting().unwrap()
+    }
+
+    #[test]
+    fn gbnf_semantics_survive_translation() {
+        let cases: &[(&str, &[&str], &[&str])] = &[
+            // not LL(1): one-character lexemes keep the parses greedy lexing would lose
+            (r#"root ::= [a-z]+ "x""#, &["abcx", "xx"], &["abc", "x"]),
+            (
+                r#"root ::= [a-z]+ ";" | "abc" "x""#,
+                &["abcx", "abc;", "q;"],
+                &["abc"],
+            ),
+            (
+                r#"root ::= "ab" | "a" "bc""#,
+                &["ab", "abc"],
+                &["a", "abcd"],
+            ),
+            // LL(1): whole regular parts become lexemes
+            (
+                "root ::= item{3,5}\nitem ::= \"- \" [A-Za-z ]{1,30} \"\\n\"",
+                &["- a\n- b c\n- d\n", "- a\n- b\n- c\n- d\n- e\n"],
+                &[
+                    "- a\n- b\n",
+                    "- a\n- b\n- c\n- d\n- e\n- f\n",
+                    "- \n- b\n- c\n",
+                ],
+            ),
+            (
+                r#"root ::= [0-9]{3} "-" [0-9]{4}"#,
+                &["555-1234"],
+                &["55-1234", "5555-123"],
+            ),
+            (
+                r#"root ::= "hello world""#,
+                &["hello world"],
+                &["hello", "hello world!"],
+            ),
+            (
+                r#"root ::= "é" [^a-z]? . "\x41""#,
+                &["éZ!A", "é!A"],
+                &["éa!A"],
+            ),
+            (
+                r#"root ::= "{" ws (pair ("," ws pair)*)? "}"
+                pair ::= str ":" ws [0-9]+ ws
+                str ::= "\"" [^"]* "\"" ws
+                ws ::= " "?"#,
+                &[r#"{}"#, r#"{"a": 1, "b":22 }"#],
+                &[r#"{"a": }"#, r#"{"a" 1}"#],
+            ),
+        ];
+        for (g, good, bad) in cases {
+            for input in *good {
+                assert!(accepts(g, input), "{g:?} should accept {input:?}");
+            }
+            for input in *bad {
+                assert!(!accepts(g, input), "{g:?} should reject {input:?}");
+            }
+        }
+        let g = parse(cases[3].0, "root").unwrap();
+        assert!(
+            to_lark(&g, "root").contains("{1,30}"),
+            "LL(1) grammars get whole lexemes"
+        );
+        let g = parse(cases[0].0, "root").unwrap();
+        assert!(!to_lark(&g, "root").contains('+') || to_lark(&g, "root").contains("]/+"));
     }
 }

@@ -147,7 +147,9 @@ impl<'a> Converter<'a> {
             let part = part.replace("~1", "/").replace("~0", "~");
             node = match node {
                 Value::Object(m) => m.get(&part).ok_or_else(fail)?,
-                Value::Array(a) => a.get(part.parse::<usize>().map_err(|_| fail())?).ok_or_else(fail)?,
+                Value::Array(a) => a
+                    .get(part.parse::<usize>().map_err(|_| fail())?)
+                    .ok_or_else(fail)?,
                 _ => return Err(fail()),
             };
         }
@@ -166,7 +168,9 @@ impl<'a> Converter<'a> {
             other => return Err(err(format!("Unrecognized schema: {other}"))),
         };
         if let Some(r) = obj.get("$ref") {
-            let r = r.as_str().ok_or_else(|| err("Error resolving ref: $ref is not a string"))?;
+            let r = r
+                .as_str()
+                .ok_or_else(|| err("Error resolving ref: $ref is not a string"))?;
             if let Some(rule) = self.refs.get(r) {
                 return Ok(rule.clone());
             }
@@ -194,17 +198,24 @@ impl<'a> Converter<'a> {
             }));
         }
         if let Some(e) = obj.get("enum") {
-            let items = e.as_array().ok_or_else(|| err("Unrecognized schema: enum is not an array"))?;
+            let items = e
+                .as_array()
+                .ok_or_else(|| err("Unrecognized schema: enum is not an array"))?;
             if items.is_empty() {
                 return Err(err("Unrecognized schema: empty enum"));
             }
             self.add_primitive("space");
             let alts: Vec<String> = items.iter().map(|v| literal(&v.to_string())).collect();
-            return Ok(self.add_rule(&format!("{name}-enum"), format!("({}) space", alts.join(" | "))));
+            return Ok(self.add_rule(
+                &format!("{name}-enum"),
+                format!("({}) space", alts.join(" | ")),
+            ));
         }
         for key in ["anyOf", "oneOf"] {
             if let Some(list) = obj.get(key) {
-                let list = list.as_array().ok_or_else(|| err(format!("Unrecognized schema: {key} is not an array")))?;
+                let list = list
+                    .as_array()
+                    .ok_or_else(|| err(format!("Unrecognized schema: {key} is not an array")))?;
                 let mut alts = Vec::new();
                 for (i, s) in list.iter().enumerate() {
                     alts.push(self.visit(s, &format!("{name}-{i}"), depth + 1)?);
@@ -216,7 +227,9 @@ impl<'a> Converter<'a> {
             }
         }
         if let Some(list) = obj.get("allOf") {
-            let list = list.as_array().ok_or_else(|| err("Unrecognized schema: allOf is not an array"))?;
+            let list = list
+                .as_array()
+                .ok_or_else(|| err("Unrecognized schema: allOf is not an array"))?;
             let mut merged = Map::new();
             let mut props = Map::new();
             let mut required: Vec<Value> = Vec::new();
@@ -257,7 +270,11 @@ impl<'a> Converter<'a> {
                 for t in types {
                     let mut single = obj.clone();
                     single.insert("type".into(), t.clone());
-                    alts.push(self.visit(&Value::Object(single), &format!("{name}-{}", t.as_str().unwrap_or("t")), depth + 1)?);
+                    alts.push(self.visit(
+                        &Value::Object(single),
+                        &format!("{name}-{}", t.as_str().unwrap_or("t")),
+                        depth + 1,
+                    )?);
                 }
                 if alts.is_empty() {
                     return Err(err("Unrecognized schema: empty type list"));
@@ -286,13 +303,25 @@ impl<'a> Converter<'a> {
         depth: usize,
     ) -> Result<String, GrammarError> {
         let non_negative = |o: &Map<String, Value>| {
-            o.get("minimum").and_then(Value::as_f64).is_some_and(|m| m >= 0.0)
-                || o.get("exclusiveMinimum").and_then(Value::as_f64).is_some_and(|m| m >= 0.0)
+            o.get("minimum")
+                .and_then(Value::as_f64)
+                .is_some_and(|m| m >= 0.0)
+                || o.get("exclusiveMinimum")
+                    .and_then(Value::as_f64)
+                    .is_some_and(|m| m >= 0.0)
         };
         match t {
             "boolean" | "null" => Ok(self.add_primitive(t)),
-            "integer" => Ok(self.add_primitive(if non_negative(obj) { "uinteger" } else { "integer" })),
-            "number" => Ok(self.add_primitive(if non_negative(obj) { "unumber" } else { "number" })),
+            "integer" => Ok(self.add_primitive(if non_negative(obj) {
+                "uinteger"
+            } else {
+                "integer"
+            })),
+            "number" => Ok(self.add_primitive(if non_negative(obj) {
+                "unumber"
+            } else {
+                "number"
+            })),
             "string" => self.visit_string(obj, name),
             "array" => self.visit_array(obj, name, depth),
             "object" => self.visit_object(obj, name, depth),
@@ -300,16 +329,26 @@ impl<'a> Converter<'a> {
         }
     }
 
-    fn visit_string(&mut self, obj: &Map<String, Value>, name: &str) -> Result<String, GrammarError> {
+    fn visit_string(
+        &mut self,
+        obj: &Map<String, Value>,
+        name: &str,
+    ) -> Result<String, GrammarError> {
         self.add_primitive("space");
         if let Some(pattern) = obj.get("pattern").and_then(Value::as_str) {
             let body = regex_to_gbnf(pattern)?;
-            return Ok(self.add_rule(&format!("{name}-pattern"), format!("\"\\\"\" ({body}) \"\\\"\" space")));
+            return Ok(self.add_rule(
+                &format!("{name}-pattern"),
+                format!("\"\\\"\" ({body}) \"\\\"\" space"),
+            ));
         }
         if let Some(format) = obj.get("format").and_then(Value::as_str) {
             if matches!(format, "date" | "time" | "date-time" | "uuid") {
                 let inner = self.add_primitive(format);
-                return Ok(self.add_rule(&format!("{format}-string"), format!("\"\\\"\" {inner} \"\\\"\" space")));
+                return Ok(self.add_rule(
+                    &format!("{format}-string"),
+                    format!("\"\\\"\" {inner} \"\\\"\" space"),
+                ));
             }
         }
         let min = obj.get("minLength").and_then(Value::as_u64);
@@ -323,10 +362,18 @@ impl<'a> Converter<'a> {
             Some(max) => format!("char{{{min},{max}}}"),
             None => format!("char{{{min},}}"),
         };
-        Ok(self.add_rule(&format!("{name}-string"), format!("\"\\\"\" {rep} \"\\\"\" space")))
+        Ok(self.add_rule(
+            &format!("{name}-string"),
+            format!("\"\\\"\" {rep} \"\\\"\" space"),
+        ))
     }
 
-    fn visit_array(&mut self, obj: &Map<String, Value>, name: &str, depth: usize) -> Result<String, GrammarError> {
+    fn visit_array(
+        &mut self,
+        obj: &Map<String, Value>,
+        name: &str,
+        depth: usize,
+    ) -> Result<String, GrammarError> {
         self.add_primitive("space");
         if let Some(prefix) = obj.get("prefixItems").and_then(Value::as_array) {
             let mut parts = Vec::new();
@@ -360,7 +407,12 @@ impl<'a> Converter<'a> {
         Ok(self.add_rule(name, format!("\"[\" space {list} \"]\" space")))
     }
 
-    fn visit_object(&mut self, obj: &Map<String, Value>, name: &str, depth: usize) -> Result<String, GrammarError> {
+    fn visit_object(
+        &mut self,
+        obj: &Map<String, Value>,
+        name: &str,
+        depth: usize,
+    ) -> Result<String, GrammarError> {
         self.add_primitive("space");
         let props = obj.get("properties").and_then(Value::as_object);
         let required: Vec<&str> = obj
@@ -375,9 +427,14 @@ impl<'a> Converter<'a> {
                     let string = self.add_primitive("string");
                     let v = self.visit(s, &format!("{name}-value"), depth + 1)?;
                     let kv = format!("{string} \":\" space {v}");
-                    Ok(self.add_rule(name, format!("\"{{\" space ({kv} (\",\" space {kv})*)? \"}}\" space")))
+                    Ok(self.add_rule(
+                        name,
+                        format!("\"{{\" space ({kv} (\",\" space {kv})*)? \"}}\" space"),
+                    ))
                 }
-                Some(Value::Bool(false)) => Ok(self.add_rule(name, "\"{\" space \"}\" space".into())),
+                Some(Value::Bool(false)) => {
+                    Ok(self.add_rule(name, "\"{\" space \"}\" space".into()))
+                }
                 _ => Ok(self.add_primitive("object")),
             };
         };
@@ -387,7 +444,10 @@ impl<'a> Converter<'a> {
             let value = self.visit(schema, &format!("{name}-{key}"), depth + 1)?;
             let kv = self.add_rule(
                 &format!("{name}-{key}-kv"),
-                format!("{} space \":\" space {value}", literal(&format!("\"{key}\""))),
+                format!(
+                    "{} space \":\" space {value}",
+                    literal(&format!("\"{key}\""))
+                ),
             );
             if required.contains(&key.as_str()) {
                 req.push(kv);
@@ -398,10 +458,15 @@ impl<'a> Converter<'a> {
         if matches!(additional, Some(Value::Bool(true)) | Some(Value::Object(_))) {
             let string = self.add_primitive("string");
             let v = match additional {
-                Some(s @ Value::Object(_)) => self.visit(s, &format!("{name}-additional"), depth + 1)?,
+                Some(s @ Value::Object(_)) => {
+                    self.visit(s, &format!("{name}-additional"), depth + 1)?
+                }
                 _ => self.add_primitive("value"),
             };
-            let extra = self.add_rule(&format!("{name}-additional-kv"), format!("{string} \":\" space {v}"));
+            let extra = self.add_rule(
+                &format!("{name}-additional-kv"),
+                format!("{string} \":\" space {v}"),
+            );
             opt.push(format!("({extra} (\",\" space {extra})*)"));
         }
         let mut body = String::from("\"{\" space ");
@@ -455,8 +520,12 @@ pub fn to_gbnf(schema_json: &str) -> Result<String, GrammarError> {
     };
     let top = c.visit(&schema, "root", 0)?;
     let mut out = String::new();
-    if !c.rules.iter().any(|(n, _)| n == "root") {
-        out.push_str(&format!("root ::= {top}\n"));
+    match c.rules.iter().position(|(n, _)| n == "root") {
+        Some(i) => {
+            let root = c.rules.remove(i);
+            c.rules.insert(0, root);
+        }
+        None => out.push_str(&format!("root ::= {top}\n")),
     }
     for (n, b) in &c.rules {
         out.push_str(&format!("{n} ::= {b}\n"));
@@ -518,7 +587,9 @@ pub fn regex_to_gbnf(pattern: &str) -> Result<String, GrammarError> {
     let mut pos = 0;
     let out = regex_alt(&chars, &mut pos, 0)?;
     if pos != chars.len() {
-        return Err(err(format!("Unrecognized schema: unsupported pattern {pattern:?}")));
+        return Err(err(format!(
+            "Unrecognized schema: unsupported pattern {pattern:?}"
+        )));
     }
     Ok(out)
 }
@@ -532,7 +603,11 @@ fn regex_alt(c: &[char], pos: &mut usize, depth: usize) -> Result<String, Gramma
         *pos += 1;
         alts.push(regex_seq(c, pos, depth)?);
     }
-    Ok(if alts.len() == 1 { alts.pop().unwrap_or_default() } else { format!("({})", alts.join(" | ")) })
+    Ok(if alts.len() == 1 {
+        alts.pop().unwrap_or_default()
+    } else {
+        format!("({})", alts.join(" | "))
+    })
 }
 
 fn class_char(ch: char) -> String {
@@ -589,16 +664,22 @@ fn regex_seq(c: &[char], pos: &mut usize, depth: usize) -> Result<String, Gramma
                 }
                 loop {
                     match c.get(*pos) {
-                        None => return Err(err("Unrecognized schema: unterminated class in pattern")),
+                        None => {
+                            return Err(err("Unrecognized schema: unterminated class in pattern"))
+                        }
                         Some(']') => {
                             *pos += 1;
                             break;
                         }
                         Some('\\') => {
-                            let e = *c.get(*pos + 1).ok_or_else(|| err("Unrecognized schema: bad escape in pattern"))?;
+                            let e = *c
+                                .get(*pos + 1)
+                                .ok_or_else(|| err("Unrecognized schema: bad escape in pattern"))?;
                             *pos += 2;
                             match escape_class(e) {
-                                Some(cls) if !cls.starts_with("[^") => s.push_str(&cls[1..cls.len() - 1]),
+                                Some(cls) if !cls.starts_with("[^") => {
+                                    s.push_str(&cls[1..cls.len() - 1])
+                                }
                                 _ => s.push_str(&class_char(unescape(e))),
                             }
                         }
@@ -620,14 +701,18 @@ fn regex_seq(c: &[char], pos: &mut usize, depth: usize) -> Result<String, Gramma
                 "[^\"\\\\\\x00-\\x1F]".to_string()
             }
             '\\' => {
-                let e = *c.get(*pos + 1).ok_or_else(|| err("Unrecognized schema: bad escape in pattern"))?;
+                let e = *c
+                    .get(*pos + 1)
+                    .ok_or_else(|| err("Unrecognized schema: bad escape in pattern"))?;
                 *pos += 2;
                 match escape_class(e) {
                     Some(cls) => cls.to_string(),
                     None => literal_json_char(unescape(e)),
                 }
             }
-            '*' | '+' | '?' | '{' => return Err(err("Unrecognized schema: dangling quantifier in pattern")),
+            '*' | '+' | '?' | '{' => {
+                return Err(err("Unrecognized schema: dangling quantifier in pattern"))
+            }
             x => {
                 *pos += 1;
                 literal_json_char(x)
@@ -647,7 +732,10 @@ fn regex_seq(c: &[char], pos: &mut usize, depth: usize) -> Result<String, Gramma
                 "?".to_string()
             }
             Some('{') => {
-                let end = c[*pos..].iter().position(|&x| x == '}').ok_or_else(|| err("Unrecognized schema: bad {} in pattern"))?;
+                let end = c[*pos..]
+                    .iter()
+                    .position(|&x| x == '}')
+                    .ok_or_else(|| err("Unrecognized schema: bad {} in pattern"))?;
                 let q: String = c[*pos..*pos + end + 1].iter().collect();
                 *pos += end + 1;
                 q
@@ -656,7 +744,11 @@ fn regex_seq(c: &[char], pos: &mut usize, depth: usize) -> Result<String, Gramma
         };
         items.push(format!("{atom}{quant}"));
     }
-    Ok(if items.is_empty() { "\"\"".into() } else { items.join(" ") })
+    Ok(if items.is_empty() {
+        "\"\"".into()
+    } else {
+        items.join(" ")
+    })
 }
 
 fn unescape(e: char) -> char {
@@ -692,7 +784,9 @@ mod tests {
 
     #[test]
     fn converts_common_schemas() {
-        let g = ok(r#"{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer","minimum":0}},"required":["name","age"]}"#);
+        let g = ok(
+            r#"{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer","minimum":0}},"required":["name","age"]}"#,
+        );
         assert!(g.starts_with("root ::= "), "{g}");
         ok(r#"{"type":"array","items":{"type":"number"},"minItems":1,"maxItems":3}"#);
         ok(r#"{"enum":["a","b",1,null]}"#);
@@ -701,17 +795,27 @@ mod tests {
         ok(r#"{"type":["string","integer"]}"#);
         ok(r#"{"type":"string","pattern":"^[A-Z]{2}-\\d{3}$"}"#);
         ok(r#"{"type":"string","format":"date-time"}"#);
-        ok(r##"{"$defs":{"n":{"type":"object","properties":{"next":{"$ref":"#/$defs/n"}}}},"$ref":"#/$defs/n"}"##);
+        ok(
+            r##"{"$defs":{"n":{"type":"object","properties":{"next":{"$ref":"#/$defs/n"}}}},"$ref":"#/$defs/n"}"##,
+        );
         ok(r#"{"type":"object","properties":{"a":{"type":"string"},"b":{"type":"boolean"}}}"#);
         ok(r#"{"type":"object","additionalProperties":{"type":"integer"}}"#);
-        ok(r#"{"allOf":[{"properties":{"a":{"type":"string"}},"required":["a"]},{"properties":{"b":{"type":"null"}}}]}"#);
+        ok(
+            r#"{"allOf":[{"properties":{"a":{"type":"string"}},"required":["a"]},{"properties":{"b":{"type":"null"}}}]}"#,
+        );
         ok("{}");
     }
 
     #[test]
     fn contract_errors() {
-        assert!(to_gbnf(r#"{"type":"frob"}"#).unwrap_err().0.contains("Unrecognized schema"));
-        assert!(to_gbnf(r##"{"$ref":"#/$defs/missing"}"##).unwrap_err().0.contains("Error resolving ref"));
+        assert!(to_gbnf(r#"{"type":"frob"}"#)
+            .unwrap_err()
+            .0
+            .contains("Unrecognized schema"));
+        assert!(to_gbnf(r##"{"$ref":"#/$defs/missing"}"##)
+            .unwrap_err()
+            .0
+            .contains("Error resolving ref"));
         let mut deep = String::from(r#"{"type":"string"}"#);
         for _ in 0..70 {
             deep = format!(r#"{{"type":"object","properties":{{"a":{deep}}}}}"#);

@@ -4,6 +4,7 @@
 //! A [`GrammarFactory`] is built once per model (lazily: the token trie of a 262k vocabulary
 //! takes a moment) and compiles grammars into [`Constraint`]s, one per request.
 
+pub mod analysis;
 pub mod gbnf;
 pub mod json_schema;
 
@@ -239,7 +240,9 @@ impl Constraint {
             .iter()
             .filter_map(|&t| logits.get(t as usize).map(|&l| (t as usize, l)))
             .collect();
-        let covered = (set.as_slice().len() * 32).min(self.n_vocab).min(logits.len());
+        let covered = (set.as_slice().len() * 32)
+            .min(self.n_vocab)
+            .min(logits.len());
         for (w, chunk) in set.as_slice().iter().zip(logits[..covered].chunks_mut(32)) {
             match *w {
                 u32::MAX => {}

@@ -8,13 +8,13 @@ pub mod ops;
 use crate::batch::Batch;
 use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
-use crate::kv::KvCache;
 use crate::grammar::{Constraint, GrammarError, GrammarFactory, GrammarSpec};
+use crate::kv::KvCache;
 use crate::tokenizer::Tokenizer;
-use std::sync::{Arc, OnceLock};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
 
 /// What to do with weight types whose candle CPU kernels are scalar-only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -396,7 +396,10 @@ impl Model {
     }
 
     /// Compiles a grammar for this model's vocabulary.
-    pub fn compile_grammar(&self, spec: &GrammarSpec) -> std::result::Result<Constraint, GrammarError> {
+    pub fn compile_grammar(
+        &self,
+        spec: &GrammarSpec,
+    ) -> std::result::Result<Constraint, GrammarError> {
         self.grammar_factory()?.compile(spec)
     }
 
