@@ -52,10 +52,11 @@ defmodule LlamaCppEx.Model do
 
   ## Options
 
-    * `:requantize` - `true` (default) re-quantizes weight types whose candle CPU kernels are
-      scalar-only (Q4_1, Q5_0, Q5_1) to Q8_0 at load, which runs on the engine's own Q8_0
-      kernel; `:all` also converts K-quants (Q4_K, Q6_K, ...) so every product uses it
-      (fastest, more memory); `false` keeps the file's types.
+    * `:requantize` - `true` (default) re-quantizes the weight types that would otherwise
+      run on scalar kernels (Q5_0, Q5_1) to Q8_0 at load; Q8_0 and Q4_1 have the engine's own
+      kernels and stay as they are. `:all` converts every quantized type (K-quants and Q4_1
+      included) to Q8_0 so every product uses the Q8_0 kernel (more memory); `false` keeps
+      the file's types.
     * `:vocab_only` - load only the tokenizer. Default `false`.
     * `:n_gpu_layers`, `:main_gpu`, `:split_mode`, `:tensor_split`, `:use_mmap`, `:use_mlock`,
       `:use_direct_io`, `:check_tensors`, `:load_mtp`, `:rpc_servers`, `:devices` - accepted

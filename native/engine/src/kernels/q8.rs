@@ -7,8 +7,8 @@ use half::f16;
 pub const QK8_0: usize = 32;
 const Q8_0_BLOCK_BYTES: usize = 2 + QK8_0;
 /// Weight rows computed together for every activation row.
-const ROW_TILE: usize = 4;
-const PARALLEL_MIN_MACS: usize = 1 << 16;
+pub(crate) const ROW_TILE: usize = 4;
+pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 16;
 
 /// A Q8_0 matrix `[n_out, n_in]` repacked as separate scale and quant arrays.
 pub struct Q8Matrix {
@@ -21,9 +21,11 @@ pub struct Q8Matrix {
 
 /// Activations quantized to Q8_0 per row and block.
 pub struct Q8Activations {
-    m: usize,
-    quants: Vec<i8>,
-    scales: Vec<f32>,
+    pub(crate) m: usize,
+    pub(crate) quants: Vec<i8>,
+    pub(crate) scales: Vec<f32>,
+    /// Per block: scale × Σ quants (ggml's Q8_1 `s`), for weight types with an offset.
+    pub(crate) sums: Vec<f32>,
 }
 
 impl Q8Matrix {
@@ -159,7 +161,7 @@ impl Q8Matrix {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
+pub(crate) unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
     use std::arch::x86_64::*;
     let lo = _mm256_castps256_ps128(v);
     let hi = _mm256_extractf128_ps(v, 1);
@@ -170,7 +172,7 @@ unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     use std::sync::OnceLock;
     static AVX2: OnceLock<bool> = OnceLock::new();
     *AVX2.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
@@ -182,6 +184,7 @@ impl Q8Activations {
         let nb = k / QK8_0;
         let mut quants = vec![0i8; m * k];
         let mut scales = vec![0f32; m * nb];
+        let mut sums = vec![0f32; m * nb];
         for (bi, (xb, qb)) in x
             .chunks_exact(QK8_0)
             .zip(quants.chunks_exact_mut(QK8_0))
@@ -195,8 +198,14 @@ impl Q8Activations {
             }
             // the scale as ggml stores it (f16) so results match Q8_0 x Q8_0 products
             scales[bi] = f16::from_f32(d).to_f32();
+            sums[bi] = scales[bi] * qb.iter().map(|&q| q as i32).sum::<i32>() as f32;
         }
-        Q8Activations { m, quants, scales }
+        Q8Activations {
+            m,
+            quants,
+            scales,
+            sums,
+        }
     }
 }
 

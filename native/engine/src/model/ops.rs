@@ -1,13 +1,14 @@
 //! Small row-wise operations on flat `f32` activations.
 
 use crate::error::Result;
+use crate::kernels::q4_1::Q41Matrix;
 use crate::kernels::q8::Q8Matrix;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use std::sync::{Arc, OnceLock};
 
 /// A weight matrix `[out, in]` applied to row-major activations `[m, in]`: the engine's own
-/// kernel for Q8_0 weights on CPU, candle's `QMatMul` otherwise (other types, CUDA).
+/// kernels for Q8_0 and Q4_1 weights on CPU, candle's `QMatMul` otherwise (other types, CUDA).
 pub struct Linear {
     kernel: Kernel,
     pub n_in: usize,
@@ -18,10 +19,11 @@ pub struct Linear {
 enum Kernel {
     Candle(QMatMul),
     Q8(Q8Matrix),
+    Q4_1(Q41Matrix),
 }
 
 /// `LLAMA_CPP_EX_KERNELS=candle` keeps candle's kernels everywhere (for comparisons).
-fn own_kernels_enabled() -> bool {
+pub(crate) fn own_kernels_enabled() -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
     *ENABLED.get_or_init(|| std::env::var("LLAMA_CPP_EX_KERNELS").map_or(true, |v| v != "candle"))
 }
@@ -35,14 +37,18 @@ impl Linear {
     pub fn from_arc(t: Arc<QTensor>) -> Result<Self> {
         let (n_out, n_in) = t.shape().dims2()?;
         let dtype = t.dtype();
-        let own = dtype == GgmlDType::Q8_0 && t.device().is_cpu() && own_kernels_enabled();
-        let q8 = if own {
-            Q8Matrix::from_q8_0_bytes(&t.data()?, n_out, n_in)
-        } else {
-            None
+        let own = t.device().is_cpu() && own_kernels_enabled();
+        let kernel = match dtype {
+            GgmlDType::Q8_0 if own => {
+                Q8Matrix::from_q8_0_bytes(&t.data()?, n_out, n_in).map(Kernel::Q8)
+            }
+            GgmlDType::Q4_1 if own => {
+                Q41Matrix::from_q4_1_bytes(&t.data()?, n_out, n_in).map(Kernel::Q4_1)
+            }
+            _ => None,
         };
-        let kernel = match q8 {
-            Some(m) => Kernel::Q8(m),
+        let kernel = match kernel {
+            Some(k) => k,
             None => Kernel::Candle(QMatMul::from_arc(t)?),
         };
         Ok(Linear {
@@ -56,6 +62,11 @@ impl Linear {
     pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
         match &self.kernel {
             Kernel::Q8(w) => {
+                let mut out = vec![0f32; m * self.n_out];
+                w.matmul(x, m, &mut out);
+                Ok(out)
+            }
+            Kernel::Q4_1(w) => {
                 let mut out = vec![0f32; m * self.n_out];
                 w.matmul(x, m, &mut out);
                 Ok(out)
@@ -78,26 +89,40 @@ pub enum FusedLinear {
 
 impl FusedLinear {
     pub fn new(parts: Vec<Linear>) -> Self {
+        let widths: Vec<usize> = parts.iter().map(|p| p.n_out).collect();
         let q8: Vec<&Q8Matrix> = parts
             .iter()
             .filter_map(|p| match &p.kernel {
                 Kernel::Q8(m) => Some(m),
-                Kernel::Candle(_) => None,
+                _ => None,
             })
             .collect();
-        if q8.len() == parts.len() {
-            if let Some(m) = Q8Matrix::concat(&q8) {
-                let widths = parts.iter().map(|p| p.n_out).collect();
-                let w = Linear {
-                    n_in: m.n_in,
-                    n_out: m.n_out,
-                    dtype: GgmlDType::Q8_0,
-                    kernel: Kernel::Q8(m),
-                };
-                return FusedLinear::Stacked { w, widths };
-            }
+        let q4: Vec<&Q41Matrix> = parts
+            .iter()
+            .filter_map(|p| match &p.kernel {
+                Kernel::Q4_1(m) => Some(m),
+                _ => None,
+            })
+            .collect();
+        let stacked = if q8.len() == parts.len() {
+            Q8Matrix::concat(&q8).map(|m| (m.n_in, m.n_out, GgmlDType::Q8_0, Kernel::Q8(m)))
+        } else if q4.len() == parts.len() {
+            Q41Matrix::concat(&q4).map(|m| (m.n_in, m.n_out, GgmlDType::Q4_1, Kernel::Q4_1(m)))
+        } else {
+            None
+        };
+        match stacked {
+            Some((n_in, n_out, dtype, kernel)) => FusedLinear::Stacked {
+                w: Linear {
+                    n_in,
+                    n_out,
+                    dtype,
+                    kernel,
+                },
+                widths,
+            },
+            None => FusedLinear::Separate(parts),
         }
-        FusedLinear::Separate(parts)
     }
 
     /// One output per part, each `[m, part.n_out]`.
