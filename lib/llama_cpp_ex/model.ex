@@ -52,9 +52,9 @@ defmodule LlamaCppEx.Model do
 
   ## Options
 
-    * `:requantize` - `true` (default) re-quantizes the weight types that would otherwise
-      run on scalar kernels (Q5_0, Q5_1) to Q8_0 at load; Q8_0 and Q4_1 have the engine's own
-      kernels and stay as they are. `:all` converts every quantized type (K-quants and Q4_1
+    * `:requantize` - `true` (default) re-quantizes weight types that would otherwise run on
+      scalar kernels to Q8_0 at load; Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 have the engine's own
+      kernels, so this only applies when they are disabled (`LLAMA_CPP_EX_KERNELS=candle`). `:all` converts every quantized type (K-quants and Q4_1
       included) to Q8_0 so every product uses the Q8_0 kernel (more memory); `false` keeps
       the file's types.
     * `:vocab_only` - load only the tokenizer. Default `false`.

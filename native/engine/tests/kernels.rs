@@ -4,7 +4,7 @@ mod common;
 use candle_core::Device;
 use common::*;
 use llama_cpp_ex_engine::gguf::GgufFile;
-use llama_cpp_ex_engine::kernels::q4_1::Q41Matrix;
+use llama_cpp_ex_engine::kernels::nibble::NibbleMatrix;
 use llama_cpp_ex_engine::kernels::q8::Q8Matrix;
 
 #[test]
@@ -68,7 +68,7 @@ fn q4_1_kernel_on_real_weights() {
     let (start, n_out) = (100usize, 203usize);
     let row_bytes = bytes.len() / rows;
     let slice = &bytes[start * row_bytes..(start + n_out) * row_bytes];
-    let w = Q41Matrix::from_q4_1_bytes(slice, n_out, cols).unwrap();
+    let w = NibbleMatrix::from_q4_1_bytes(slice, n_out, cols).unwrap();
     let dense = gguf
         .qtensor(name, &Device::Cpu)
         .unwrap()

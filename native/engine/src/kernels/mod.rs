@@ -6,7 +6,7 @@
 //! row streams past it, so the weights are read from memory once per matmul instead of once
 //! per row. Paths are chosen at run time (AVX2+FMA, else portable scalar).
 
-pub mod q4_1;
+pub mod nibble;
 pub mod q8;
 
 /// Output pointer shared by tasks that write disjoint elements.

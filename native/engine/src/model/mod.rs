@@ -21,8 +21,8 @@ use std::sync::{Arc, OnceLock};
 pub enum Requantize {
     /// Keep the file's types.
     Off,
-    /// Re-quantize the types that would otherwise run on scalar kernels (Q5_0, Q5_1; Q4_1
-    /// only when the engine's own kernels are disabled) to Q8_0.
+    /// Re-quantize the types that would otherwise run on candle's scalar kernels (Q4_1,
+    /// Q5_0, Q5_1: only when the engine's own kernels are disabled) to Q8_0.
     Q8_0,
     /// Re-quantize every quantized matrix that is not Q8_0 (K-quants included) to Q8_0, so
     /// every product runs on the engine's own kernel.
@@ -197,11 +197,10 @@ impl TensorLoader<'_> {
         }
         let t = self.gguf.qtensor(name, &Device::Cpu)?;
         // Types with neither an own kernel nor a SIMD candle kernel on CPU.
-        let scalar_only = match info.dtype {
-            GgmlDType::Q5_0 | GgmlDType::Q5_1 => true,
-            GgmlDType::Q4_1 => !ops::own_kernels_enabled(),
-            _ => false,
-        };
+        let scalar_only = matches!(
+            info.dtype,
+            GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
+        ) && !ops::own_kernels_enabled();
         let quantized = !matches!(
             info.dtype,
             GgmlDType::Q8_0 | GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16

@@ -1,14 +1,14 @@
 //! Small row-wise operations on flat `f32` activations.
 
 use crate::error::Result;
-use crate::kernels::q4_1::Q41Matrix;
+use crate::kernels::nibble::{NibbleMatrix, NibbleType};
 use crate::kernels::q8::Q8Matrix;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use std::sync::{Arc, OnceLock};
 
 /// A weight matrix `[out, in]` applied to row-major activations `[m, in]`: the engine's own
-/// kernels for Q8_0 and Q4_1 weights on CPU, candle's `QMatMul` otherwise (other types, CUDA).
+/// kernels for Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights on CPU, candle's `QMatMul` otherwise (other types, CUDA).
 pub struct Linear {
     kernel: Kernel,
     pub n_in: usize,
@@ -19,7 +19,7 @@ pub struct Linear {
 enum Kernel {
     Candle(QMatMul),
     Q8(Q8Matrix),
-    Q4_1(Q41Matrix),
+    Nibble(NibbleMatrix),
 }
 
 /// `LLAMA_CPP_EX_KERNELS=candle` keeps candle's kernels everywhere (for comparisons).
@@ -42,8 +42,14 @@ impl Linear {
             GgmlDType::Q8_0 if own => {
                 Q8Matrix::from_q8_0_bytes(&t.data()?, n_out, n_in).map(Kernel::Q8)
             }
-            GgmlDType::Q4_1 if own => {
-                Q41Matrix::from_q4_1_bytes(&t.data()?, n_out, n_in).map(Kernel::Q4_1)
+            GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 if own => {
+                let kind = match dtype {
+                    GgmlDType::Q4_0 => NibbleType::Q4_0,
+                    GgmlDType::Q4_1 => NibbleType::Q4_1,
+                    GgmlDType::Q5_0 => NibbleType::Q5_0,
+                    _ => NibbleType::Q5_1,
+                };
+                NibbleMatrix::from_bytes(kind, &t.data()?, n_out, n_in).map(Kernel::Nibble)
             }
             _ => None,
         };
@@ -66,7 +72,7 @@ impl Linear {
                 w.matmul(x, m, &mut out);
                 Ok(out)
             }
-            Kernel::Q4_1(w) => {
+            Kernel::Nibble(w) => {
                 let mut out = vec![0f32; m * self.n_out];
                 w.matmul(x, m, &mut out);
                 Ok(out)
@@ -97,17 +103,18 @@ impl FusedLinear {
                 _ => None,
             })
             .collect();
-        let q4: Vec<&Q41Matrix> = parts
+        let q4: Vec<&NibbleMatrix> = parts
             .iter()
             .filter_map(|p| match &p.kernel {
-                Kernel::Q4_1(m) => Some(m),
+                Kernel::Nibble(m) => Some(m),
                 _ => None,
             })
             .collect();
         let stacked = if q8.len() == parts.len() {
             Q8Matrix::concat(&q8).map(|m| (m.n_in, m.n_out, GgmlDType::Q8_0, Kernel::Q8(m)))
         } else if q4.len() == parts.len() {
-            Q41Matrix::concat(&q4).map(|m| (m.n_in, m.n_out, GgmlDType::Q4_1, Kernel::Q4_1(m)))
+            let dtype = parts[0].dtype;
+            NibbleMatrix::concat(&q4).map(|m| (m.n_in, m.n_out, dtype, Kernel::Nibble(m)))
         } else {
             None
         };
