@@ -4,22 +4,30 @@ mod common;
 use candle_core::Device;
 use common::*;
 use llama_cpp_ex_engine::gguf::GgufFile;
-use llama_cpp_ex_engine::kernels::nibble::NibbleMatrix;
+use llama_cpp_ex_engine::kernels::nibble::{NibbleMatrix, NibbleType};
 use llama_cpp_ex_engine::kernels::q8::Q8Matrix;
 
-#[test]
-fn q8_0_kernel_on_real_weights() {
-    let gguf = GgufFile::open(&model_path(SMOLLM2)).unwrap();
-    let info = gguf.tensor_info("token_embd.weight").unwrap().clone();
+/// Rows `start..start + n_out` of a real matrix through `matmul` (built from the rows' raw
+/// bytes) against candle's dequantized f32 values, for the batch sizes the issue lists.
+fn check_real_rows(
+    file: &str,
+    name: &str,
+    start: usize,
+    n_out: usize,
+    matmul: impl Fn(&[u8], usize, usize) -> Box<dyn Fn(&[f32], usize, &mut [f32])>,
+) {
+    let gguf = GgufFile::open(&model_path(file)).unwrap();
+    let info = gguf.tensor_info(name).unwrap().clone();
     let (rows, cols) = (info.shape[0], info.shape[1]);
     let bytes = gguf.tensor_bytes(&info);
-    // 301 rows (an odd count) from the middle of the vocabulary
-    let (start, n_out) = (20_000usize, 301usize);
     let row_bytes = bytes.len() / rows;
-    let slice = &bytes[start * row_bytes..(start + n_out) * row_bytes];
-    let w = Q8Matrix::from_q8_0_bytes(slice, n_out, cols).unwrap();
+    let run = matmul(
+        &bytes[start * row_bytes..(start + n_out) * row_bytes],
+        n_out,
+        cols,
+    );
     let dense = gguf
-        .qtensor("token_embd.weight", &Device::Cpu)
+        .qtensor(name, &Device::Cpu)
         .unwrap()
         .dequantize(&Device::Cpu)
         .unwrap()
@@ -38,19 +46,18 @@ fn q8_0_kernel_on_real_weights() {
             })
             .collect();
         let mut out = vec![0f32; m * n_out];
-        w.matmul(&x, m, &mut out);
+        run(&x, m, &mut out);
         for r in 0..m {
             for o in 0..n_out {
-                let exact: f32 = (0..cols)
-                    .map(|i| dense[o * cols + i] * x[r * cols + i])
-                    .sum();
-                let norm: f32 = (0..cols).map(|i| dense[o * cols + i].abs()).sum();
+                let w = &dense[o * cols..(o + 1) * cols];
+                let exact: f32 = (0..cols).map(|i| w[i] * x[r * cols + i]).sum();
+                let norm: f32 = w.iter().map(|v| v.abs()).sum();
                 // activation quantization: at most half a step (|x| ≤ 0.5 → 0.5/127 · 0.5) per term
                 let bound = norm * 0.5 / 127.0 * 0.5 + 1e-4;
                 let got = out[r * n_out + o];
                 assert!(
                     (got - exact).abs() <= bound,
-                    "m={m} r={r} o={o}: {got} vs {exact} (bound {bound})"
+                    "{name} m={m} r={r} o={o}: {got} vs {exact} (bound {bound})"
                 );
             }
         }
@@ -58,51 +65,38 @@ fn q8_0_kernel_on_real_weights() {
 }
 
 #[test]
+fn q8_0_kernel_on_real_weights() {
+    // 301 rows (an odd count) from the middle of SmolLM2's Q8_0 token embedding
+    check_real_rows(SMOLLM2, "token_embd.weight", 20_000, 301, |b, n, k| {
+        let w = Q8Matrix::from_q8_0_bytes(b, n, k).unwrap();
+        Box::new(move |x, m, out| w.matmul(x, m, out))
+    });
+}
+
+#[test]
 fn q4_1_kernel_on_real_weights() {
-    let gguf = GgufFile::open(&model_path(SMOLLM2)).unwrap();
-    let name = "blk.3.ffn_gate.weight";
-    let info = gguf.tensor_info(name).unwrap().clone();
-    assert_eq!(format!("{:?}", info.dtype), "Q4_1");
-    let (rows, cols) = (info.shape[0], info.shape[1]);
-    let bytes = gguf.tensor_bytes(&info);
-    let (start, n_out) = (100usize, 203usize);
-    let row_bytes = bytes.len() / rows;
-    let slice = &bytes[start * row_bytes..(start + n_out) * row_bytes];
-    let w = NibbleMatrix::from_q4_1_bytes(slice, n_out, cols).unwrap();
-    let dense = gguf
-        .qtensor(name, &Device::Cpu)
-        .unwrap()
-        .dequantize(&Device::Cpu)
-        .unwrap()
-        .narrow(0, start, n_out)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let mut seed = 5u64;
-    for m in [1usize, 2, 3, 7, 8, 16, 33, 512] {
-        let x: Vec<f32> = (0..m * cols)
-            .map(|_| {
-                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-                ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect();
-        let mut out = vec![0f32; m * n_out];
-        w.matmul(&x, m, &mut out);
-        for r in 0..m {
-            for o in 0..n_out {
-                let exact: f32 = (0..cols)
-                    .map(|i| dense[o * cols + i] * x[r * cols + i])
-                    .sum();
-                let norm: f32 = (0..cols).map(|i| dense[o * cols + i].abs()).sum();
-                let bound = norm * 0.5 / 127.0 * 0.5 + 1e-4;
-                let got = out[r * n_out + o];
-                assert!(
-                    (got - exact).abs() <= bound,
-                    "m={m} r={r} o={o}: {got} vs {exact} (bound {bound})"
-                );
-            }
-        }
-    }
+    check_real_rows(SMOLLM2, "blk.3.ffn_gate.weight", 100, 203, |b, n, k| {
+        let w = NibbleMatrix::from_q4_1_bytes(b, n, k).unwrap();
+        Box::new(move |x, m, out| w.matmul(x, m, out))
+    });
+}
+
+#[test]
+fn q5_0_kernel_on_real_weights() {
+    let gguf = GgufFile::open(&model_path(GEMMA3)).unwrap();
+    let mut q5: Vec<&String> = gguf
+        .tensors
+        .iter()
+        .filter(|(n, t)| n.starts_with("blk.") && format!("{:?}", t.dtype) == "Q5_0")
+        .map(|(n, _)| n)
+        .collect();
+    q5.sort();
+    let name = q5
+        .first()
+        .expect("Gemma 3 Q4_K_M has Q5_0 matrices")
+        .to_string();
+    check_real_rows(GEMMA3, &name, 7, 97, |b, n, k| {
+        let w = NibbleMatrix::from_bytes(NibbleType::Q5_0, b, n, k).unwrap();
+        Box::new(move |x, m, out| w.matmul(x, m, out))
+    });
 }

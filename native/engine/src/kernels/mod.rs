@@ -9,6 +9,24 @@
 pub mod nibble;
 pub mod q8;
 
+/// Runs `tile(o0, rows)` over every tile of `ROW_TILE` output rows, on the worker pool when
+/// the product is large enough to pay for waking it.
+pub(crate) fn for_each_tile(n_out: usize, macs: usize, tile: impl Fn(usize, usize) + Sync) {
+    let n_tiles = n_out.div_ceil(q8::ROW_TILE);
+    let run = |tiles: std::ops::Range<usize>| {
+        for t in tiles {
+            let o0 = t * q8::ROW_TILE;
+            tile(o0, q8::ROW_TILE.min(n_out - o0));
+        }
+    };
+    // below this many multiply-adds, waking the worker pool costs more than it saves
+    if macs < q8::PARALLEL_MIN_MACS {
+        run(0..n_tiles);
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(n_tiles, run);
+    }
+}
+
 /// Output pointer shared by tasks that write disjoint elements.
 pub(crate) struct SharedMut(pub *mut f32);
 // SAFETY: every task writes a distinct set of output elements (its own weight rows' columns).

@@ -7,7 +7,7 @@
 //! `d·d_x·Σ q·a + m·(d_x·Σ a)`; the second term uses the activation block sums computed once
 //! per matmul. The values are unsigned, so `maddubs(q, a)` needs no sign trick.
 
-use super::q8::{Q8Activations, PARALLEL_MIN_MACS, QK8_0, ROW_TILE};
+use super::q8::{Q8Activations, QK8_0, ROW_TILE};
 use super::SharedMut;
 use half::f16;
 
@@ -137,21 +137,10 @@ impl NibbleMatrix {
         assert_eq!(x.len(), m * self.n_in);
         assert_eq!(out.len(), m * self.n_out);
         let a = Q8Activations::quantize(x, m, self.n_in);
-        let n_tiles = self.n_out.div_ceil(ROW_TILE);
         let shared = SharedMut(out.as_mut_ptr());
-        let run = |tiles: std::ops::Range<usize>| {
-            let shared = &shared;
-            for tile in tiles {
-                let o0 = tile * ROW_TILE;
-                let rows = ROW_TILE.min(self.n_out - o0);
-                self.tile(&a, o0, rows, shared);
-            }
-        };
-        if m * self.n_out * self.n_in < PARALLEL_MIN_MACS {
-            run(0..n_tiles);
-        } else {
-            candle_core::utils::barrier_pool().execute_chunked(n_tiles, run);
-        }
+        super::for_each_tile(self.n_out, m * self.n_out * self.n_in, |o0, rows| {
+            self.tile(&a, o0, rows, &shared)
+        });
     }
 
     fn tile(&self, a: &Q8Activations, o0: usize, rows: usize, out: &SharedMut) {

@@ -8,6 +8,7 @@ pub const QK8_0: usize = 32;
 const Q8_0_BLOCK_BYTES: usize = 2 + QK8_0;
 /// Weight rows computed together for every activation row.
 pub(crate) const ROW_TILE: usize = 4;
+/// Below this many multiply-adds a product runs on the calling thread.
 pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 16;
 
 /// A Q8_0 matrix `[n_out, n_in]` repacked as separate scale and quant arrays.
@@ -77,22 +78,10 @@ impl Q8Matrix {
         assert_eq!(x.len(), m * self.n_in);
         assert_eq!(out.len(), m * self.n_out);
         let a = Q8Activations::quantize(x, m, self.n_in);
-        let n_tiles = self.n_out.div_ceil(ROW_TILE);
         let shared = SharedMut(out.as_mut_ptr());
-        let run = |tiles: std::ops::Range<usize>| {
-            let shared = &shared;
-            for tile in tiles {
-                let o0 = tile * ROW_TILE;
-                let rows = ROW_TILE.min(self.n_out - o0);
-                self.tile(&a, o0, rows, shared);
-            }
-        };
-        // below this many multiply-adds, waking the worker pool costs more than it saves
-        if m * self.n_out * self.n_in < PARALLEL_MIN_MACS {
-            run(0..n_tiles);
-        } else {
-            candle_core::utils::barrier_pool().execute_chunked(n_tiles, run);
-        }
+        super::for_each_tile(self.n_out, m * self.n_out * self.n_in, |o0, rows| {
+            self.tile(&a, o0, rows, &shared)
+        });
     }
 
     fn tile(&self, a: &Q8Activations, o0: usize, rows: usize, out: &SharedMut) {
