@@ -1,5 +1,6 @@
-# Cost of constrained generation: mask time per token (llguidance, off the GenServer, on the
-# engine's sampling step) and decode tok/s with and without a grammar, on both models.
+# Cost of constrained generation: grammar time per sampling step (llguidance, off the
+# GenServer, on the engine's sampling step), how many steps needed a full token mask and what
+# those cost, and tok/s with and without a grammar, on both models.
 #
 #   [LLAMA_THREADS=2] mix run bench/grammar.exs
 #
@@ -53,8 +54,12 @@ defmodule Bench.Grammar do
     for {label, path} <- models(), File.exists?(path) do
       {:ok, model} = LlamaCppEx.load_model(path)
       IO.puts("\n## #{label}\n")
-      IO.puts("| constraint | tokens | decode tok/s | mask mean µs | mask max µs |")
-      IO.puts("|---|---|---|---|---|")
+
+      IO.puts(
+        "| constraint | tokens | tok/s (incl. prefill) | grammar µs/step | full masks | mask mean µs | mask max µs |"
+      )
+
+      IO.puts("|---|---|---|---|---|---|---|")
 
       for {name, opts, question} <- cases() do
         opts =
@@ -76,8 +81,9 @@ defmodule Bench.Grammar do
         n = max(length(ids), 1)
 
         IO.puts(
-          "| #{name} | #{n} | #{Float.round(n / (us / 1.0e6), 1)} (incl. prefill) | " <>
-            "#{Float.round(st.mean_us, 1)} | #{Float.round(st.max_us, 1)} |"
+          "| #{name} | #{n} | #{Float.round(n / (us / 1.0e6), 1)} | " <>
+            "#{Float.round(st.step_mean_us, 1)} | #{st.masks}/#{st.steps} | " <>
+            "#{Float.round(st.mask_mean_us, 1)} | #{Float.round(st.mask_max_us, 1)} |"
         )
       end
     end

@@ -239,13 +239,29 @@ defmodule LlamaCppEx.Sampler do
   defp float(opts, key, default), do: opts |> Keyword.get(key, default) |> Kernel.*(1.0)
 
   @doc """
-  Time this sampler spent computing grammar masks:
-  `%{masks: n, mean_us: float, max_us: float}` (zeros without a grammar).
+  What the grammar cost this sampler. Like llama.cpp, a step first samples without the
+  grammar and keeps the token when the grammar allows it (a check of microseconds); only
+  otherwise is the full token mask computed. Returns `%{steps: n, masks: full_masks,
+  step_mean_us: mean grammar time per step, mask_mean_us: float, mask_max_us: float}` (zeros
+  without a grammar).
   """
-  @spec grammar_stats(t()) :: %{masks: non_neg_integer(), mean_us: float(), max_us: float()}
+  @spec grammar_stats(t()) :: %{
+          steps: non_neg_integer(),
+          masks: non_neg_integer(),
+          step_mean_us: float(),
+          mask_mean_us: float(),
+          mask_max_us: float()
+        }
   def grammar_stats(%__MODULE__{ref: ref}) do
-    {n, total_ns, max_ns} = NIF.sampler_grammar_stats(ref)
-    %{masks: n, mean_us: if(n > 0, do: total_ns / n / 1000, else: 0.0), max_us: max_ns / 1000}
+    {steps, masks, mask_ns, max_ns, check_ns} = NIF.sampler_grammar_stats(ref)
+
+    %{
+      steps: steps,
+      masks: masks,
+      step_mean_us: if(steps > 0, do: (mask_ns + check_ns) / steps / 1000, else: 0.0),
+      mask_mean_us: if(masks > 0, do: mask_ns / masks / 1000, else: 0.0),
+      mask_max_us: max_ns / 1000
+    }
   end
 
   @doc "Resets the RNG, the penalty history, Mirostat's state and the grammar."

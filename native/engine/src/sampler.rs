@@ -272,12 +272,15 @@ pub struct Sampler {
     grammar_stats: GrammarStats,
 }
 
-/// Time spent computing grammar masks (for benchmarks and telemetry).
+/// Grammar cost (for benchmarks and telemetry): sampling steps under a grammar, how many
+/// needed a full token mask, the time those took, and the time of the steps that did not.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct GrammarStats {
+    pub steps: u64,
     pub masks: u64,
     pub total_ns: u64,
     pub max_ns: u64,
+    pub check_ns: u64,
 }
 
 impl Sampler {
@@ -355,25 +358,47 @@ impl Sampler {
     }
 
     fn pick(&mut self, logits: &[f32]) -> TokenId {
+        if self.grammar.is_none() {
+            return self.pick_row(logits, logits);
+        }
+        self.grammar_stats.steps += 1;
+        // Greedy: pick without the grammar and keep the token when the grammar allows it (a
+        // cheap check; llama.cpp's shortcut). The argmax of the allowed tokens is then the
+        // same token, so this is exact; sampled requests always use the full mask, which
+        // keeps their distribution exactly the masked one.
+        if self.params.temp <= 0.0 {
+            let t0 = std::time::Instant::now();
+            let token = self.pick_row(logits, logits);
+            let allowed = self.grammar.as_mut().is_some_and(|g| g.allows(token));
+            self.grammar_stats.check_ns += t0.elapsed().as_nanos() as u64;
+            if allowed {
+                return token;
+            }
+        }
+        let mut row = std::mem::take(&mut self.scratch);
+        row.clear();
+        row.extend_from_slice(logits);
+        let t1 = std::time::Instant::now();
+        if let Some(g) = self.grammar.as_mut() {
+            g.mask(&mut row);
+        }
+        let ns = t1.elapsed().as_nanos() as u64;
+        let st = &mut self.grammar_stats;
+        st.masks += 1;
+        st.total_ns += ns;
+        st.max_ns = st.max_ns.max(ns);
+        let token = self.pick_row(&row, logits);
+        self.scratch = row;
+        token
+    }
+
+    /// The sampler chain on one row (`raw` is the unmasked row, the fallback when every
+    /// candidate was banned).
+    fn pick_row(&mut self, logits: &[f32], raw: &[f32]) -> TokenId {
         let p = self.params.clone();
         let mut cand = std::mem::take(&mut self.candidates);
         cand.clear();
-        if let Some(g) = self.grammar.as_mut() {
-            let mut row = std::mem::take(&mut self.scratch);
-            row.clear();
-            row.extend_from_slice(logits);
-            let t0 = std::time::Instant::now();
-            g.mask(&mut row);
-            let ns = t0.elapsed().as_nanos() as u64;
-            let st = &mut self.grammar_stats;
-            st.masks += 1;
-            st.total_ns += ns;
-            st.max_ns = st.max_ns.max(ns);
-            cand.extend(row.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
-            self.scratch = row;
-        } else {
-            cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
-        }
+        cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
         for &(t, b) in &p.logit_bias {
             if let Some(c) = cand.get_mut(t as usize) {
                 c.1 += b;
@@ -389,7 +414,7 @@ impl Sampler {
             cand.retain(|c| c.1 > f32::NEG_INFINITY);
             if cand.is_empty() {
                 // Everything was banned: fall back to the raw row rather than fail.
-                cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
+                cand.extend(raw.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
             }
         }
         let token = if p.temp <= 0.0 {

@@ -231,7 +231,7 @@ const SCHEMAS: &[(&str, &str)] = &[
     ),
     (
         "Describe an order.",
-        r#"{"type":"object","properties":{"id":{"type":"integer","minimum":1},"customer":{"type":"object","properties":{"name":{"type":"string","maxLength":20},"email":{"type":"string","maxLength":30}},"required":["name"],"additionalProperties":false}},"required":["id","customer"],"additionalProperties":false}"#,
+        r#"{"type":"object","properties":{"id":{"type":"integer","minimum":1,"maximum":99999},"customer":{"type":"object","properties":{"name":{"type":"string","maxLength":20},"email":{"type":"string","maxLength":30}},"required":["name"],"additionalProperties":false}},"required":["id","customer"],"additionalProperties":false}"#,
     ),
     (
         "Give a product code.",

@@ -739,11 +739,11 @@ fn grammar_from_json_schema<'a>(env: Env<'a>, schema_json: String, mode: Atom) -
     ok_or_error(env, r)
 }
 
-/// `{masks, total_ns, max_ns}` spent computing grammar masks.
+/// `{steps, masks, mask_total_ns, mask_max_ns, check_ns}` of the sampler's grammar.
 #[rustler::nif]
-fn sampler_grammar_stats(s: ResourceArc<SamplerRes>) -> (u64, u64, u64) {
+fn sampler_grammar_stats(s: ResourceArc<SamplerRes>) -> (u64, u64, u64, u64, u64) {
     let st = lock(&s.sampler).grammar_stats();
-    (st.masks, st.total_ns, st.max_ns)
+    (st.steps, st.masks, st.total_ns, st.max_ns, st.check_ns)
 }
 
 #[rustler::nif]

@@ -274,6 +274,14 @@ impl Constraint {
         }
     }
 
+    /// Whether the grammar allows `token` next, without computing a mask.
+    pub fn allows(&mut self, token: TokenId) -> bool {
+        if self.eog.contains(&token) {
+            return self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false);
+        }
+        !self.matcher.is_stopped() && self.matcher.validate_tokens(&[token]).is_ok_and(|n| n == 1)
+    }
+
     /// Advances the grammar past a sampled token (end-of-generation tokens count as EOS).
     pub fn accept(&mut self, token: TokenId) {
         let t = if self.eog.contains(&token) {
