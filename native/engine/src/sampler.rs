@@ -367,8 +367,8 @@ impl Sampler {
         // same token, so this is exact; sampled requests always use the full mask, which
         // keeps their distribution exactly the masked one.
         if self.params.temp <= 0.0 {
-            let t0 = std::time::Instant::now();
             let token = self.pick_row(logits, logits);
+            let t0 = std::time::Instant::now();
             let allowed = self.grammar.as_mut().is_some_and(|g| g.allows(token));
             self.grammar_stats.check_ns += t0.elapsed().as_nanos() as u64;
             if allowed {
