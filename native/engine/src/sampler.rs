@@ -561,6 +561,14 @@ impl Sampler {
         probs.len() - 1
     }
 
+    /// Draws from the truncated candidates and moves mu toward the target surprise.
+    fn mirostat_draw(&mut self, cand: &[(TokenId, f32)], temp: f32) -> TokenId {
+        let probs = softmax(cand, temp);
+        let i = self.draw_index(&probs);
+        self.mirostat_update(probs[i]);
+        cand[i].0
+    }
+
     fn mirostat_update(&mut self, prob: f64) {
         let surprise = -(prob.max(f64::MIN_POSITIVE)).log2() as f32;
         self.mirostat_mu -= self.params.mirostat_eta * (surprise - self.params.mirostat_tau);
@@ -596,10 +604,7 @@ impl Sampler {
             cand.len()
         };
         cand.truncate(k);
-        let probs = softmax(cand, temp);
-        let i = self.draw_index(&probs);
-        self.mirostat_update(probs[i]);
-        cand[i].0
+        self.mirostat_draw(cand, temp)
     }
 
     fn mirostat_v2(&mut self, cand: &mut Vec<(TokenId, f32)>) -> TokenId {
@@ -612,10 +617,7 @@ impl Sampler {
             .take_while(|&&pr| -(pr.max(f64::MIN_POSITIVE)).log2() <= mu)
             .count();
         cand.truncate(keep.max(1));
-        let probs = softmax(cand, temp);
-        let i = self.draw_index(&probs);
-        self.mirostat_update(probs[i]);
-        cand[i].0
+        self.mirostat_draw(cand, temp)
     }
 
     fn recent(&self, last_n: i32) -> impl Iterator<Item = &TokenId> {

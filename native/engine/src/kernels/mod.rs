@@ -32,3 +32,12 @@ pub(crate) struct SharedMut(pub *mut f32);
 // SAFETY: every task writes a distinct set of output elements (its own weight rows' columns).
 unsafe impl Sync for SharedMut {}
 unsafe impl Send for SharedMut {}
+
+/// Deterministic pseudo-random values in [-1, 1) for kernel tests.
+#[cfg(test)]
+pub(crate) fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+}

@@ -230,40 +230,16 @@ impl NibbleMatrix {
         let q_ptr = self.qs.as_ptr().add(o0 * nb * PACKED);
         let d_ptr = self.d.as_ptr().add(o0 * nb);
         let m_ptr = self.m.as_ptr().add(o0 * nb);
-        if a.m >= UNPACK_MIN_ROWS {
-            // Many activation rows: unpack the tile's nibbles once (it stays in L1) instead of
-            // once per row.
-            let mut unpacked = vec![0u8; ROW_TILE * k];
+        // Many activation rows: unpack the tile's values once (they stay in L1) instead of
+        // once per row.
+        let unpacked: Option<Vec<u8>> = (a.m >= UNPACK_MIN_ROWS).then(|| {
+            let mut u = vec![0u8; ROW_TILE * k];
             for bi in 0..ROW_TILE * nb {
                 let q = self.load_values(q_ptr, o0 * nb + bi, bi, low);
-                let dst = unpacked.as_mut_ptr().add(bi * QK4_1) as *mut __m256i;
-                _mm256_storeu_si256(dst, q);
+                _mm256_storeu_si256(u.as_mut_ptr().add(bi * QK4_1) as *mut __m256i, q);
             }
-            let u_ptr = unpacked.as_ptr();
-            for r in 0..a.m {
-                let x_ptr = a.quants.as_ptr().add(r * k);
-                let xs = a.scales.as_ptr().add(r * nb);
-                let xsum = a.sums.as_ptr().add(r * nb);
-                let mut acc = [_mm256_setzero_ps(); ROW_TILE];
-                let mut offs = [0f32; ROW_TILE];
-                for b in 0..nb {
-                    let vx = _mm256_loadu_si256(x_ptr.add(b * QK4_1) as *const __m256i);
-                    let (dx, sx) = (*xs.add(b), *xsum.add(b));
-                    for j in 0..ROW_TILE {
-                        let bi = j * nb + b;
-                        let q = _mm256_loadu_si256(u_ptr.add(bi * QK4_1) as *const __m256i);
-                        let d32 = _mm256_madd_epi16(_mm256_maddubs_epi16(q, vx), ones);
-                        let scale = _mm256_set1_ps(*d_ptr.add(bi) * dx);
-                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), scale, acc[j]);
-                        offs[j] += *m_ptr.add(bi) * sx;
-                    }
-                }
-                for j in 0..ROW_TILE {
-                    *out.0.add(r * self.n_out + o0 + j) = super::q8::hsum(acc[j]) + offs[j];
-                }
-            }
-            return;
-        }
+            u
+        });
         for r in 0..a.m {
             let x_ptr = a.quants.as_ptr().add(r * k);
             let xs = a.scales.as_ptr().add(r * nb);
@@ -275,9 +251,11 @@ impl NibbleMatrix {
                 let (dx, sx) = (*xs.add(b), *xsum.add(b));
                 for j in 0..ROW_TILE {
                     let bi = j * nb + b;
-                    let q = self.load_values(q_ptr, o0 * nb + bi, bi, low);
-                    let d16 = _mm256_maddubs_epi16(q, vx);
-                    let d32 = _mm256_madd_epi16(d16, ones);
+                    let q = match &unpacked {
+                        Some(u) => _mm256_loadu_si256(u.as_ptr().add(bi * QK4_1) as *const __m256i),
+                        None => self.load_values(q_ptr, o0 * nb + bi, bi, low),
+                    };
+                    let d32 = _mm256_madd_epi16(_mm256_maddubs_epi16(q, vx), ones);
                     let scale = _mm256_set1_ps(*d_ptr.add(bi) * dx);
                     acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), scale, acc[j]);
                     offs[j] += *m_ptr.add(bi) * sx;
@@ -301,12 +279,7 @@ mod tests {
         NibbleType::Q5_1,
     ];
 
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-    }
+    use crate::kernels::lcg;
 
     /// Random blocks of `kind` in ggml's layout and their dequantized values.
     fn random_blocks(

@@ -202,12 +202,7 @@ impl Q8Activations {
 mod tests {
     use super::*;
 
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-    }
+    use crate::kernels::lcg;
 
     fn random_q8(n_out: usize, n_in: usize, seed: &mut u64) -> (Vec<u8>, Vec<f32>) {
         let mut bytes = Vec::new();
