@@ -239,9 +239,11 @@ defmodule LlamaCppEx.Sampler do
   defp float(opts, key, default), do: opts |> Keyword.get(key, default) |> Kernel.*(1.0)
 
   @doc """
-  What the grammar cost this sampler. Like llama.cpp, a step first samples without the
-  grammar and keeps the token when the grammar allows it (a check of microseconds); only
-  otherwise is the full token mask computed. Returns `%{steps: n, masks: full_masks,
+  What the grammar cost this sampler. A greedy step first picks without the grammar and keeps
+  the token when the grammar allows it (llama.cpp's shortcut); a sampled step with `top_k`
+  checks the best candidates until `top_k` allowed ones are found. Both are exact and cost
+  microseconds per checked token; only when they cannot decide is the full token mask
+  computed. Returns `%{steps: n, masks: full_masks,
   step_mean_us: mean grammar time per step, mask_mean_us: float, mask_max_us: float}` (zeros
   without a grammar).
   """

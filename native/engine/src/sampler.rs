@@ -270,7 +270,18 @@ pub struct Sampler {
     dry_breakers: Arc<HashSet<TokenId>>,
     mirostat_mu: f32,
     grammar_stats: GrammarStats,
+    /// Whether sampled steps may check only the best candidates against the grammar (see
+    /// `pick_top_k_allowed`); off only to compare against the full-mask path in tests.
+    pub lazy_grammar: bool,
 }
+
+/// How many of the best candidates a sampled step with `top_k` checks against the grammar
+/// before it falls back to a full mask: at least this many, or four times `top_k`.
+const LAZY_GRAMMAR_WINDOW: usize = 128;
+/// Rejected candidates after which a sampled step stops checking and computes the full mask:
+/// a grammar that rejects this many of the model's favourites allows few tokens, and then the
+/// mask is cheap.
+const LAZY_GRAMMAR_MAX_REJECTS: usize = 32;
 
 /// Grammar cost (for benchmarks and telemetry): sampling steps under a grammar, how many
 /// needed a full token mask, the time those took, and the time of the steps that did not.
@@ -297,6 +308,7 @@ impl Sampler {
             grammar: None,
             dry_breakers: Arc::new(HashSet::new()),
             grammar_stats: GrammarStats::default(),
+            lazy_grammar: true,
         }
     }
 
@@ -374,6 +386,10 @@ impl Sampler {
             if allowed {
                 return token;
             }
+        } else if self.lazy_grammar && self.top_k_decides() {
+            if let Some(token) = self.pick_top_k_allowed(logits) {
+                return token;
+            }
         }
         let mut row = std::mem::take(&mut self.scratch);
         row.clear();
@@ -392,24 +408,99 @@ impl Sampler {
         token
     }
 
+    /// Whether a sampled step's outcome depends only on the `top_k` best allowed candidates:
+    /// every stage between the grammar and top-k (bias, penalties, DRY) changes one token's
+    /// logit independently of the others, and top-n-sigma and Mirostat, which look at the
+    /// whole row, are off.
+    fn top_k_decides(&self) -> bool {
+        let p = &self.params;
+        p.top_k > 0 && p.mirostat == 0 && p.top_n_sigma <= 0.0
+    }
+
+    /// A sampled step without a full mask: the best candidates, in logit order, are checked
+    /// one by one against the grammar until `top_k` allowed ones are found; the rest of the
+    /// chain then runs on exactly the candidates the masked row's top-k would have kept, so
+    /// the distribution is the masked one. `None` when the window holds too few allowed
+    /// tokens (the caller computes the full mask).
+    fn pick_top_k_allowed(&mut self, logits: &[f32]) -> Option<TokenId> {
+        let mut cand = std::mem::take(&mut self.candidates);
+        self.prepare(&mut cand, logits);
+        let k = (self.params.top_k as usize).max(self.params.min_keep.max(1));
+        let window = (4 * k).max(LAZY_GRAMMAR_WINDOW).min(cand.len());
+        if window == 0 {
+            self.candidates = cand;
+            return None;
+        }
+        if window < cand.len() {
+            cand.select_nth_unstable_by(window - 1, |a, b| b.1.total_cmp(&a.1));
+        }
+        cand[..window].sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
+        let t0 = std::time::Instant::now();
+        let grammar = self.grammar.as_mut()?;
+        let (mut kept, mut rejected, mut complete) = (0, 0, true);
+        for i in 0..window {
+            let c = cand[i];
+            if c.1 == f32::NEG_INFINITY {
+                break;
+            }
+            if grammar.allows(c.0) {
+                cand[kept] = c;
+                kept += 1;
+                if kept == k {
+                    break;
+                }
+            } else {
+                rejected += 1;
+                if rejected == LAZY_GRAMMAR_MAX_REJECTS {
+                    complete = false;
+                    break;
+                }
+            }
+        }
+        self.grammar_stats.check_ns += t0.elapsed().as_nanos() as u64;
+        // Fewer than k allowed decides nothing, unless every candidate was checked.
+        let whole_row = complete && window == cand.len();
+        if kept == 0 || (kept < k && !whole_row) {
+            self.candidates = cand;
+            return None;
+        }
+        cand.truncate(kept);
+        let token = self.draw_sampled(&mut cand);
+        self.candidates = cand;
+        Some(token)
+    }
+
+    /// The row as candidates with logit bias, repetition penalties and DRY applied.
+    fn prepare(&mut self, cand: &mut Vec<(TokenId, f32)>, logits: &[f32]) {
+        cand.clear();
+        cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
+        for &(t, b) in &self.params.logit_bias {
+            if let Some(c) = cand.get_mut(t as usize) {
+                c.1 += b;
+            }
+        }
+        if self.params.penalties_active() && !self.history.is_empty() {
+            self.apply_penalties(cand);
+        }
+        if self.params.dry_active() {
+            self.apply_dry(cand);
+        }
+    }
+
+    /// Truncation, temperature and the seeded draw.
+    fn draw_sampled(&mut self, cand: &mut Vec<(TokenId, f32)>) -> TokenId {
+        self.truncate(cand);
+        let temp = self.dynamic_temperature(cand);
+        let probs = softmax(cand, temp);
+        self.draw(cand, &probs)
+    }
+
     /// The sampler chain on one row (`raw` is the unmasked row, the fallback when every
     /// candidate was banned).
     fn pick_row(&mut self, logits: &[f32], raw: &[f32]) -> TokenId {
         let p = self.params.clone();
         let mut cand = std::mem::take(&mut self.candidates);
-        cand.clear();
-        cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
-        for &(t, b) in &p.logit_bias {
-            if let Some(c) = cand.get_mut(t as usize) {
-                c.1 += b;
-            }
-        }
-        if p.penalties_active() && !self.history.is_empty() {
-            self.apply_penalties(&mut cand);
-        }
-        if p.dry_active() {
-            self.apply_dry(&mut cand);
-        }
+        self.prepare(&mut cand, logits);
         if self.grammar.is_some() || !p.logit_bias.is_empty() {
             cand.retain(|c| c.1 > f32::NEG_INFINITY);
             if cand.is_empty() {
@@ -424,10 +515,7 @@ impl Sampler {
         } else if p.mirostat == 2 {
             self.mirostat_v2(&mut cand)
         } else {
-            self.truncate(&mut cand);
-            let temp = self.dynamic_temperature(&cand);
-            let probs = softmax(&cand, temp);
-            self.draw(&cand, &probs)
+            self.draw_sampled(&mut cand)
         };
         self.candidates = cand;
         token

@@ -337,6 +337,57 @@ fn json_schema_suite_gemma3() {
     schema_suite(GEMMA3);
 }
 
+/// Sampled steps with top-k check the best candidates against the grammar instead of
+/// computing a full mask; with the same seed they draw exactly the tokens the full-mask path
+/// draws, on a free-text grammar (mostly lazy) and a JSON Schema (lazy inside strings, full
+/// masks where few tokens fit).
+fn lazy_grammar_matches_full_mask(file: &str) {
+    let model = load(file, Requantize::Q8_0);
+    let person = r#"{"type":"object","properties":{"name":{"type":"string","maxLength":20},
+        "age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"]}"#;
+    let cases = [
+        (
+            "List a few fruits.",
+            gbnf("root ::= item{3,5}\nitem ::= \"- \" [A-Za-z ]{1,30} \"\\n\""),
+        ),
+        (
+            "Describe a person as JSON.",
+            GrammarSpec::JsonSchema(person.into()),
+        ),
+    ];
+    for (question, spec) in cases {
+        let prompt = chat_prompt(&model, question);
+        let mut outs = Vec::new();
+        for lazy in [true, false] {
+            let constraint = model.compile_grammar(&spec).unwrap();
+            let mut sampler = Sampler::new(sampled(11)).with_grammar(constraint);
+            sampler.lazy_grammar = lazy;
+            let mut ctx = ctx(&model, 1024, 1);
+            let (tokens, _) = ctx
+                .generate(&mut sampler, &prompt, 48, None, |_, _, _| true)
+                .unwrap();
+            outs.push((tokens, sampler.grammar_stats()));
+        }
+        assert_eq!(outs[0].0, outs[1].0, "{question}");
+        let (lazy, full) = (outs[0].1, outs[1].1);
+        assert_eq!(full.masks, full.steps);
+        assert!(lazy.masks < full.masks, "{question}: {lazy:?}");
+        if matches!(spec, GrammarSpec::Gbnf { .. }) {
+            assert!(lazy.masks * 2 < lazy.steps, "{question}: {lazy:?}");
+        }
+    }
+}
+
+#[test]
+fn lazy_grammar_matches_full_mask_smollm2() {
+    lazy_grammar_matches_full_mask(SMOLLM2);
+}
+
+#[test]
+fn lazy_grammar_matches_full_mask_gemma3() {
+    lazy_grammar_matches_full_mask(GEMMA3);
+}
+
 #[test]
 fn gbnf_from_json_schema_drives_generation() {
     let model = load(SMOLLM2, Requantize::Q8_0);
