@@ -9,14 +9,19 @@
 pub mod nibble;
 pub mod q8;
 
-/// Runs `tile(o0, rows)` over every tile of `ROW_TILE` output rows, on the worker pool when
+/// Runs `tile(o0, rows)` over every tile of `tile_rows` output rows, on the worker pool when
 /// the product is large enough to pay for waking it.
-pub(crate) fn for_each_tile(n_out: usize, macs: usize, tile: impl Fn(usize, usize) + Sync) {
-    let n_tiles = n_out.div_ceil(q8::ROW_TILE);
+pub(crate) fn for_each_tile(
+    n_out: usize,
+    tile_rows: usize,
+    macs: usize,
+    tile: impl Fn(usize, usize) + Sync,
+) {
+    let n_tiles = n_out.div_ceil(tile_rows);
     let run = |tiles: std::ops::Range<usize>| {
         for t in tiles {
-            let o0 = t * q8::ROW_TILE;
-            tile(o0, q8::ROW_TILE.min(n_out - o0));
+            let o0 = t * tile_rows;
+            tile(o0, tile_rows.min(n_out - o0));
         }
     };
     // below this many multiply-adds, waking the worker pool costs more than it saves

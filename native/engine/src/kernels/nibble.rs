@@ -7,7 +7,7 @@
 //! `d·d_x·Σ q·a + m·(d_x·Σ a)`; the second term uses the activation block sums computed once
 //! per matmul. The values are unsigned, so `maddubs(q, a)` needs no sign trick.
 
-use super::q8::{Q8Activations, QK8_0, ROW_TILE};
+use super::q8::{Q8Activations, QK8_0};
 use super::SharedMut;
 use half::f16;
 
@@ -46,10 +46,24 @@ impl NibbleType {
         }
     }
 }
-/// From this many activation rows on, a tile's nibbles are unpacked once and reused.
-const UNPACK_MIN_ROWS: usize = 4;
+/// Output rows interleaved together: one 256-bit lane per row, so a block's products for all
+/// of them come out of one vector and need no horizontal sums.
+pub const GROUP: usize = 8;
+/// Packed bytes of one block of a row group: 4 chunks of 8 rows × 4 bytes.
+const GROUP_BLOCK_BYTES: usize = GROUP * PACKED;
+/// Activation rows that share one pass over a row group's unpacked values.
+const ROW_CHUNK: usize = 4;
 
-/// A matrix `[n_out, n_in]` repacked as scale, offset, nibble and high-bit arrays.
+/// A matrix `[n_out, n_in]` repacked in groups of [`GROUP`] output rows, interleaved per
+/// block so that a 256-bit vector holds 4 consecutive values of each of the 8 rows.
+///
+/// Per row group and block: `d` and `m` are 8 floats (one per row). `qs` is 4 chunks of 32
+/// bytes; in chunk `c`, byte `4j + t` holds value `4c + t` of row `j` in its low nibble and
+/// value `16 + 4c + t` in its high nibble, so the low nibbles of a chunk are "quad" `c` and
+/// the high nibbles quad `c + 4` (a quad is 4 consecutive values). 5-bit types keep one `u32`
+/// per row in which the fifth bit of value `4q + t` sits at bit `8t + 4 + q` (`q < 4`) or
+/// `8t + q - 4` (`q ≥ 4`): one shift by `q` (right) or `8 - q` (left) and a mask with
+/// `0x10101010` put quad `q`'s fifth bits where they belong. Rows past `n_out` are zero.
 pub struct NibbleMatrix {
     pub n_out: usize,
     pub n_in: usize,
@@ -57,46 +71,102 @@ pub struct NibbleMatrix {
     nb: usize,
     d: Vec<f32>,
     m: Vec<f32>,
-    /// 16 bytes per block: value i in the low nibble of byte i, value i+16 in the high one.
     qs: Vec<u8>,
-    /// 5-bit types: bit i is the fifth bit of value i (empty for 4-bit types).
     qh: Vec<u32>,
 }
+
+/// One block of one row: scale, offset and the 32 unsigned values.
+type RowBlock = (f32, f32, [u8; QK4_1]);
 
 impl NibbleMatrix {
     /// From GGUF/ggml block bytes of `kind`.
     pub fn from_bytes(kind: NibbleType, bytes: &[u8], n_out: usize, n_in: usize) -> Option<Self> {
         let bb = kind.block_bytes();
-        if !n_in.is_multiple_of(QK4_1) || bytes.len() != n_out * n_in / QK4_1 * bb {
+        if n_out == 0 || !n_in.is_multiple_of(QK4_1) || bytes.len() != n_out * n_in / QK4_1 * bb {
             return None;
         }
         let nb = n_in / QK4_1;
-        let blocks = n_out * nb;
-        let (mut d, mut m) = (Vec::with_capacity(blocks), Vec::with_capacity(blocks));
-        let mut qs = Vec::with_capacity(blocks * PACKED);
-        let mut qh = Vec::new();
-        for block in bytes.chunks_exact(bb) {
-            let scale = f16::from_le_bytes([block[0], block[1]]).to_f32();
+        Some(Self::build(kind, n_out, n_in, |o, b| {
+            let block = &bytes[(o * nb + b) * bb..][..bb];
+            let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
             let mut at = 2;
-            d.push(scale);
-            if kind.has_min() {
-                m.push(f16::from_le_bytes([block[2], block[3]]).to_f32());
+            let m = if kind.has_min() {
                 at += 2;
+                f16::from_le_bytes([block[2], block[3]]).to_f32()
             } else {
-                m.push(kind.implied_offset() * scale);
-            }
+                kind.implied_offset() * d
+            };
+            let mut high = 0u32;
             if kind.has_high_bits() {
-                qh.push(u32::from_le_bytes([
-                    block[at],
-                    block[at + 1],
-                    block[at + 2],
-                    block[at + 3],
-                ]));
+                high = u32::from_le_bytes([block[at], block[at + 1], block[at + 2], block[at + 3]]);
                 at += 4;
             }
-            qs.extend_from_slice(&block[at..at + PACKED]);
+            let mut vals = [0u8; QK4_1];
+            for (i, &byte) in block[at..at + PACKED].iter().enumerate() {
+                vals[i] = (byte & 0x0F) | (((high >> i) & 1) << 4) as u8;
+                vals[i + PACKED] = (byte >> 4) | (((high >> (i + PACKED)) & 1) << 4) as u8;
+            }
+            (d, m, vals)
+        }))
+    }
+
+    /// From GGUF/ggml Q4_1 bytes (20-byte blocks: f16 d, f16 m, 16 packed bytes).
+    pub fn from_q4_1_bytes(bytes: &[u8], n_out: usize, n_in: usize) -> Option<Self> {
+        Self::from_bytes(NibbleType::Q4_1, bytes, n_out, n_in)
+    }
+
+    fn build(
+        kind: NibbleType,
+        n_out: usize,
+        n_in: usize,
+        mut row_block: impl FnMut(usize, usize) -> RowBlock,
+    ) -> Self {
+        let nb = n_in / QK4_1;
+        let blocks = n_out.div_ceil(GROUP) * nb;
+        let mut d = Vec::with_capacity(blocks * GROUP);
+        let mut m = Vec::with_capacity(blocks * GROUP);
+        let mut qs = Vec::with_capacity(blocks * GROUP_BLOCK_BYTES);
+        let mut qh = Vec::with_capacity(if kind.has_high_bits() {
+            blocks * GROUP
+        } else {
+            0
+        });
+        let mut rows = [(0f32, 0f32, [0u8; QK4_1]); GROUP];
+        for g in 0..n_out.div_ceil(GROUP) {
+            for b in 0..nb {
+                for (j, row) in rows.iter_mut().enumerate() {
+                    let o = g * GROUP + j;
+                    *row = if o < n_out {
+                        row_block(o, b)
+                    } else {
+                        (0.0, 0.0, [0; QK4_1])
+                    };
+                    d.push(row.0);
+                    m.push(row.1);
+                }
+                for c in 0..4 {
+                    for (_, _, vals) in &rows {
+                        for t in 0..4 {
+                            qs.push(
+                                (vals[4 * c + t] & 0x0F) | (vals[PACKED + 4 * c + t] & 0x0F) << 4,
+                            );
+                        }
+                    }
+                }
+                if kind.has_high_bits() {
+                    for (_, _, vals) in &rows {
+                        let mut w = 0u32;
+                        for (i, &v) in vals.iter().enumerate() {
+                            let (q, t) = (i / 4, i % 4);
+                            let pos = if q < 4 { 8 * t + 4 + q } else { 8 * t + q - 4 };
+                            w |= ((v as u32 >> 4) & 1) << pos;
+                        }
+                        qh.push(w);
+                    }
+                }
+            }
         }
-        Some(NibbleMatrix {
+        NibbleMatrix {
             n_out,
             n_in,
             kind,
@@ -105,12 +175,26 @@ impl NibbleMatrix {
             m,
             qs,
             qh,
-        })
+        }
     }
 
-    /// From GGUF/ggml Q4_1 bytes (20-byte blocks: f16 d, f16 m, 16 packed bytes).
-    pub fn from_q4_1_bytes(bytes: &[u8], n_out: usize, n_in: usize) -> Option<Self> {
-        Self::from_bytes(NibbleType::Q4_1, bytes, n_out, n_in)
+    /// Block `b` of row `o` read back from the interleaved layout.
+    fn row_block(&self, o: usize, b: usize) -> RowBlock {
+        let (g, j) = (o / GROUP, o % GROUP);
+        let gb = g * self.nb + b;
+        let chunk = &self.qs[gb * GROUP_BLOCK_BYTES..][..GROUP_BLOCK_BYTES];
+        let high = self.qh.get(gb * GROUP + j).copied();
+        let mut vals = [0u8; QK4_1];
+        for (i, v) in vals.iter_mut().enumerate() {
+            let (q, t) = (i / 4, i % 4);
+            let byte = chunk[(q % 4) * 32 + j * 4 + t];
+            *v = if q < 4 { byte & 0x0F } else { byte >> 4 };
+            if let Some(w) = high {
+                let pos = if q < 4 { 8 * t + 4 + q } else { 8 * t + q - 4 };
+                *v |= (((w >> pos) & 1) << 4) as u8;
+            }
+        }
+        (self.d[gb * GROUP + j], self.m[gb * GROUP + j], vals)
     }
 
     /// Stacks matrices with the same input width so one product computes all of them.
@@ -120,16 +204,14 @@ impl NibbleMatrix {
         if parts.iter().any(|p| p.n_in != n_in || p.kind != kind) {
             return None;
         }
-        Some(NibbleMatrix {
-            n_out: parts.iter().map(|p| p.n_out).sum(),
-            n_in,
-            kind,
-            nb: n_in / QK4_1,
-            d: parts.iter().flat_map(|p| p.d.iter().copied()).collect(),
-            m: parts.iter().flat_map(|p| p.m.iter().copied()).collect(),
-            qs: parts.iter().flat_map(|p| p.qs.iter().copied()).collect(),
-            qh: parts.iter().flat_map(|p| p.qh.iter().copied()).collect(),
-        })
+        let mut owner = Vec::new();
+        for (pi, p) in parts.iter().enumerate() {
+            owner.extend((0..p.n_out).map(|o| (pi, o)));
+        }
+        Some(Self::build(kind, owner.len(), n_in, |o, b| {
+            let (pi, row) = owner[o];
+            parts[pi].row_block(row, b)
+        }))
     }
 
     /// `out[r * n_out + o] = Σ_i w[o, i] · x[r, i]` for `m` rows of `x`.
@@ -138,133 +220,192 @@ impl NibbleMatrix {
         assert_eq!(out.len(), m * self.n_out);
         let a = Q8Activations::quantize(x, m, self.n_in);
         let shared = SharedMut(out.as_mut_ptr());
-        super::for_each_tile(self.n_out, m * self.n_out * self.n_in, |o0, rows| {
-            self.tile(&a, o0, rows, &shared)
+        super::for_each_tile(self.n_out, GROUP, m * self.n_out * self.n_in, |o0, _| {
+            self.group(&a, o0 / GROUP, &shared)
         });
     }
 
-    fn tile(&self, a: &Q8Activations, o0: usize, rows: usize, out: &SharedMut) {
+    fn group(&self, a: &Q8Activations, g: usize, out: &SharedMut) {
         #[cfg(target_arch = "x86_64")]
         {
-            if rows == ROW_TILE && super::q8::has_avx2() {
-                // SAFETY: AVX2 and FMA were detected at run time; every pointer offset stays
-                // inside the matrices (checked by the asserts in `matmul`).
-                unsafe { self.tile4_avx2(a, o0, out) };
-                return;
+            // SAFETY: the features were detected at run time; every offset stays inside the
+            // matrices and the activations (checked by the asserts in `matmul`), and row
+            // group `g` writes only its own output columns.
+            if super::q8::has_vnni() {
+                return unsafe { self.group_vnni(a, g, out) };
+            }
+            if super::q8::has_avx2() {
+                return unsafe { self.group_avx2(a, g, out) };
             }
         }
-        self.tile_scalar(a, o0, rows, out);
+        self.group_scalar(a, g, out);
     }
 
-    fn value(&self, o: usize, b: usize, i: usize) -> i32 {
-        let bi = o * self.nb + b;
-        let byte = self.qs[bi * PACKED + i % PACKED];
-        let low = (if i < PACKED { byte & 0x0F } else { byte >> 4 }) as i32;
-        match self.qh.get(bi) {
-            Some(h) => low | (((h >> i) & 1) as i32) << 4,
-            None => low,
-        }
-    }
-
-    fn tile_scalar(&self, a: &Q8Activations, o0: usize, rows: usize, out: &SharedMut) {
+    fn group_scalar(&self, a: &Q8Activations, g: usize, out: &SharedMut) {
         let (k, nb) = (self.n_in, self.nb);
-        for r in 0..a.m {
-            for j in 0..rows {
-                let o = o0 + j;
+        for o in g * GROUP..self.n_out.min((g + 1) * GROUP) {
+            let blocks: Vec<RowBlock> = (0..nb).map(|b| self.row_block(o, b)).collect();
+            for r in 0..a.m {
                 let mut sum = 0f32;
-                for b in 0..nb {
-                    let x = &a.quants[r * k + b * QK4_1..r * k + (b + 1) * QK4_1];
-                    let dot: i32 = (0..QK4_1).map(|i| self.value(o, b, i) * x[i] as i32).sum();
-                    let bi = o * nb + b;
-                    sum += dot as f32 * self.d[bi] * a.scales[r * nb + b]
-                        + self.m[bi] * a.sums[r * nb + b];
+                for (b, (d, m, vals)) in blocks.iter().enumerate() {
+                    let x = &a.quants[r * k + b * QK4_1..][..QK4_1];
+                    let dot: i32 = vals.iter().zip(x).map(|(&v, &q)| v as i32 * q as i32).sum();
+                    sum += dot as f32 * d * a.scales[r * nb + b] + m * a.sums[r * nb + b];
                 }
-                // SAFETY: (r, o) is in bounds and written by this tile only.
+                // SAFETY: (r, o) is in bounds and written by this row group only.
                 unsafe { *out.0.add(r * self.n_out + o) = sum };
             }
         }
     }
+}
 
-    /// The 32 values of block `bi` (global index `gbi`) as unsigned bytes.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    unsafe fn load_values(
-        &self,
-        q_ptr: *const u8,
-        gbi: usize,
-        bi: usize,
-        low: std::arch::x86_64::__m128i,
-    ) -> std::arch::x86_64::__m256i {
-        use std::arch::x86_64::*;
-        let packed = _mm_loadu_si128(q_ptr.add(bi * PACKED) as *const __m128i);
-        let lo = _mm_and_si128(packed, low);
-        let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-        let q = _mm256_set_m128i(hi, lo);
-        if self.qh.is_empty() {
-            return q;
+/// The 8 quads of one block of a row group: vector `q` holds values `4q..4q + 4` of each row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn unpack_block(qs: *const u8, qh: Option<*const u32>) -> [std::arch::x86_64::__m256i; 8] {
+    use std::arch::x86_64::*;
+    let low = _mm256_set1_epi8(0x0F);
+    let mut v = [_mm256_setzero_si256(); 8];
+    for c in 0..4 {
+        let packed = _mm256_loadu_si256(qs.add(c * 32) as *const __m256i);
+        v[c] = _mm256_and_si256(packed, low);
+        v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    }
+    if let Some(qh) = qh {
+        let w = _mm256_loadu_si256(qh as *const __m256i);
+        let fifth = _mm256_set1_epi8(0x10);
+        v[0] = _mm256_or_si256(v[0], _mm256_and_si256(w, fifth));
+        v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_srli_epi32(w, 1), fifth));
+        v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_srli_epi32(w, 2), fifth));
+        v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_srli_epi32(w, 3), fifth));
+        v[4] = _mm256_or_si256(v[4], _mm256_and_si256(_mm256_slli_epi32(w, 4), fifth));
+        v[5] = _mm256_or_si256(v[5], _mm256_and_si256(_mm256_slli_epi32(w, 3), fifth));
+        v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_slli_epi32(w, 2), fifth));
+        v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_slli_epi32(w, 1), fifth));
+    }
+    v
+}
+
+/// Per lane (row), the dot product of its 32 values with one activation block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn block_dot_avx2(
+    v: &[std::arch::x86_64::__m256i; 8],
+    x: *const i32,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // maddubs pairs stay below 2·31·127, so four quads summed in 16 bits cannot overflow
+    let p = |q: usize| _mm256_maddubs_epi16(v[q], _mm256_set1_epi32(*x.add(q)));
+    let lo = _mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)));
+    let hi = _mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7)));
+    let ones = _mm256_set1_epi16(1);
+    _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+#[inline]
+unsafe fn block_dot_vnni(
+    v: &[std::arch::x86_64::__m256i; 8],
+    x: *const i32,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // four independent chains: one chain of eight would wait on vpdpbusd's latency
+    let mut s = [_mm256_setzero_si256(); 4];
+    for (q, vq) in v.iter().enumerate() {
+        s[q % 4] = _mm256_dpbusd_epi32(s[q % 4], *vq, _mm256_set1_epi32(*x.add(q)));
+    }
+    _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]))
+}
+
+/// One row group times every activation row: values unpacked once per block and chunk of
+/// [`ROW_CHUNK`] rows, or once per matmul into an L1-sized buffer when there are more rows.
+macro_rules! group_kernel {
+    ($name:ident, $features:literal, $dot:ident) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &SharedMut) {
+            use std::arch::x86_64::*;
+            let (k, nb) = (w.n_in, w.nb);
+            let q_ptr = w.qs.as_ptr().add(g * nb * GROUP_BLOCK_BYTES);
+            let h_ptr = (!w.qh.is_empty()).then(|| w.qh.as_ptr().add(g * nb * GROUP));
+            let d_ptr = w.d.as_ptr().add(g * nb * GROUP);
+            let m_ptr = w.m.as_ptr().add(g * nb * GROUP);
+            // a macro, not a closure: closures do not inherit the target features, so the
+            // unpacking would not be inlined
+            macro_rules! unpack {
+                ($b:expr) => {
+                    unpack_block(
+                        q_ptr.add($b * GROUP_BLOCK_BYTES),
+                        h_ptr.map(|h| h.add($b * GROUP)),
+                    )
+                };
+            }
+            let mut buffered: Vec<[__m256i; 8]> = Vec::new();
+            if a.m > ROW_CHUNK {
+                buffered.reserve_exact(nb);
+                for b in 0..nb {
+                    buffered.push(unpack!(b));
+                }
+            }
+            let valid = GROUP.min(w.n_out - g * GROUP);
+            for r0 in (0..a.m).step_by(ROW_CHUNK) {
+                let rows = ROW_CHUNK.min(a.m - r0);
+                let mut acc = [_mm256_setzero_ps(); ROW_CHUNK];
+                for b in 0..nb {
+                    let unpacked;
+                    let v = match buffered.get(b) {
+                        Some(v) => v,
+                        None => {
+                            unpacked = unpack!(b);
+                            &unpacked
+                        }
+                    };
+                    let dv = _mm256_loadu_ps(d_ptr.add(b * GROUP));
+                    let mv = _mm256_loadu_ps(m_ptr.add(b * GROUP));
+                    for (i, acc) in acc.iter_mut().enumerate().take(rows) {
+                        let r = r0 + i;
+                        let x = a.quants.as_ptr().add(r * k + b * QK4_1) as *const i32;
+                        let dot = _mm256_cvtepi32_ps($dot(v, x));
+                        let dx = _mm256_set1_ps(*a.scales.get_unchecked(r * nb + b));
+                        let sx = _mm256_set1_ps(*a.sums.get_unchecked(r * nb + b));
+                        *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
+                        *acc = _mm256_fmadd_ps(mv, sx, *acc);
+                    }
+                }
+                for (i, acc) in acc.iter().enumerate().take(rows) {
+                    let dst = out.0.add((r0 + i) * w.n_out + g * GROUP);
+                    if valid == GROUP {
+                        _mm256_storeu_ps(dst, *acc);
+                    } else {
+                        let mut tmp = [0f32; GROUP];
+                        _mm256_storeu_ps(tmp.as_mut_ptr(), *acc);
+                        std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, valid);
+                    }
+                }
+            }
         }
-        // Spread the 32 high bits over 32 bytes (ggml's bytes_from_bits_32), keep 0x10.
-        let bits = _mm256_set1_epi32(*self.qh.get_unchecked(gbi) as i32);
-        let shuf = _mm256_set_epi64x(
-            0x0303030303030303,
-            0x0202020202020202,
-            0x0101010101010101,
-            0,
-        );
-        let bytes = _mm256_or_si256(
-            _mm256_shuffle_epi8(bits, shuf),
-            _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe),
-        );
-        let set = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
-        _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+    };
+}
+
+group_kernel!(group_kernel_avx2, "avx2,fma", block_dot_avx2);
+group_kernel!(
+    group_kernel_vnni,
+    "avx2,fma,avx512vnni,avx512vl",
+    block_dot_vnni
+);
+
+impl NibbleMatrix {
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn group_avx2(&self, a: &Q8Activations, g: usize, out: &SharedMut) {
+        group_kernel_avx2(self, a, g, out)
     }
 
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile4_avx2(&self, a: &Q8Activations, o0: usize, out: &SharedMut) {
-        use std::arch::x86_64::*;
-        let (k, nb) = (self.n_in, self.nb);
-        let ones = _mm256_set1_epi16(1);
-        let low = _mm_set1_epi8(0x0F);
-        let q_ptr = self.qs.as_ptr().add(o0 * nb * PACKED);
-        let d_ptr = self.d.as_ptr().add(o0 * nb);
-        let m_ptr = self.m.as_ptr().add(o0 * nb);
-        // Many activation rows: unpack the tile's values once (they stay in L1) instead of
-        // once per row.
-        let unpacked: Option<Vec<u8>> = (a.m >= UNPACK_MIN_ROWS).then(|| {
-            let mut u = vec![0u8; ROW_TILE * k];
-            for bi in 0..ROW_TILE * nb {
-                let q = self.load_values(q_ptr, o0 * nb + bi, bi, low);
-                _mm256_storeu_si256(u.as_mut_ptr().add(bi * QK4_1) as *mut __m256i, q);
-            }
-            u
-        });
-        for r in 0..a.m {
-            let x_ptr = a.quants.as_ptr().add(r * k);
-            let xs = a.scales.as_ptr().add(r * nb);
-            let xsum = a.sums.as_ptr().add(r * nb);
-            let mut acc = [_mm256_setzero_ps(); ROW_TILE];
-            let mut offs = [0f32; ROW_TILE];
-            for b in 0..nb {
-                let vx = _mm256_loadu_si256(x_ptr.add(b * QK4_1) as *const __m256i);
-                let (dx, sx) = (*xs.add(b), *xsum.add(b));
-                for j in 0..ROW_TILE {
-                    let bi = j * nb + b;
-                    let q = match &unpacked {
-                        Some(u) => _mm256_loadu_si256(u.as_ptr().add(bi * QK4_1) as *const __m256i),
-                        None => self.load_values(q_ptr, o0 * nb + bi, bi, low),
-                    };
-                    let d32 = _mm256_madd_epi16(_mm256_maddubs_epi16(q, vx), ones);
-                    let scale = _mm256_set1_ps(*d_ptr.add(bi) * dx);
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), scale, acc[j]);
-                    offs[j] += *m_ptr.add(bi) * sx;
-                }
-            }
-            for j in 0..ROW_TILE {
-                *out.0.add(r * self.n_out + o0 + j) = super::q8::hsum(acc[j]) + offs[j];
-            }
-        }
+    unsafe fn group_vnni(&self, a: &Q8Activations, g: usize, out: &SharedMut) {
+        group_kernel_vnni(self, a, g, out)
     }
 }
 
@@ -352,21 +493,43 @@ mod tests {
         for kind in TYPES {
             let (b1, _) = random_blocks(kind, 8, 128, &mut seed);
             let (b2, _) = random_blocks(kind, 4, 128, &mut seed);
+            let (b12, _) = random_blocks(kind, 12, 128, &mut seed);
             let w = NibbleMatrix::from_bytes(kind, &b1, 8, 128).unwrap();
-            for m in [1usize, 3, 5] {
+            let w12 = NibbleMatrix::from_bytes(kind, &b12, 12, 128).unwrap();
+            for m in [1usize, 3, 5, 9] {
                 let x: Vec<f32> = (0..m * 128).map(|_| lcg(&mut seed)).collect();
                 let a = Q8Activations::quantize(&x, m, 128);
-                let (mut simd, mut scalar) = (vec![0f32; m * 8], vec![0f32; m * 8]);
-                let (s1, s2) = (SharedMut(simd.as_mut_ptr()), SharedMut(scalar.as_mut_ptr()));
-                for tile in 0..2 {
-                    w.tile(&a, tile * 4, 4, &s1);
-                    w.tile_scalar(&a, tile * 4, 4, &s2);
+                let mut scalar = vec![0f32; m * 12];
+                let s = SharedMut(scalar.as_mut_ptr());
+                for g in 0..2 {
+                    w12.group_scalar(&a, g, &s);
                 }
-                for (p, q) in simd.iter().zip(&scalar) {
-                    assert!(
-                        (p - q).abs() <= 1e-4 * q.abs().max(1.0),
-                        "{kind:?} {p} vs {q}"
-                    );
+                #[cfg(target_arch = "x86_64")]
+                for (path, available) in [
+                    ("avx2", crate::kernels::q8::has_avx2()),
+                    ("vnni", crate::kernels::q8::has_vnni()),
+                ] {
+                    if !available {
+                        continue;
+                    }
+                    let mut simd = vec![0f32; m * 12];
+                    let p = SharedMut(simd.as_mut_ptr());
+                    for g in 0..2 {
+                        // SAFETY: the feature was detected above.
+                        unsafe {
+                            if path == "avx2" {
+                                w12.group_avx2(&a, g, &p)
+                            } else {
+                                w12.group_vnni(&a, g, &p)
+                            }
+                        }
+                    }
+                    for (p, q) in simd.iter().zip(&scalar) {
+                        assert!(
+                            (p - q).abs() <= 1e-4 * q.abs().max(1.0),
+                            "{kind:?} {path} m={m}: {p} vs {q}"
+                        );
+                    }
                 }
             }
             let x: Vec<f32> = (0..3 * 128).map(|_| lcg(&mut seed)).collect();

@@ -79,9 +79,12 @@ impl Q8Matrix {
         assert_eq!(out.len(), m * self.n_out);
         let a = Q8Activations::quantize(x, m, self.n_in);
         let shared = SharedMut(out.as_mut_ptr());
-        super::for_each_tile(self.n_out, m * self.n_out * self.n_in, |o0, rows| {
-            self.tile(&a, o0, rows, &shared)
-        });
+        super::for_each_tile(
+            self.n_out,
+            ROW_TILE,
+            m * self.n_out * self.n_in,
+            |o0, rows| self.tile(&a, o0, rows, &shared),
+        );
     }
 
     fn tile(&self, a: &Q8Activations, o0: usize, rows: usize, out: &SharedMut) {
@@ -165,6 +168,19 @@ pub(crate) fn has_avx2() -> bool {
     use std::sync::OnceLock;
     static AVX2: OnceLock<bool> = OnceLock::new();
     *AVX2.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+}
+
+/// AVX512-VNNI with 256-bit vectors (`vpdpbusd` on ymm registers), and AVX2/FMA.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn has_vnni() -> bool {
+    use std::sync::OnceLock;
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    *VNNI.get_or_init(|| {
+        has_avx2()
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512vl")
+            && std::env::var("LLAMA_CPP_EX_NO_VNNI").is_err()
+    })
 }
 
 impl Q8Activations {
