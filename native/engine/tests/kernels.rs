@@ -74,6 +74,15 @@ fn q8_0_kernel_on_real_weights() {
 }
 
 #[test]
+fn interleaved_q8_0_kernel_on_real_weights() {
+    // the layout the model uses on CPUs with AVX512-VNNI (scalar path elsewhere)
+    check_real_rows(SMOLLM2, "token_embd.weight", 30_000, 203, |b, n, k| {
+        let w = NibbleMatrix::from_bytes(NibbleType::Q8_0, b, n, k).unwrap();
+        Box::new(move |x, m, out| w.matmul(x, m, out))
+    });
+}
+
+#[test]
 fn q4_1_kernel_on_real_weights() {
     check_real_rows(SMOLLM2, "blk.3.ffn_gate.weight", 100, 203, |b, n, k| {
         let w = NibbleMatrix::from_q4_1_bytes(b, n, k).unwrap();

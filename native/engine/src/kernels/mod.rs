@@ -9,6 +9,19 @@
 pub mod nibble;
 pub mod q8;
 
+/// Whether the CPU has AVX512-VNNI (used on 256-bit vectors); `LLAMA_CPP_EX_NO_VNNI` turns
+/// it off for comparisons. Always false off x86_64.
+pub fn has_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        q8::has_vnni()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Runs `tile(o0, rows)` over every tile of `tile_rows` output rows, on the worker pool when
 /// the product is large enough to pay for waking it.
 pub(crate) fn for_each_tile(

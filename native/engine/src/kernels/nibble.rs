@@ -22,6 +22,9 @@ pub enum NibbleType {
     Q4_1,
     Q5_0,
     Q5_1,
+    /// Signed 8-bit values, stored here as `q + 128` with offset `-128d` so every type runs
+    /// through the same unsigned products (needs AVX512-VNNI: `maddubs` would saturate).
+    Q8_0,
 }
 
 impl NibbleType {
@@ -34,7 +37,19 @@ impl NibbleType {
     }
 
     fn block_bytes(self) -> usize {
+        if self == NibbleType::Q8_0 {
+            return 2 + QK8_0;
+        }
         2 + if self.has_min() { 2 } else { 0 } + if self.has_high_bits() { 4 } else { 0 } + PACKED
+    }
+
+    /// Bytes of one block of a row group in the interleaved layout.
+    fn group_block_bytes(self) -> usize {
+        if self == NibbleType::Q8_0 {
+            GROUP * QK8_0
+        } else {
+            GROUP * PACKED
+        }
     }
 
     /// The offset of a type without a stored minimum, in units of `d`.
@@ -42,6 +57,7 @@ impl NibbleType {
         match self {
             NibbleType::Q4_0 => -8.0,
             NibbleType::Q5_0 => -16.0,
+            NibbleType::Q8_0 => -128.0,
             _ => 0.0,
         }
     }
@@ -49,8 +65,6 @@ impl NibbleType {
 /// Output rows interleaved together: one 256-bit lane per row, so a block's products for all
 /// of them come out of one vector and need no horizontal sums.
 pub const GROUP: usize = 8;
-/// Packed bytes of one block of a row group: 4 chunks of 8 rows × 4 bytes.
-const GROUP_BLOCK_BYTES: usize = GROUP * PACKED;
 /// Activation rows that share one pass over a row group's unpacked values.
 const ROW_CHUNK: usize = 4;
 
@@ -102,6 +116,12 @@ impl NibbleMatrix {
                 at += 4;
             }
             let mut vals = [0u8; QK4_1];
+            if kind == NibbleType::Q8_0 {
+                for (v, &q) in vals.iter_mut().zip(&block[2..2 + QK8_0]) {
+                    *v = (q as i8 as i16 + 128) as u8;
+                }
+                return (d, m, vals);
+            }
             for (i, &byte) in block[at..at + PACKED].iter().enumerate() {
                 vals[i] = (byte & 0x0F) | (((high >> i) & 1) << 4) as u8;
                 vals[i + PACKED] = (byte >> 4) | (((high >> (i + PACKED)) & 1) << 4) as u8;
@@ -125,7 +145,7 @@ impl NibbleMatrix {
         let blocks = n_out.div_ceil(GROUP) * nb;
         let mut d = Vec::with_capacity(blocks * GROUP);
         let mut m = Vec::with_capacity(blocks * GROUP);
-        let mut qs = Vec::with_capacity(blocks * GROUP_BLOCK_BYTES);
+        let mut qs = Vec::with_capacity(blocks * kind.group_block_bytes());
         let mut qh = Vec::with_capacity(if kind.has_high_bits() {
             blocks * GROUP
         } else {
@@ -143,6 +163,14 @@ impl NibbleMatrix {
                     };
                     d.push(row.0);
                     m.push(row.1);
+                }
+                if kind == NibbleType::Q8_0 {
+                    for q in 0..QK8_0 / 4 {
+                        for (_, _, vals) in &rows {
+                            qs.extend_from_slice(&vals[4 * q..4 * q + 4]);
+                        }
+                    }
+                    continue;
                 }
                 for c in 0..4 {
                     for (_, _, vals) in &rows {
@@ -182,11 +210,16 @@ impl NibbleMatrix {
     fn row_block(&self, o: usize, b: usize) -> RowBlock {
         let (g, j) = (o / GROUP, o % GROUP);
         let gb = g * self.nb + b;
-        let chunk = &self.qs[gb * GROUP_BLOCK_BYTES..][..GROUP_BLOCK_BYTES];
+        let gbb = self.kind.group_block_bytes();
+        let chunk = &self.qs[gb * gbb..][..gbb];
         let high = self.qh.get(gb * GROUP + j).copied();
         let mut vals = [0u8; QK4_1];
         for (i, v) in vals.iter_mut().enumerate() {
             let (q, t) = (i / 4, i % 4);
+            if self.kind == NibbleType::Q8_0 {
+                *v = chunk[q * 32 + j * 4 + t];
+                continue;
+            }
             let byte = chunk[(q % 4) * 32 + j * 4 + t];
             *v = if q < 4 { byte & 0x0F } else { byte >> 4 };
             if let Some(w) = high {
@@ -234,7 +267,7 @@ impl NibbleMatrix {
             if super::q8::has_vnni() {
                 return unsafe { self.group_vnni(a, g, out) };
             }
-            if super::q8::has_avx2() {
+            if super::q8::has_avx2() && self.kind != NibbleType::Q8_0 {
                 return unsafe { self.group_avx2(a, g, out) };
             }
         }
@@ -287,6 +320,19 @@ unsafe fn unpack_block(qs: *const u8, qh: Option<*const u32>) -> [std::arch::x86
     v
 }
 
+/// The 8 quads of one Q8_0 block of a row group (stored unpacked).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn load_bytes_block(qs: *const u8) -> [std::arch::x86_64::__m256i; 8] {
+    use std::arch::x86_64::*;
+    let mut v = [_mm256_setzero_si256(); 8];
+    for (q, vq) in v.iter_mut().enumerate() {
+        *vq = _mm256_loadu_si256(qs.add(q * 32) as *const __m256i);
+    }
+    v
+}
+
 /// Per lane (row), the dot product of its 32 values with one activation block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
@@ -329,7 +375,9 @@ macro_rules! group_kernel {
         unsafe fn $name(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &SharedMut) {
             use std::arch::x86_64::*;
             let (k, nb) = (w.n_in, w.nb);
-            let q_ptr = w.qs.as_ptr().add(g * nb * GROUP_BLOCK_BYTES);
+            let gbb = w.kind.group_block_bytes();
+            let bytes8 = w.kind == NibbleType::Q8_0;
+            let q_ptr = w.qs.as_ptr().add(g * nb * gbb);
             let h_ptr = (!w.qh.is_empty()).then(|| w.qh.as_ptr().add(g * nb * GROUP));
             let d_ptr = w.d.as_ptr().add(g * nb * GROUP);
             let m_ptr = w.m.as_ptr().add(g * nb * GROUP);
@@ -337,10 +385,11 @@ macro_rules! group_kernel {
             // unpacking would not be inlined
             macro_rules! unpack {
                 ($b:expr) => {
-                    unpack_block(
-                        q_ptr.add($b * GROUP_BLOCK_BYTES),
-                        h_ptr.map(|h| h.add($b * GROUP)),
-                    )
+                    if bytes8 {
+                        load_bytes_block(q_ptr.add($b * gbb))
+                    } else {
+                        unpack_block(q_ptr.add($b * gbb), h_ptr.map(|h| h.add($b * GROUP)))
+                    }
                 };
             }
             let mut buffered: Vec<[__m256i; 8]> = Vec::new();
@@ -413,11 +462,12 @@ impl NibbleMatrix {
 mod tests {
     use super::*;
 
-    const TYPES: [NibbleType; 4] = [
+    const TYPES: [NibbleType; 5] = [
         NibbleType::Q4_0,
         NibbleType::Q4_1,
         NibbleType::Q5_0,
         NibbleType::Q5_1,
+        NibbleType::Q8_0,
     ];
 
     use crate::kernels::lcg;
@@ -429,7 +479,11 @@ mod tests {
         n_in: usize,
         seed: &mut u64,
     ) -> (Vec<u8>, Vec<f32>) {
-        let levels = if kind.has_high_bits() { 32.0 } else { 16.0 };
+        let levels = match kind {
+            NibbleType::Q8_0 => 256.0,
+            k if k.has_high_bits() => 32.0,
+            _ => 16.0,
+        };
         let mut bytes = Vec::new();
         let mut dense = Vec::new();
         for _ in 0..n_out * n_in / QK4_1 {
@@ -445,12 +499,16 @@ mod tests {
             let q: Vec<u32> = (0..QK4_1)
                 .map(|_| ((lcg(seed) + 1.0) * (levels / 2.0 - 0.01)) as u32)
                 .collect();
-            if kind.has_high_bits() {
+            if kind == NibbleType::Q8_0 {
+                bytes.extend(q.iter().map(|&v| (v as i32 - 128) as i8 as u8));
+            } else if kind.has_high_bits() {
                 let qh: u32 = (0..QK4_1).map(|i| ((q[i] >> 4) & 1) << i).sum();
                 bytes.extend_from_slice(&qh.to_le_bytes());
             }
-            for i in 0..PACKED {
-                bytes.push(((q[i] & 0xF) | ((q[i + PACKED] & 0xF) << 4)) as u8);
+            if kind != NibbleType::Q8_0 {
+                for i in 0..PACKED {
+                    bytes.push(((q[i] & 0xF) | ((q[i + PACKED] & 0xF) << 4)) as u8);
+                }
             }
             dense.extend(q.iter().map(|&v| v as f32 * d.to_f32() + min));
         }
@@ -509,7 +567,7 @@ mod tests {
                     ("avx2", crate::kernels::q8::has_avx2()),
                     ("vnni", crate::kernels::q8::has_vnni()),
                 ] {
-                    if !available {
+                    if !available || (path == "avx2" && kind == NibbleType::Q8_0) {
                         continue;
                     }
                     let mut simd = vec![0f32; m * 12];

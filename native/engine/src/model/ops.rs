@@ -39,6 +39,11 @@ impl Linear {
         let dtype = t.dtype();
         let own = t.device().is_cpu() && own_kernels_enabled();
         let kernel = match dtype {
+            // the interleaved kernel runs Q8_0 only with VNNI (maddubs would saturate)
+            GgmlDType::Q8_0 if own && crate::kernels::has_vnni() => {
+                NibbleMatrix::from_bytes(NibbleType::Q8_0, &t.data()?, n_out, n_in)
+                    .map(Kernel::Nibble)
+            }
             GgmlDType::Q8_0 if own => {
                 Q8Matrix::from_q8_0_bytes(&t.data()?, n_out, n_in).map(Kernel::Q8)
             }
