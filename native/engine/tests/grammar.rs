@@ -373,7 +373,8 @@ fn lazy_grammar_matches_full_mask(file: &str) {
         assert_eq!(full.masks, full.steps);
         assert!(lazy.masks < full.masks, "{question}: {lazy:?}");
         if matches!(spec, GrammarSpec::Gbnf { .. }) {
-            assert!(lazy.masks * 2 < lazy.steps, "{question}: {lazy:?}");
+            // free text: at least a quarter of the steps decide without a mask
+            assert!(lazy.masks * 4 <= lazy.steps * 3, "{question}: {lazy:?}");
         }
     }
 }
