@@ -387,7 +387,24 @@ impl GgufFile {
         let info = self.tensor_info(name)?;
         let data = self.tensor_bytes(info);
         let storage = QStorage::from_data(Cow::Borrowed(data), device, info.dtype)?;
+        self.release(info);
         Ok(QTensor::new(storage, info.shape.as_slice())?)
+    }
+
+    /// Drops the mapped pages of a tensor that has been copied, so that the file's pages and
+    /// the loaded weights are not resident at the same time (peak memory while loading).
+    fn release(&self, info: &TensorInfo) {
+        #[cfg(unix)]
+        // SAFETY: the mapping is read-only and backed by the file, so MADV_DONTNEED only
+        // drops pages from this process; a later read faults them back in from the file.
+        // No slice into the range is held (the tensor's bytes were copied above).
+        unsafe {
+            let _ = self.mmap.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                info.offset,
+                info.n_bytes,
+            );
+        }
     }
 
     /// Loads a tensor dequantized to f32 as a flat vector.
