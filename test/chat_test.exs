@@ -56,7 +56,7 @@ defmodule LlamaCppEx.ChatTest do
   end
 
   test "chat and chat_completion on a model", %{model: model} do
-    msgs = [%{role: "user", content: "What is the capital of France?"}]
+    msgs = [%{role: "user", content: "Name the capital of France."}]
     assert {:ok, text} = LlamaCppEx.chat(model, msgs, max_tokens: 16, temp: 0.0)
     assert text =~ "Paris"
 
@@ -110,7 +110,7 @@ defmodule LlamaCppEx.ChatTest do
         temp: 0.0
       )
 
-    msgs = [%{role: "user", content: "What is the capital of France?"}]
+    msgs = [%{role: "user", content: "Name the capital of France."}]
 
     {:ok, local} =
       LlamaCppEx.chat_completion(TestModels.smollm2(), msgs, max_tokens: 16, temp: 0.0)

@@ -115,7 +115,7 @@ defmodule LlamaCppEx.ServerTest do
 
     chat =
       "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face" <>
-        "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_end|>\n<|im_start|>user\nName the capital of France.<|im_end|>\n<|im_start|>assistant\n"
 
     {:ok, chat_ids} = Tokenizer.encode(model, chat)
 

@@ -52,7 +52,7 @@ defmodule LlamaCppEx.StopTest do
   end
 
   test "chat completions report finish_reason stop", %{model: model} do
-    msgs = [%{role: "user", content: "What is the capital of France?"}]
+    msgs = [%{role: "user", content: "Name the capital of France."}]
     {:ok, c} = LlamaCppEx.chat_completion(model, msgs, max_tokens: 30, temp: 0.0, stop: ["Paris"])
     assert [%{finish_reason: "stop", message: %{content: content}}] = c.choices
     refute content =~ "Paris"

@@ -546,6 +546,27 @@ mod tests {
     }
 
     #[test]
+    fn the_interleaved_layout_keeps_every_value() {
+        let mut seed = 5;
+        for kind in TYPES {
+            let (bytes, dense) = random_blocks(kind, 13, 96, &mut seed);
+            let w = NibbleMatrix::from_bytes(kind, &bytes, 13, 96).unwrap();
+            for o in 0..13 {
+                for b in 0..3 {
+                    let (d, m, vals) = w.row_block(o, b);
+                    for (i, &v) in vals.iter().enumerate() {
+                        let want = dense[o * 96 + b * 32 + i];
+                        assert!(
+                            (v as f32 * d + m - want).abs() < 1e-6,
+                            "{kind:?} {o} {b} {i}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn scalar_and_simd_paths_agree_and_stack() {
         let mut seed = 11;
         for kind in TYPES {
