@@ -436,7 +436,10 @@ impl Sampler {
         }
         cand[..window].sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
         let t0 = std::time::Instant::now();
-        let grammar = self.grammar.as_mut()?;
+        let Some(grammar) = self.grammar.as_mut() else {
+            self.candidates = cand;
+            return None;
+        };
         let (mut kept, mut rejected, mut complete) = (0, 0, true);
         for i in 0..window {
             let c = cand[i];

@@ -85,7 +85,7 @@ fn interleaved_q8_0_kernel_on_real_weights() {
 #[test]
 fn q4_1_kernel_on_real_weights() {
     check_real_rows(SMOLLM2, "blk.3.ffn_gate.weight", 100, 203, |b, n, k| {
-        let w = NibbleMatrix::from_q4_1_bytes(b, n, k).unwrap();
+        let w = NibbleMatrix::from_bytes(NibbleType::Q4_1, b, n, k).unwrap();
         Box::new(move |x, m, out| w.matmul(x, m, out))
     });
 }

@@ -51,6 +51,37 @@ pub(crate) struct SharedMut(pub *mut f32);
 unsafe impl Sync for SharedMut {}
 unsafe impl Send for SharedMut {}
 
+/// Checks `matmul` against the f32 product with `dense` (`[n_out, n_in]` dequantized
+/// weights) for every batch size kernels are required to handle; `bound(row)` is the allowed
+/// error for one output of weight row `row`.
+#[cfg(test)]
+pub(crate) fn check_against_reference(
+    label: &str,
+    dense: &[f32],
+    n_out: usize,
+    n_in: usize,
+    seed: &mut u64,
+    matmul: impl Fn(&[f32], usize, &mut [f32]),
+    bound: impl Fn(&[f32]) -> f32,
+) {
+    for &m in &[1usize, 2, 3, 7, 8, 16, 33, 512] {
+        let x: Vec<f32> = (0..m * n_in).map(|_| lcg(seed)).collect();
+        let mut out = vec![0f32; m * n_out];
+        matmul(&x, m, &mut out);
+        for r in 0..m {
+            for o in 0..n_out {
+                let row = &dense[o * n_in..(o + 1) * n_in];
+                let exact: f32 = (0..n_in).map(|i| row[i] * x[r * n_in + i]).sum();
+                let got = out[r * n_out + o];
+                assert!(
+                    (got - exact).abs() <= bound(row),
+                    "{label} m={m} ({n_out}x{n_in}) r={r} o={o}: {got} vs {exact}"
+                );
+            }
+        }
+    }
+}
+
 /// Deterministic pseudo-random values in [-1, 1) for kernel tests.
 #[cfg(test)]
 pub(crate) fn lcg(seed: &mut u64) -> f32 {

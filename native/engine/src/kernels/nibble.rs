@@ -130,11 +130,6 @@ impl NibbleMatrix {
         }))
     }
 
-    /// From GGUF/ggml Q4_1 bytes (20-byte blocks: f16 d, f16 m, 16 packed bytes).
-    pub fn from_q4_1_bytes(bytes: &[u8], n_out: usize, n_in: usize) -> Option<Self> {
-        Self::from_bytes(NibbleType::Q4_1, bytes, n_out, n_in)
-    }
-
     fn build(
         kind: NibbleType,
         n_out: usize,
@@ -265,10 +260,10 @@ impl NibbleMatrix {
             // matrices and the activations (checked by the asserts in `matmul`), and row
             // group `g` writes only its own output columns.
             if super::q8::has_vnni() {
-                return unsafe { self.group_vnni(a, g, out) };
+                return unsafe { group_kernel_vnni(self, a, g, out) };
             }
             if super::q8::has_avx2() && self.kind != NibbleType::Q8_0 {
-                return unsafe { self.group_avx2(a, g, out) };
+                return unsafe { group_kernel_avx2(self, a, g, out) };
             }
         }
         self.group_scalar(a, g, out);
@@ -446,18 +441,6 @@ group_kernel!(
     block_dot_vnni
 );
 
-impl NibbleMatrix {
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_avx2(&self, a: &Q8Activations, g: usize, out: &SharedMut) {
-        group_kernel_avx2(self, a, g, out)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn group_vnni(&self, a: &Q8Activations, g: usize, out: &SharedMut) {
-        group_kernel_vnni(self, a, g, out)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -522,25 +505,16 @@ mod tests {
             for &(n_out, n_in) in &[(7usize, 64usize), (33, 576), (130, 640), (1, 32)] {
                 let (bytes, dense) = random_blocks(kind, n_out, n_in, &mut seed);
                 let w = NibbleMatrix::from_bytes(kind, &bytes, n_out, n_in).unwrap();
-                for &m in &[1usize, 2, 3, 7, 8, 16, 33, 512] {
-                    let x: Vec<f32> = (0..m * n_in).map(|_| lcg(&mut seed)).collect();
-                    let mut out = vec![0f32; m * n_out];
-                    w.matmul(&x, m, &mut out);
-                    for r in 0..m {
-                        for o in 0..n_out {
-                            let row = &dense[o * n_in..(o + 1) * n_in];
-                            let exact: f32 = (0..n_in).map(|i| row[i] * x[r * n_in + i]).sum();
-                            // activation quantization: half a step (1/127) per |w| term
-                            let norm: f32 = row.iter().map(|v| v.abs()).sum();
-                            let bound = norm * 0.5 / 127.0 + 1e-3;
-                            let got = out[r * n_out + o];
-                            assert!(
-                                (got - exact).abs() <= bound,
-                                "{kind:?} m={m} ({n_out}x{n_in}) r={r} o={o}: {got} vs {exact}"
-                            );
-                        }
-                    }
-                }
+                // activation quantization: half a step (1/127) per |w| term
+                crate::kernels::check_against_reference(
+                    &format!("{kind:?}"),
+                    &dense,
+                    n_out,
+                    n_in,
+                    &mut seed,
+                    |x, m, out| w.matmul(x, m, out),
+                    |row| row.iter().map(|v| v.abs()).sum::<f32>() * 0.5 / 127.0 + 1e-3,
+                );
             }
         }
     }
@@ -597,9 +571,9 @@ mod tests {
                         // SAFETY: the feature was detected above.
                         unsafe {
                             if path == "avx2" {
-                                w12.group_avx2(&a, g, &p)
+                                group_kernel_avx2(&w12, &a, g, &p)
                             } else {
-                                w12.group_vnni(&a, g, &p)
+                                group_kernel_vnni(&w12, &a, g, &p)
                             }
                         }
                     }

@@ -241,25 +241,17 @@ mod tests {
         for &(n_out, n_in) in &[(7usize, 64usize), (33, 576), (130, 640), (1, 32)] {
             let (bytes, dense) = random_q8(n_out, n_in, &mut seed);
             let w = Q8Matrix::from_q8_0_bytes(&bytes, n_out, n_in).unwrap();
-            for &m in &[1usize, 2, 3, 7, 8, 16, 33, 512] {
-                let x: Vec<f32> = (0..m * n_in).map(|_| lcg(&mut seed)).collect();
-                let mut out = vec![0f32; m * n_out];
-                w.matmul(&x, m, &mut out);
-                for r in 0..m {
-                    for o in 0..n_out {
-                        let exact: f32 = (0..n_in)
-                            .map(|i| dense[o * n_in + i] * x[r * n_in + i])
-                            .sum();
-                        // activation quantization error: |x| ≤ 1 → step 1/127 per element
-                        let bound = 0.02 * (n_in as f32).sqrt() + 1e-3;
-                        let got = out[r * n_out + o];
-                        assert!(
-                            (got - exact).abs() <= bound,
-                            "m={m} ({n_out}x{n_in}) r={r} o={o}: {got} vs {exact}"
-                        );
-                    }
-                }
-            }
+            // activation quantization error: |x| ≤ 1 → step 1/127 per element
+            let bound = 0.02 * (n_in as f32).sqrt() + 1e-3;
+            crate::kernels::check_against_reference(
+                "Q8_0",
+                &dense,
+                n_out,
+                n_in,
+                &mut seed,
+                |x, m, out| w.matmul(x, m, out),
+                |_| bound,
+            );
         }
     }
 
