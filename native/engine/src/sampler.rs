@@ -550,11 +550,7 @@ impl Sampler {
         cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
         if p.typical_p < 1.0 && cand.len() > 1 {
             let probs = softmax(cand, 1.0);
-            let entropy: f64 = -probs
-                .iter()
-                .filter(|&&x| x > 0.0)
-                .map(|x| x * x.ln())
-                .sum::<f64>();
+            let entropy = entropy(&probs);
             let mut order: Vec<(usize, f64)> = probs
                 .iter()
                 .enumerate()
@@ -617,11 +613,7 @@ impl Sampler {
         let min_t = (p.temp - p.dynatemp_range).max(0.0);
         let max_t = p.temp + p.dynatemp_range;
         let probs = softmax(cand, 1.0);
-        let entropy: f64 = -probs
-            .iter()
-            .filter(|&&x| x > 0.0)
-            .map(|x| x * x.ln())
-            .sum::<f64>();
+        let entropy = entropy(&probs);
         let max_entropy = (cand.len() as f64).ln();
         let normalized = (entropy / max_entropy).clamp(0.0, 1.0);
         let t = min_t as f64 + (max_t - min_t) as f64 * normalized.powf(p.dynatemp_exponent as f64);
@@ -796,6 +788,15 @@ fn argmax(cand: &[(TokenId, f32)]) -> TokenId {
 }
 
 /// Softmax of candidate logits divided by `temp`, in f64 for a stable cumulative sum.
+/// Shannon entropy (nats) of a probability vector.
+fn entropy(probs: &[f64]) -> f64 {
+    -probs
+        .iter()
+        .filter(|&&x| x > 0.0)
+        .map(|x| x * x.ln())
+        .sum::<f64>()
+}
+
 fn softmax(cand: &[(TokenId, f32)], temp: f32) -> Vec<f64> {
     let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max) as f64;
     let t = temp as f64;
