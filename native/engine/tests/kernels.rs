@@ -4,6 +4,7 @@ mod common;
 use candle_core::Device;
 use common::*;
 use llama_cpp_ex_engine::gguf::GgufFile;
+use llama_cpp_ex_engine::kernels::kquant::KQuant;
 use llama_cpp_ex_engine::kernels::nibble::{NibbleMatrix, NibbleType};
 use llama_cpp_ex_engine::kernels::q8::Q8Matrix;
 
@@ -108,4 +109,22 @@ fn q5_0_kernel_on_real_weights() {
         let w = NibbleMatrix::from_bytes(NibbleType::Q5_0, b, n, k).unwrap();
         Box::new(move |x, m, out| w.matmul(x, m, out))
     });
+}
+
+#[test]
+fn k_quant_kernels_on_real_weights() {
+    // Gemma 3 Q4_K_M keeps attn_output in Q4_K and splits ffn_down between Q6_K and Q4_K
+    for (name, kind, dtype) in [
+        ("blk.0.attn_output.weight", KQuant::Q4K, "Q4K"),
+        ("blk.0.ffn_down.weight", KQuant::Q6K, "Q6K"),
+        ("blk.2.ffn_down.weight", KQuant::Q4K, "Q4K"),
+    ] {
+        let gguf = GgufFile::open(&model_path(GEMMA3)).unwrap();
+        let info = gguf.tensor_info(name).unwrap();
+        assert_eq!(format!("{:?}", info.dtype), dtype, "{name}");
+        check_real_rows(GEMMA3, name, 5, 101, move |b, n, k| {
+            let w = NibbleMatrix::from_k_quant(kind, b, n, k).unwrap();
+            Box::new(move |x, m, out| w.matmul(x, m, out))
+        });
+    }
 }

@@ -4,8 +4,12 @@
 //! our shapes, so a batch of B rows costs B single-row products. These kernels quantize the
 //! activations once per matmul and keep a tile of weight rows in L1 while every activation
 //! row streams past it, so the weights are read from memory once per matmul instead of once
-//! per row. Paths are chosen at run time (AVX2+FMA, else portable scalar).
+//! per row. Paths are chosen at run time (AVX512-VNNI, AVX2+FMA, else portable scalar).
+//! K-quants are re-expressed exactly in the interleaved layout (`kquant`), and `attn` holds
+//! the f32 micro-kernels of paged attention.
 
+pub mod attn;
+pub mod kquant;
 pub mod nibble;
 pub mod q8;
 

@@ -25,6 +25,9 @@ pub enum NibbleType {
     /// Signed 8-bit values, stored here as `q + 128` with offset `-128d` so every type runs
     /// through the same unsigned products (needs AVX512-VNNI: `maddubs` would saturate).
     Q8_0,
+    /// Q6_K's 6-bit values (0..=63), one byte each; every 32-value block has two halves of 16
+    /// with their own scale `d` and offset `-32d` (see [`super::kquant`]).
+    Q6K,
 }
 
 impl NibbleType {
@@ -36,8 +39,22 @@ impl NibbleType {
         matches!(self, NibbleType::Q5_0 | NibbleType::Q5_1)
     }
 
+    /// Values stored one per byte rather than packed in nibbles.
+    fn byte_values(self) -> bool {
+        matches!(self, NibbleType::Q8_0 | NibbleType::Q6K)
+    }
+
+    /// Scales (and offsets) per block: 2 when each half of 16 values has its own.
+    pub(crate) fn halves(self) -> usize {
+        if self == NibbleType::Q6K {
+            2
+        } else {
+            1
+        }
+    }
+
     fn block_bytes(self) -> usize {
-        if self == NibbleType::Q8_0 {
+        if self.byte_values() {
             return 2 + QK8_0;
         }
         2 + if self.has_min() { 2 } else { 0 } + if self.has_high_bits() { 4 } else { 0 } + PACKED
@@ -45,7 +62,7 @@ impl NibbleType {
 
     /// Bytes of one block of a row group in the interleaved layout.
     fn group_block_bytes(self) -> usize {
-        if self == NibbleType::Q8_0 {
+        if self.byte_values() {
             GROUP * QK8_0
         } else {
             GROUP * PACKED
@@ -58,6 +75,7 @@ impl NibbleType {
             NibbleType::Q4_0 => -8.0,
             NibbleType::Q5_0 => -16.0,
             NibbleType::Q8_0 => -128.0,
+            NibbleType::Q6K => -32.0,
             _ => 0.0,
         }
     }
@@ -89,14 +107,41 @@ pub struct NibbleMatrix {
     qh: Vec<u32>,
 }
 
-/// One block of one row: scale, offset and the 32 unsigned values.
-type RowBlock = (f32, f32, [u8; QK4_1]);
+/// One block of one row: scale and offset (per half of 16 values for split types; both
+/// entries equal otherwise) and the 32 unsigned values.
+#[derive(Clone, Copy)]
+pub(crate) struct RowBlock {
+    pub d: [f32; 2],
+    pub m: [f32; 2],
+    pub vals: [u8; QK4_1],
+}
+
+impl RowBlock {
+    pub(crate) fn new(d: f32, m: f32, vals: [u8; QK4_1]) -> Self {
+        RowBlock {
+            d: [d; 2],
+            m: [m; 2],
+            vals,
+        }
+    }
+
+    /// The weight value `i` stands for.
+    #[cfg(test)]
+    pub(crate) fn value(&self, i: usize) -> f32 {
+        let h = i / (QK4_1 / 2);
+        self.vals[i] as f32 * self.d[h] + self.m[h]
+    }
+}
 
 impl NibbleMatrix {
     /// From GGUF/ggml block bytes of `kind`.
     pub fn from_bytes(kind: NibbleType, bytes: &[u8], n_out: usize, n_in: usize) -> Option<Self> {
         let bb = kind.block_bytes();
-        if n_out == 0 || !n_in.is_multiple_of(QK4_1) || bytes.len() != n_out * n_in / QK4_1 * bb {
+        if kind == NibbleType::Q6K
+            || n_out == 0
+            || !n_in.is_multiple_of(QK4_1)
+            || bytes.len() != n_out * n_in / QK4_1 * bb
+        {
             return None;
         }
         let nb = n_in / QK4_1;
@@ -120,17 +165,17 @@ impl NibbleMatrix {
                 for (v, &q) in vals.iter_mut().zip(&block[2..2 + QK8_0]) {
                     *v = (q as i8 as i16 + 128) as u8;
                 }
-                return (d, m, vals);
+                return RowBlock::new(d, m, vals);
             }
             for (i, &byte) in block[at..at + PACKED].iter().enumerate() {
                 vals[i] = (byte & 0x0F) | (((high >> i) & 1) << 4) as u8;
                 vals[i + PACKED] = (byte >> 4) | (((high >> (i + PACKED)) & 1) << 4) as u8;
             }
-            (d, m, vals)
+            RowBlock::new(d, m, vals)
         }))
     }
 
-    fn build(
+    pub(crate) fn build(
         kind: NibbleType,
         n_out: usize,
         n_in: usize,
@@ -138,37 +183,40 @@ impl NibbleMatrix {
     ) -> Self {
         let nb = n_in / QK4_1;
         let blocks = n_out.div_ceil(GROUP) * nb;
-        let mut d = Vec::with_capacity(blocks * GROUP);
-        let mut m = Vec::with_capacity(blocks * GROUP);
+        let halves = kind.halves();
+        let mut d = Vec::with_capacity(blocks * GROUP * halves);
+        let mut m = Vec::with_capacity(blocks * GROUP * halves);
         let mut qs = Vec::with_capacity(blocks * kind.group_block_bytes());
         let mut qh = Vec::with_capacity(if kind.has_high_bits() {
             blocks * GROUP
         } else {
             0
         });
-        let mut rows = [(0f32, 0f32, [0u8; QK4_1]); GROUP];
+        let mut rows = [RowBlock::new(0.0, 0.0, [0; QK4_1]); GROUP];
         for g in 0..n_out.div_ceil(GROUP) {
             for b in 0..nb {
                 for (j, row) in rows.iter_mut().enumerate() {
                     let o = g * GROUP + j;
-                    *row = if o < n_out {
-                        row_block(o, b)
+                    if o < n_out {
+                        *row = row_block(o, b);
                     } else {
-                        (0.0, 0.0, [0; QK4_1])
-                    };
-                    d.push(row.0);
-                    m.push(row.1);
+                        *row = RowBlock::new(0.0, 0.0, [0; QK4_1]);
+                    }
                 }
-                if kind == NibbleType::Q8_0 {
+                for h in 0..halves {
+                    d.extend(rows.iter().map(|r| r.d[h]));
+                    m.extend(rows.iter().map(|r| r.m[h]));
+                }
+                if kind.byte_values() {
                     for q in 0..QK8_0 / 4 {
-                        for (_, _, vals) in &rows {
+                        for RowBlock { vals, .. } in &rows {
                             qs.extend_from_slice(&vals[4 * q..4 * q + 4]);
                         }
                     }
                     continue;
                 }
                 for c in 0..4 {
-                    for (_, _, vals) in &rows {
+                    for RowBlock { vals, .. } in &rows {
                         for t in 0..4 {
                             qs.push(
                                 (vals[4 * c + t] & 0x0F) | (vals[PACKED + 4 * c + t] & 0x0F) << 4,
@@ -177,7 +225,7 @@ impl NibbleMatrix {
                     }
                 }
                 if kind.has_high_bits() {
-                    for (_, _, vals) in &rows {
+                    for RowBlock { vals, .. } in &rows {
                         let mut w = 0u32;
                         for (i, &v) in vals.iter().enumerate() {
                             let (q, t) = (i / 4, i % 4);
@@ -202,7 +250,7 @@ impl NibbleMatrix {
     }
 
     /// Block `b` of row `o` read back from the interleaved layout.
-    fn row_block(&self, o: usize, b: usize) -> RowBlock {
+    pub(crate) fn row_block(&self, o: usize, b: usize) -> RowBlock {
         let (g, j) = (o / GROUP, o % GROUP);
         let gb = g * self.nb + b;
         let gbb = self.kind.group_block_bytes();
@@ -211,7 +259,7 @@ impl NibbleMatrix {
         let mut vals = [0u8; QK4_1];
         for (i, v) in vals.iter_mut().enumerate() {
             let (q, t) = (i / 4, i % 4);
-            if self.kind == NibbleType::Q8_0 {
+            if self.kind.byte_values() {
                 *v = chunk[q * 32 + j * 4 + t];
                 continue;
             }
@@ -222,7 +270,14 @@ impl NibbleMatrix {
                 *v |= (((w >> pos) & 1) << 4) as u8;
             }
         }
-        (self.d[gb * GROUP + j], self.m[gb * GROUP + j], vals)
+        let halves = self.kind.halves();
+        let at = |h: usize| (gb * halves + h) * GROUP + j;
+        let last = halves - 1;
+        RowBlock {
+            d: [self.d[at(0)], self.d[at(last)]],
+            m: [self.m[at(0)], self.m[at(last)]],
+            vals,
+        }
     }
 
     /// Stacks matrices with the same input width so one product computes all of them.
@@ -275,10 +330,23 @@ impl NibbleMatrix {
             let blocks: Vec<RowBlock> = (0..nb).map(|b| self.row_block(o, b)).collect();
             for r in 0..a.m {
                 let mut sum = 0f32;
-                for (b, (d, m, vals)) in blocks.iter().enumerate() {
+                for (b, blk) in blocks.iter().enumerate() {
                     let x = &a.quants[r * k + b * QK4_1..][..QK4_1];
-                    let dot: i32 = vals.iter().zip(x).map(|(&v, &q)| v as i32 * q as i32).sum();
-                    sum += dot as f32 * d * a.scales[r * nb + b] + m * a.sums[r * nb + b];
+                    let dot = |range: std::ops::Range<usize>| -> f32 {
+                        range.map(|i| blk.vals[i] as i32 * x[i] as i32).sum::<i32>() as f32
+                    };
+                    let dx = a.scales[r * nb + b];
+                    if self.kind.halves() == 2 {
+                        let half = QK4_1 / 2;
+                        let (lo, hi) = (
+                            a.half_sums[2 * (r * nb + b)],
+                            a.half_sums[2 * (r * nb + b) + 1],
+                        );
+                        sum += dot(0..half) * blk.d[0] * dx + dot(half..QK4_1) * blk.d[1] * dx;
+                        sum += blk.m[0] * lo + blk.m[1] * hi;
+                    } else {
+                        sum += dot(0..QK4_1) * blk.d[0] * dx + blk.m[0] * a.sums[r * nb + b];
+                    }
                 }
                 // SAFETY: (r, o) is in bounds and written by this row group only.
                 unsafe { *out.0.add(r * self.n_out + o) = sum };
@@ -361,21 +429,60 @@ unsafe fn block_dot_vnni(
     _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]))
 }
 
+/// Per lane (row), the dot products of values 0..16 and 16..32 with one activation block
+/// (types whose halves have their own scale; values at most 63, so a sum of two `maddubs`
+/// pairs stays below 2¹⁵).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn half_dots_avx2(
+    v: &[std::arch::x86_64::__m256i; 8],
+    x: *const i32,
+) -> [std::arch::x86_64::__m256i; 2] {
+    use std::arch::x86_64::*;
+    let p = |q: usize| _mm256_maddubs_epi16(v[q], _mm256_set1_epi32(*x.add(q)));
+    let ones = _mm256_set1_epi16(1);
+    let half = |q: usize| {
+        let a = _mm256_madd_epi16(_mm256_add_epi16(p(q), p(q + 1)), ones);
+        let b = _mm256_madd_epi16(_mm256_add_epi16(p(q + 2), p(q + 3)), ones);
+        _mm256_add_epi32(a, b)
+    };
+    [half(0), half(4)]
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+#[inline]
+unsafe fn half_dots_vnni(
+    v: &[std::arch::x86_64::__m256i; 8],
+    x: *const i32,
+) -> [std::arch::x86_64::__m256i; 2] {
+    use std::arch::x86_64::*;
+    let mut s = [_mm256_setzero_si256(); 4];
+    for (q, vq) in v.iter().enumerate() {
+        // chains 0, 1 sum the first half; 2, 3 the second
+        let c = (q / 4) * 2 + q % 2;
+        s[c] = _mm256_dpbusd_epi32(s[c], *vq, _mm256_set1_epi32(*x.add(q)));
+    }
+    [_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3])]
+}
+
 /// One row group times every activation row: values unpacked once per block and chunk of
 /// [`ROW_CHUNK`] rows, or once per matmul into an L1-sized buffer when there are more rows.
 macro_rules! group_kernel {
-    ($name:ident, $features:literal, $dot:ident) => {
+    ($name:ident, $features:literal, $dot:ident, $half_dots:ident) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         unsafe fn $name(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &SharedMut) {
             use std::arch::x86_64::*;
             let (k, nb) = (w.n_in, w.nb);
             let gbb = w.kind.group_block_bytes();
-            let bytes8 = w.kind == NibbleType::Q8_0;
+            let bytes8 = w.kind.byte_values();
+            let halves = w.kind.halves();
             let q_ptr = w.qs.as_ptr().add(g * nb * gbb);
             let h_ptr = (!w.qh.is_empty()).then(|| w.qh.as_ptr().add(g * nb * GROUP));
-            let d_ptr = w.d.as_ptr().add(g * nb * GROUP);
-            let m_ptr = w.m.as_ptr().add(g * nb * GROUP);
+            let d_ptr = w.d.as_ptr().add(g * nb * GROUP * halves);
+            let m_ptr = w.m.as_ptr().add(g * nb * GROUP * halves);
             // a macro, not a closure: closures do not inherit the target features, so the
             // unpacking would not be inlined
             macro_rules! unpack {
@@ -407,8 +514,25 @@ macro_rules! group_kernel {
                             &unpacked
                         }
                     };
-                    let dv = _mm256_loadu_ps(d_ptr.add(b * GROUP));
-                    let mv = _mm256_loadu_ps(m_ptr.add(b * GROUP));
+                    let dv = _mm256_loadu_ps(d_ptr.add(b * GROUP * halves));
+                    let mv = _mm256_loadu_ps(m_ptr.add(b * GROUP * halves));
+                    if halves == 2 {
+                        let dv1 = _mm256_loadu_ps(d_ptr.add(b * GROUP * 2 + GROUP));
+                        let mv1 = _mm256_loadu_ps(m_ptr.add(b * GROUP * 2 + GROUP));
+                        for (i, acc) in acc.iter_mut().enumerate().take(rows) {
+                            let r = r0 + i;
+                            let x = a.quants.as_ptr().add(r * k + b * QK4_1) as *const i32;
+                            let [lo, hi] = $half_dots(v, x);
+                            let dx = _mm256_set1_ps(*a.scales.get_unchecked(r * nb + b));
+                            let sums = a.half_sums.as_ptr().add(2 * (r * nb + b));
+                            let dot_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), dv);
+                            let dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), dv1, dot_lo);
+                            *acc = _mm256_fmadd_ps(dot, dx, *acc);
+                            *acc = _mm256_fmadd_ps(mv, _mm256_set1_ps(*sums), *acc);
+                            *acc = _mm256_fmadd_ps(mv1, _mm256_set1_ps(*sums.add(1)), *acc);
+                        }
+                        continue;
+                    }
                     for (i, acc) in acc.iter_mut().enumerate().take(rows) {
                         let r = r0 + i;
                         let x = a.quants.as_ptr().add(r * k + b * QK4_1) as *const i32;
@@ -434,15 +558,21 @@ macro_rules! group_kernel {
     };
 }
 
-group_kernel!(group_kernel_avx2, "avx2,fma", block_dot_avx2);
+group_kernel!(
+    group_kernel_avx2,
+    "avx2,fma",
+    block_dot_avx2,
+    half_dots_avx2
+);
 group_kernel!(
     group_kernel_vnni,
     "avx2,fma,avx512vnni,avx512vl",
-    block_dot_vnni
+    block_dot_vnni,
+    half_dots_vnni
 );
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     const TYPES: [NibbleType; 5] = [
@@ -527,14 +657,54 @@ mod tests {
             let w = NibbleMatrix::from_bytes(kind, &bytes, 13, 96).unwrap();
             for o in 0..13 {
                 for b in 0..3 {
-                    let (d, m, vals) = w.row_block(o, b);
-                    for (i, &v) in vals.iter().enumerate() {
+                    let blk = w.row_block(o, b);
+                    for i in 0..QK4_1 {
                         let want = dense[o * 96 + b * 32 + i];
-                        assert!(
-                            (v as f32 * d + m - want).abs() < 1e-6,
-                            "{kind:?} {o} {b} {i}"
-                        );
+                        assert!((blk.value(i) - want).abs() < 1e-6, "{kind:?} {o} {b} {i}");
                     }
+                }
+            }
+        }
+    }
+
+    /// The scalar, AVX2 and VNNI paths give the same products (within float rounding).
+    pub(crate) fn assert_paths_agree(w12: &NibbleMatrix, seed: &mut u64) {
+        let kind = w12.kind;
+        let (n_out, k) = (w12.n_out, w12.n_in);
+        let groups = n_out.div_ceil(GROUP);
+        for m in [1usize, 3, 5, 9] {
+            let x: Vec<f32> = (0..m * k).map(|_| lcg(seed)).collect();
+            let a = Q8Activations::quantize(&x, m, k);
+            let mut scalar = vec![0f32; m * n_out];
+            let s = SharedMut(scalar.as_mut_ptr());
+            for g in 0..groups {
+                w12.group_scalar(&a, g, &s);
+            }
+            #[cfg(target_arch = "x86_64")]
+            for (path, available) in [
+                ("avx2", crate::kernels::q8::has_avx2()),
+                ("vnni", crate::kernels::q8::has_vnni()),
+            ] {
+                if !available || (path == "avx2" && kind == NibbleType::Q8_0) {
+                    continue;
+                }
+                let mut simd = vec![0f32; m * n_out];
+                let p = SharedMut(simd.as_mut_ptr());
+                for g in 0..groups {
+                    // SAFETY: the feature was detected above.
+                    unsafe {
+                        if path == "avx2" {
+                            group_kernel_avx2(w12, &a, g, &p)
+                        } else {
+                            group_kernel_vnni(w12, &a, g, &p)
+                        }
+                    }
+                }
+                for (p, q) in simd.iter().zip(&scalar) {
+                    assert!(
+                        (p - q).abs() <= 1e-4 * q.abs().max(1.0),
+                        "{kind:?} {path} m={m}: {p} vs {q}"
+                    );
                 }
             }
         }
@@ -549,42 +719,7 @@ mod tests {
             let (b12, _) = random_blocks(kind, 12, 128, &mut seed);
             let w = NibbleMatrix::from_bytes(kind, &b1, 8, 128).unwrap();
             let w12 = NibbleMatrix::from_bytes(kind, &b12, 12, 128).unwrap();
-            for m in [1usize, 3, 5, 9] {
-                let x: Vec<f32> = (0..m * 128).map(|_| lcg(&mut seed)).collect();
-                let a = Q8Activations::quantize(&x, m, 128);
-                let mut scalar = vec![0f32; m * 12];
-                let s = SharedMut(scalar.as_mut_ptr());
-                for g in 0..2 {
-                    w12.group_scalar(&a, g, &s);
-                }
-                #[cfg(target_arch = "x86_64")]
-                for (path, available) in [
-                    ("avx2", crate::kernels::q8::has_avx2()),
-                    ("vnni", crate::kernels::q8::has_vnni()),
-                ] {
-                    if !available || (path == "avx2" && kind == NibbleType::Q8_0) {
-                        continue;
-                    }
-                    let mut simd = vec![0f32; m * 12];
-                    let p = SharedMut(simd.as_mut_ptr());
-                    for g in 0..2 {
-                        // SAFETY: the feature was detected above.
-                        unsafe {
-                            if path == "avx2" {
-                                group_kernel_avx2(&w12, &a, g, &p)
-                            } else {
-                                group_kernel_vnni(&w12, &a, g, &p)
-                            }
-                        }
-                    }
-                    for (p, q) in simd.iter().zip(&scalar) {
-                        assert!(
-                            (p - q).abs() <= 1e-4 * q.abs().max(1.0),
-                            "{kind:?} {path} m={m}: {p} vs {q}"
-                        );
-                    }
-                }
-            }
+            assert_paths_agree(&w12, &mut seed);
             let x: Vec<f32> = (0..3 * 128).map(|_| lcg(&mut seed)).collect();
             let w2 = NibbleMatrix::from_bytes(kind, &b2, 4, 128).unwrap();
             let both = NibbleMatrix::concat(&[&w, &w2]).unwrap();

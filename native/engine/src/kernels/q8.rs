@@ -27,6 +27,8 @@ pub struct Q8Activations {
     pub(crate) scales: Vec<f32>,
     /// Per block: scale × Σ quants (ggml's Q8_1 `s`), for weight types with an offset.
     pub(crate) sums: Vec<f32>,
+    /// The same per half block (values 0..16, 16..32), for types with a scale per half.
+    pub(crate) half_sums: Vec<f32>,
 }
 
 impl Q8Matrix {
@@ -184,39 +186,139 @@ pub(crate) fn has_vnni() -> bool {
 }
 
 impl Q8Activations {
-    /// ggml's `quantize_row_q8_0`: per block scale `amax / 127`, values rounded to nearest.
+    /// ggml's `quantize_row_q8_0`: per block scale `amax / 127`, values rounded to nearest
+    /// (ties to even, as ggml's AVX2 path does).
     pub fn quantize(x: &[f32], m: usize, k: usize) -> Self {
         let nb = k / QK8_0;
         let mut quants = vec![0i8; m * k];
         let mut scales = vec![0f32; m * nb];
         let mut sums = vec![0f32; m * nb];
+        let mut half_sums = vec![0f32; 2 * m * nb];
         for (bi, (xb, qb)) in x
             .chunks_exact(QK8_0)
             .zip(quants.chunks_exact_mut(QK8_0))
             .enumerate()
         {
-            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            for (q, v) in qb.iter_mut().zip(xb) {
-                *q = (v * id).round() as i8;
-            }
+            let (d, [lo, hi]) = quantize_block(xb, qb);
             // the scale as ggml stores it (f16) so results match Q8_0 x Q8_0 products
             scales[bi] = f16::from_f32(d).to_f32();
-            sums[bi] = scales[bi] * qb.iter().map(|&q| q as i32).sum::<i32>() as f32;
+            sums[bi] = scales[bi] * (lo + hi) as f32;
+            half_sums[2 * bi] = scales[bi] * lo as f32;
+            half_sums[2 * bi + 1] = scales[bi] * hi as f32;
         }
         Q8Activations {
             m,
             quants,
             scales,
             sums,
+            half_sums,
         }
     }
+}
+
+/// Quantizes one block of [`QK8_0`] values; returns the scale and the sums of the quantized
+/// halves.
+fn quantize_block(xb: &[f32], qb: &mut [i8]) -> (f32, [i32; 2]) {
+    assert!(xb.len() == QK8_0 && qb.len() == QK8_0);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 was detected; both blocks hold QK8_0 elements (asserted above).
+        return unsafe { quantize_block_avx2(xb.as_ptr(), qb.as_mut_ptr()) };
+    }
+    quantize_block_scalar(xb, qb)
+}
+
+fn quantize_block_scalar(xb: &[f32], qb: &mut [i8]) -> (f32, [i32; 2]) {
+    let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    for (q, v) in qb.iter_mut().zip(xb) {
+        *q = (v * id).round_ties_even() as i8;
+    }
+    let half = |h: usize| {
+        let n = QK8_0 / 2;
+        qb[h * n..(h + 1) * n]
+            .iter()
+            .map(|&q| q as i32)
+            .sum::<i32>()
+    };
+    (d, [half(0), half(1)])
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_block_avx2(xb: *const f32, qb: *mut i8) -> (f32, [i32; 2]) {
+    use std::arch::x86_64::*;
+    let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xb.add(8 * i)));
+    let sign = _mm256_set1_ps(-0.0);
+    let abs = |x: __m256| _mm256_andnot_ps(sign, x);
+    let mx = _mm256_max_ps(
+        _mm256_max_ps(abs(v[0]), abs(v[1])),
+        _mm256_max_ps(abs(v[2]), abs(v[3])),
+    );
+    let mut m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    let d = _mm_cvtss_f32(m4) / 127.0;
+    let id = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+    let q: [__m256i; 4] = std::array::from_fn(|i| {
+        let r = _mm256_round_ps(
+            _mm256_mul_ps(v[i], id),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        );
+        _mm256_cvtps_epi32(r)
+    });
+    let hsum = |x: __m256i| {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    };
+    let halves = [
+        hsum(_mm256_add_epi32(q[0], q[1])),
+        hsum(_mm256_add_epi32(q[2], q[3])),
+    ];
+    // packs work within 128-bit lanes; the permutation restores element order
+    let w = _mm256_packs_epi16(
+        _mm256_packs_epi32(q[0], q[1]),
+        _mm256_packs_epi32(q[2], q[3]),
+    );
+    let w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(qb as *mut __m256i, w);
+    (d, halves)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn simd_quantization_matches_scalar() {
+        let mut seed = 3u64;
+        for case in 0..200 {
+            let mut x: Vec<f32> = (0..QK8_0).map(|_| lcg(&mut seed) * 4.0).collect();
+            if case % 3 == 0 {
+                // exact halves: ties round to even on both paths
+                let amax = 127.0 / 4.0;
+                x[0] = amax;
+                for (i, v) in x.iter_mut().enumerate().skip(1) {
+                    *v = (i as f32 - 16.0) + 0.5;
+                }
+            }
+            if case == 1 {
+                x.fill(0.0);
+            }
+            let (mut a, mut b) = ([0i8; QK8_0], [0i8; QK8_0]);
+            let scalar = quantize_block_scalar(&x, &mut a);
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2() {
+                // SAFETY: AVX2 detected; both blocks hold QK8_0 elements.
+                let simd = unsafe { quantize_block_avx2(x.as_ptr(), b.as_mut_ptr()) };
+                assert_eq!(scalar, simd, "case {case}");
+                assert_eq!(a, b, "case {case}");
+            }
+        }
+    }
 
     use crate::kernels::lcg;
 

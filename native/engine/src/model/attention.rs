@@ -2,16 +2,22 @@
 //!
 //! Work is split into tasks of (query tile, KV head): a tile is a run of up to
 //! `QUERY_TILE` consecutive tokens of one sequence, so during prefill every K/V block is read
-//! (and converted from f16) once per tile instead of once per token. Each query keeps an
-//! online-softmax state over the blocks it can see: positions `[lo, pos]` of its sequence,
-//! where `lo` comes from the layer's sliding window. Tasks run on candle's worker pool.
+//! (and converted from f16) once per tile instead of once per token. Blocks are taken
+//! `CHUNK_BLOCKS` at a time: the tile's heads × the chunk's slots form small matrix products
+//! (`kernels::attn`), and each query row keeps an online-softmax state over the slots it can
+//! see: positions `[lo, pos]` of its sequence, where `lo` comes from the layer's sliding
+//! window. Tasks run on candle's worker pool.
 
-use super::ops::Rope;
+use super::ops::{fast_exp, Rope};
 use crate::batch::Batch;
+use crate::kernels::attn;
 use crate::kv::{KvCache, KV_BLOCK_SIZE};
 
-/// Query tokens of one sequence that share each K/V block read.
+/// Query tokens of one sequence that share each K/V chunk read.
 const QUERY_TILE: usize = 32;
+/// KV blocks converted to f32 and scored together: one softmax rescale per chunk.
+const CHUNK_BLOCKS: usize = 4;
+const CHUNK: usize = CHUNK_BLOCKS * KV_BLOCK_SIZE;
 
 pub struct AttnParams {
     pub n_head: usize,
@@ -106,25 +112,37 @@ pub fn paged_attention(
 }
 
 struct Scratch {
+    /// Scaled queries of the tile, `[rows, hd]`.
+    q: Vec<f32>,
+    /// One chunk of keys and values in f32, `[CHUNK, hd]`.
     k: Vec<f32>,
     v: Vec<f32>,
-    scores: Vec<f32>,
+    /// Scores, then probabilities, `[rows, CHUNK]`.
+    s: Vec<f32>,
+    /// Unnormalised outputs, `[rows, hd]`.
+    o: Vec<f32>,
     m: Vec<f32>,
     l: Vec<f32>,
 }
 
 impl Scratch {
     fn new(head_dim: usize, ratio: usize) -> Self {
+        let rows = (QUERY_TILE * ratio).next_multiple_of(attn::ROW_BLOCK);
         Scratch {
-            k: vec![0.0; KV_BLOCK_SIZE * head_dim],
-            v: vec![0.0; KV_BLOCK_SIZE * head_dim],
-            scores: vec![0.0; KV_BLOCK_SIZE],
-            m: vec![0.0; QUERY_TILE * ratio],
-            l: vec![0.0; QUERY_TILE * ratio],
+            q: vec![0.0; rows * head_dim],
+            k: vec![0.0; CHUNK * head_dim],
+            v: vec![0.0; CHUNK * head_dim],
+            s: vec![0.0; rows * CHUNK],
+            o: vec![0.0; rows * head_dim],
+            m: vec![0.0; rows],
+            l: vec![0.0; rows],
         }
     }
 }
 
+/// Attention of one tile of queries (every head of KV head `g`) over the visible KV slots,
+/// a chunk of `CHUNK` slots at a time: scores for the whole chunk, one online-softmax update
+/// per query row, then the chunk's weighted values.
 #[allow(clippy::too_many_arguments)]
 fn attend_tile(
     kv: &KvCache,
@@ -147,96 +165,88 @@ fn attend_tile(
     let first = batch.pos[start];
     let last = batch.pos[start + len - 1];
     let blocks = kv.seq_view(layer, seq).blocks;
-    s.m[..len * ratio].fill(f32::NEG_INFINITY);
-    s.l[..len * ratio].fill(0.0);
+    let rows = len * ratio;
+    let rows_pad = rows.next_multiple_of(attn::ROW_BLOCK);
+    for t in 0..len {
+        let src = &q[(start + t) * row + g * ratio * hd..][..ratio * hd];
+        let dst = &mut s.q[t * ratio * hd..(t + 1) * ratio * hd];
+        for (d, x) in dst.iter_mut().zip(src) {
+            *d = x * p.scale;
+        }
+    }
+    s.q[rows * hd..rows_pad * hd].fill(0.0);
+    s.o[..rows_pad * hd].fill(0.0);
+    s.m[..rows_pad].fill(f32::NEG_INFINITY);
+    s.l[..rows_pad].fill(0.0);
+
+    let mut c0 = lo_of(first);
+    while c0 <= last {
+        let c1 = ((c0 / KV_BLOCK_SIZE + CHUNK_BLOCKS) * KV_BLOCK_SIZE).min(last + 1);
+        let n = c1 - c0;
+        let mut at = c0;
+        while at < c1 {
+            let bi = at / KV_BLOCK_SIZE;
+            let block_start = bi * KV_BLOCK_SIZE;
+            let end = (block_start + KV_BLOCK_SIZE).min(c1);
+            let (from, to) = ((at - c0) * hd, (end - c0) * hd);
+            let slots = at - block_start..end - block_start;
+            kv.read_head(
+                layer,
+                false,
+                blocks[bi],
+                g,
+                slots.clone(),
+                &mut s.k[from..to],
+            );
+            kv.read_head(layer, true, blocks[bi], g, slots, &mut s.v[from..to]);
+            at = end;
+        }
+        let keys = n.next_multiple_of(attn::KEY_BLOCK);
+        s.k[n * hd..keys * hd].fill(0.0);
+        s.v[n * hd..keys * hd].fill(0.0);
+        attn::scores(&s.q, rows_pad, &s.k, keys, hd, &mut s.s, CHUNK);
+        for r in 0..rows_pad {
+            let probs = &mut s.s[r * CHUNK..r * CHUNK + keys];
+            let pos = first + r / ratio;
+            // slots of this chunk visible to the row's query, relative to c0
+            let (a, z) = (lo_of(pos).max(c0), (pos + 1).min(c1));
+            if r >= rows || a >= z {
+                probs.fill(0.0);
+                continue;
+            }
+            let (a, z) = (a - c0, z - c0);
+            let m_chunk = probs[a..z].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let m_new = s.m[r].max(m_chunk);
+            let mut sum = 0.0;
+            for x in &mut probs[a..z] {
+                *x = fast_exp(*x - m_new);
+                sum += *x;
+            }
+            probs[..a].fill(0.0);
+            probs[z..].fill(0.0);
+            if s.m[r] != m_new && s.m[r] != f32::NEG_INFINITY {
+                let corr = fast_exp(s.m[r] - m_new);
+                s.l[r] *= corr;
+                for x in &mut s.o[r * hd..(r + 1) * hd] {
+                    *x *= corr;
+                }
+            }
+            s.l[r] += sum;
+            s.m[r] = m_new;
+        }
+        attn::accumulate(&s.s, CHUNK, rows_pad, &s.v, keys, hd, &mut s.o);
+        c0 = c1;
+    }
     for t in 0..len {
         let off = (start + t) * row + g * ratio * hd;
         // SAFETY: see `SharedOut`; `off + ratio * hd` is within the output (`q.len()`).
         let o = unsafe { std::slice::from_raw_parts_mut(shared.0.add(off), ratio * hd) };
-        o.fill(0.0);
-    }
-    let lo_min = lo_of(first);
-    for (bi, &b) in blocks
-        .iter()
-        .enumerate()
-        .take(last / KV_BLOCK_SIZE + 1)
-        .skip(lo_min / KV_BLOCK_SIZE)
-    {
-        let block_start = bi * KV_BLOCK_SIZE;
-        let s0 = lo_min.max(block_start) - block_start;
-        let s1 = (last + 1).min(block_start + KV_BLOCK_SIZE) - block_start;
-        let n = s1 - s0;
-        kv.read_head(layer, false, b, g, s0..s1, &mut s.k[..n * hd]);
-        kv.read_head(layer, true, b, g, s0..s1, &mut s.v[..n * hd]);
-        for t in 0..len {
-            let pos = first + t;
-            // slots of this block visible to query t, relative to s0
-            let from = lo_of(pos).max(block_start + s0);
-            let to = pos.min(block_start + s1 - 1);
-            if from > to {
-                continue;
-            }
-            let (a, z) = (from - block_start - s0, to - block_start - s0 + 1);
-            let off = (start + t) * row + g * ratio * hd;
-            // SAFETY: as above.
-            let o = unsafe { std::slice::from_raw_parts_mut(shared.0.add(off), ratio * hd) };
-            for h in 0..ratio {
-                let qh = &q[off + h * hd..off + (h + 1) * hd];
-                let mut mb = f32::NEG_INFINITY;
-                for j in a..z {
-                    let d = dot(qh, &s.k[j * hd..(j + 1) * hd]) * p.scale;
-                    s.scores[j] = d;
-                    mb = mb.max(d);
-                }
-                let st = t * ratio + h;
-                let m_new = s.m[st].max(mb);
-                let corr = (s.m[st] - m_new).exp();
-                let oh = &mut o[h * hd..(h + 1) * hd];
-                if corr != 1.0 {
-                    for x in oh.iter_mut() {
-                        *x *= corr;
-                    }
-                }
-                let mut sum = 0.0;
-                for j in a..z {
-                    let w = (s.scores[j] - m_new).exp();
-                    sum += w;
-                    for (x, vv) in oh.iter_mut().zip(&s.v[j * hd..(j + 1) * hd]) {
-                        *x += w * vv;
-                    }
-                }
-                s.l[st] = s.l[st] * corr + sum;
-                s.m[st] = m_new;
-            }
-        }
-    }
-    for t in 0..len {
-        let off = (start + t) * row + g * ratio * hd;
-        // SAFETY: as above.
-        let o = unsafe { std::slice::from_raw_parts_mut(shared.0.add(off), ratio * hd) };
         for h in 0..ratio {
-            let inv = 1.0 / s.l[t * ratio + h];
-            for x in &mut o[h * hd..(h + 1) * hd] {
-                *x *= inv;
+            let r = t * ratio + h;
+            let inv = 1.0 / s.l[r];
+            for (x, acc) in o[h * hd..(h + 1) * hd].iter_mut().zip(&s.o[r * hd..]) {
+                *x = acc * inv;
             }
         }
     }
-}
-
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent accumulators let the compiler vectorise without fast-math.
-    let mut acc = [0f32; 8];
-    let mut ca = a.chunks_exact(8);
-    let mut cb = b.chunks_exact(8);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for j in 0..8 {
-            acc[j] += x[j] * y[j];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        s += x * y;
-    }
-    s
 }

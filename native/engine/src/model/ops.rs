@@ -1,6 +1,7 @@
 //! Small row-wise operations on flat `f32` activations.
 
 use crate::error::Result;
+use crate::kernels::kquant::KQuant;
 use crate::kernels::nibble::{NibbleMatrix, NibbleType};
 use crate::kernels::q8::Q8Matrix;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
@@ -8,7 +9,8 @@ use candle_core::{Device, Module, Tensor};
 use std::sync::{Arc, OnceLock};
 
 /// A weight matrix `[out, in]` applied to row-major activations `[m, in]`: the engine's own
-/// kernels for Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights on CPU, candle's `QMatMul` otherwise (other types, CUDA).
+/// kernels for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights on CPU, candle's
+/// `QMatMul` otherwise (other types, CUDA).
 pub struct Linear {
     kernel: Kernel,
     pub n_in: usize,
@@ -55,6 +57,14 @@ impl Linear {
                     _ => NibbleType::Q5_1,
                 };
                 NibbleMatrix::from_bytes(kind, &t.data()?, n_out, n_in).map(Kernel::Nibble)
+            }
+            GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K if own => {
+                let kind = match dtype {
+                    GgmlDType::Q4K => KQuant::Q4K,
+                    GgmlDType::Q5K => KQuant::Q5K,
+                    _ => KQuant::Q6K,
+                };
+                NibbleMatrix::from_k_quant(kind, &t.data()?, n_out, n_in).map(Kernel::Nibble)
             }
             _ => None,
         };

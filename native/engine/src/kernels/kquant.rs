@@ -1,0 +1,225 @@
+//! ggml's K-quants (256-value super-blocks with 6- or 8-bit sub-block scales) re-expressed,
+//! exactly, as the 32-value blocks of [`NibbleMatrix`]:
+//!
+//! * Q4_K and Q5_K: sub-block `j` is `d·sc_j·q − dmin·m_j`, i.e. a Q4_1 / Q5_1 block with
+//!   scale `d·sc_j` and offset `−dmin·m_j` (an f16 times a 6-bit integer is exact in f32).
+//! * Q6_K: 16-value sub-blocks `d·sc·(q − 32)` with signed 8-bit `sc`; each 32-value block is
+//!   two halves with scales `d·sc` and offsets `−32·d·sc` ([`NibbleType::Q6K`]).
+//!
+//! The products then run on the interleaved kernels, whose per-row arithmetic does not depend
+//! on how many activation rows share the call (batch-invariant, unlike candle's separate
+//! single-row and tiled paths).
+
+use super::nibble::{NibbleMatrix, NibbleType, RowBlock, QK4_1};
+use half::f16;
+
+/// Values per super-block.
+pub const QK_K: usize = 256;
+/// 32-value blocks per super-block.
+const BLOCKS: usize = QK_K / QK4_1;
+/// Bytes of the packed 6-bit scale/min table of Q4_K and Q5_K.
+const K_SCALE_BYTES: usize = 12;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KQuant {
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl KQuant {
+    pub fn block_bytes(self) -> usize {
+        match self {
+            KQuant::Q4K => 4 + K_SCALE_BYTES + QK_K / 2,
+            KQuant::Q5K => 4 + K_SCALE_BYTES + QK_K / 8 + QK_K / 2,
+            KQuant::Q6K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
+        }
+    }
+
+    fn target(self) -> NibbleType {
+        match self {
+            KQuant::Q4K => NibbleType::Q4_1,
+            KQuant::Q5K => NibbleType::Q5_1,
+            KQuant::Q6K => NibbleType::Q6K,
+        }
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Scale and minimum of sub-block `j` from the packed table (ggml's `get_scale_min_k4`).
+fn scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// The eight 32-value blocks of one super-block.
+fn decode(kind: KQuant, sb: &[u8]) -> [RowBlock; BLOCKS] {
+    let mut out = [RowBlock::new(0.0, 0.0, [0; QK4_1]); BLOCKS];
+    match kind {
+        KQuant::Q4K | KQuant::Q5K => {
+            let (d, dmin) = (f16_at(sb, 0), f16_at(sb, 2));
+            let scales = &sb[4..4 + K_SCALE_BYTES];
+            let mut at = 4 + K_SCALE_BYTES;
+            let qh = (kind == KQuant::Q5K).then(|| {
+                at += QK_K / 8;
+                &sb[at - QK_K / 8..at]
+            });
+            let qs = &sb[at..at + QK_K / 2];
+            for (j, blk) in out.iter_mut().enumerate() {
+                let (sc, mn) = scale_min(j, scales);
+                // sub-blocks 2p and 2p + 1 share 32 bytes: low nibbles, then high nibbles
+                let bytes = &qs[(j / 2) * QK4_1..(j / 2 + 1) * QK4_1];
+                for (l, v) in blk.vals.iter_mut().enumerate() {
+                    let nibble = if j % 2 == 0 {
+                        bytes[l] & 0xF
+                    } else {
+                        bytes[l] >> 4
+                    };
+                    let fifth = qh.map_or(0, |h| (h[l] >> j) & 1);
+                    *v = nibble | (fifth << 4);
+                }
+                blk.d = [d * sc as f32; 2];
+                blk.m = [-(dmin * mn as f32); 2];
+            }
+        }
+        KQuant::Q6K => {
+            let (ql, qh) = (&sb[..QK_K / 2], &sb[QK_K / 2..QK_K / 2 + QK_K / 4]);
+            let sc = &sb[QK_K / 2 + QK_K / 4..QK_K / 2 + QK_K / 4 + QK_K / 16];
+            let d = f16_at(sb, QK_K / 2 + QK_K / 4 + QK_K / 16);
+            // each half of the super-block: 64 bytes of low nibbles, 32 of high bit pairs
+            for n in 0..2 {
+                let (ql, qh, sc) = (&ql[n * 64..], &qh[n * 32..], &sc[n * 8..]);
+                for k in 0..4 {
+                    let blk = &mut out[n * 4 + k];
+                    for l in 0..QK4_1 {
+                        let byte = ql[l + 32 * (k % 2)];
+                        let low = if k < 2 { byte & 0xF } else { byte >> 4 };
+                        // value 32k + l of this half: shifts 0, 2, 4, 6 for k = 0, 1, 2, 3
+                        let high = (qh[l] >> (2 * k)) & 3;
+                        blk.vals[l] = low | (high << 4);
+                    }
+                    for h in 0..2 {
+                        blk.d[h] = d * sc[2 * k + h] as i8 as f32;
+                        blk.m[h] = -32.0 * blk.d[h];
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+impl NibbleMatrix {
+    /// From GGUF/ggml K-quant bytes; `None` when the sizes do not match.
+    pub fn from_k_quant(kind: KQuant, bytes: &[u8], n_out: usize, n_in: usize) -> Option<Self> {
+        let bb = kind.block_bytes();
+        if n_out == 0 || !n_in.is_multiple_of(QK_K) || bytes.len() != n_out * n_in / QK_K * bb {
+            return None;
+        }
+        let per_row = n_in / QK_K;
+        // `build` asks for blocks in order, so each super-block is decoded once
+        let mut last: Option<(usize, [RowBlock; BLOCKS])> = None;
+        Some(Self::build(kind.target(), n_out, n_in, |o, b| {
+            let sb = o * per_row + b / BLOCKS;
+            match &last {
+                Some((at, blocks)) if *at == sb => blocks[b % BLOCKS],
+                _ => {
+                    let blocks = decode(kind, &bytes[sb * bb..(sb + 1) * bb]);
+                    last = Some((sb, blocks));
+                    blocks[b % BLOCKS]
+                }
+            }
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::lcg;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    fn quantized(kind: KQuant, n_out: usize, n_in: usize, seed: &mut u64) -> (Vec<u8>, Vec<f32>) {
+        let dtype = match kind {
+            KQuant::Q4K => GgmlDType::Q4K,
+            KQuant::Q5K => GgmlDType::Q5K,
+            KQuant::Q6K => GgmlDType::Q6K,
+        };
+        let x: Vec<f32> = (0..n_out * n_in).map(|_| lcg(seed) * 0.1).collect();
+        let t = Tensor::from_vec(x, (n_out, n_in), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, dtype).unwrap();
+        let dense = q.dequantize(&Device::Cpu).unwrap();
+        let dense = dense.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        (q.data().unwrap().to_vec(), dense)
+    }
+
+    const KINDS: [KQuant; 3] = [KQuant::Q4K, KQuant::Q5K, KQuant::Q6K];
+
+    #[test]
+    fn blocks_hold_ggml_values_exactly() {
+        let mut seed = 21;
+        for kind in KINDS {
+            let (bytes, dense) = quantized(kind, 9, 512, &mut seed);
+            let w = NibbleMatrix::from_k_quant(kind, &bytes, 9, 512).unwrap();
+            for o in 0..9 {
+                for b in 0..512 / QK4_1 {
+                    let blk = w.row_block(o, b);
+                    for i in 0..QK4_1 {
+                        let want = dense[o * 512 + b * QK4_1 + i];
+                        assert_eq!(blk.value(i), want, "{kind:?} row {o} block {b} value {i}");
+                    }
+                }
+            }
+            assert!(NibbleMatrix::from_k_quant(kind, &bytes[1..], 9, 512).is_none());
+            assert!(NibbleMatrix::from_k_quant(kind, &bytes, 9, 500).is_none());
+        }
+    }
+
+    #[test]
+    fn products_match_a_dequantized_reference() {
+        let mut seed = 22;
+        for kind in KINDS {
+            for &(n_out, n_in) in &[(7usize, 256usize), (13, 1024)] {
+                let (bytes, dense) = quantized(kind, n_out, n_in, &mut seed);
+                let w = NibbleMatrix::from_k_quant(kind, &bytes, n_out, n_in).unwrap();
+                crate::kernels::check_against_reference(
+                    &format!("{kind:?}"),
+                    &dense,
+                    n_out,
+                    n_in,
+                    &mut seed,
+                    |x, m, out| w.matmul(x, m, out),
+                    |row| row.iter().map(|v| v.abs()).sum::<f32>() * 0.5 / 127.0 + 1e-4,
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn simd_paths_agree_and_rows_do_not_depend_on_the_batch() {
+        let mut seed = 23;
+        for kind in KINDS {
+            let (bytes, _) = quantized(kind, 12, 512, &mut seed);
+            let w = NibbleMatrix::from_k_quant(kind, &bytes, 12, 512).unwrap();
+            crate::kernels::nibble::tests::assert_paths_agree(&w, &mut seed);
+            let x: Vec<f32> = (0..9 * 512).map(|_| lcg(&mut seed)).collect();
+            let mut all = vec![0f32; 9 * 12];
+            w.matmul(&x, 9, &mut all);
+            for r in [0usize, 4, 8] {
+                let mut one = vec![0f32; 12];
+                w.matmul(&x[r * 512..(r + 1) * 512], 1, &mut one);
+                assert_eq!(one, all[r * 12..(r + 1) * 12], "{kind:?} row {r}");
+            }
+        }
+    }
+}
