@@ -1099,4 +1099,9 @@ fn generate_tokens<'a>(
     Ok((atoms::ok(), n))
 }
 
-rustler::init!("Elixir.LlamaCppEx.NIF");
+fn load(_env: Env, _info: Term) -> bool {
+    llama_cpp_ex_engine::keep_activations_in_heap();
+    true
+}
+
+rustler::init!("Elixir.LlamaCppEx.NIF", load = load);
