@@ -393,7 +393,7 @@ impl GgufFile {
 
     /// Drops the mapped pages of a tensor that has been copied, so that the file's pages and
     /// the loaded weights are not resident at the same time (peak memory while loading).
-    fn release(&self, info: &TensorInfo) {
+    pub fn release(&self, info: &TensorInfo) {
         #[cfg(unix)]
         // SAFETY: the mapping is read-only and backed by the file, so MADV_DONTNEED only
         // drops pages from this process; a later read faults them back in from the file.

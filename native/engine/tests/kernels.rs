@@ -128,3 +128,24 @@ fn k_quant_kernels_on_real_weights() {
         });
     }
 }
+
+#[test]
+fn tied_embedding_rows_come_back_exactly_from_the_output_head() {
+    use llama_cpp_ex_engine::model::ops::{Embedding, Linear};
+    use std::sync::Arc;
+    // both models tie their output head to a Q8_0 token embedding
+    for file in [SMOLLM2, GEMMA3] {
+        let gguf = GgufFile::open(&model_path(file)).unwrap();
+        let table = Arc::new(gguf.qtensor("token_embd.weight", &Device::Cpu).unwrap());
+        let head = Arc::new(Linear::from_arc(table.clone()).unwrap());
+        let tied = Embedding::new(table.clone(), Some(&head));
+        if !matches!(tied, Embedding::Tied(_)) {
+            // no own kernel for this layout on this CPU: the table stays
+            continue;
+        }
+        let tokens = [0u32, 1, 2, 17, 1000, head.n_out as u32 - 1];
+        let want = Embedding::Table(table).lookup(&tokens).unwrap();
+        assert_eq!(tied.lookup(&tokens).unwrap(), want, "{file}");
+        assert!(tied.lookup(&[head.n_out as u32]).is_err());
+    }
+}

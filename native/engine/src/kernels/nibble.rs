@@ -280,6 +280,25 @@ impl NibbleMatrix {
         }
     }
 
+    /// Row `o` dequantized into `out` (`n_in` values), with ggml's own formulas so a tied
+    /// embedding read from here equals one read from the file: `(q + offset)·d` for types
+    /// with an implied offset, `d·q + m` otherwise.
+    pub fn dequantize_row(&self, o: usize, out: &mut [f32]) {
+        let offset = self.kind.implied_offset();
+        for (b, chunk) in out[..self.n_in].chunks_exact_mut(QK4_1).enumerate() {
+            let blk = self.row_block(o, b);
+            for (i, v) in chunk.iter_mut().enumerate() {
+                let h = i / (QK4_1 / 2);
+                let q = blk.vals[i] as f32;
+                *v = if self.kind.has_min() {
+                    blk.d[h] * q + blk.m[h]
+                } else {
+                    (q + offset) * blk.d[h]
+                };
+            }
+        }
+    }
+
     /// Stacks matrices with the same input width so one product computes all of them.
     pub fn concat(parts: &[&NibbleMatrix]) -> Option<NibbleMatrix> {
         let first = parts.first()?;

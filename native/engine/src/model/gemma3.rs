@@ -29,7 +29,7 @@ pub struct Gemma3 {
     embd: Embedding,
     layers: Vec<Layer>,
     norm: Vec<f32>,
-    output: Linear,
+    output: std::sync::Arc<Linear>,
     inv_freq_global: Vec<f32>,
     inv_freq_local: Vec<f32>,
 }

@@ -21,7 +21,7 @@ pub struct Llama {
     embd: Embedding,
     layers: Vec<Layer>,
     norm: Vec<f32>,
-    output: Linear,
+    output: std::sync::Arc<Linear>,
     inv_freq: Vec<f32>,
 }
 

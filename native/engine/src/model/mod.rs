@@ -223,7 +223,7 @@ impl TensorLoader<'_> {
         &self,
         n_vocab: usize,
         d: usize,
-    ) -> Result<(ops::Embedding, ops::Linear)> {
+    ) -> Result<(ops::Embedding, std::sync::Arc<ops::Linear>)> {
         let info = self.gguf.tensor_info("token_embd.weight")?;
         if info.shape != [n_vocab, d] {
             return Err(EngineError::InvalidGguf(format!(
@@ -231,13 +231,28 @@ impl TensorLoader<'_> {
                 info.shape
             )));
         }
+        if !self.gguf.has_tensor("output.weight") {
+            // tied: build the head straight from the mapping and read embeddings back from
+            // it, so the table is never resident twice (not even while loading)
+            let bytes = self.gguf.tensor_bytes(info);
+            if let Some(head) = ops::Linear::from_file_bytes(info.dtype, bytes, n_vocab, d) {
+                let head = std::sync::Arc::new(head);
+                if let Some(embd) = ops::Embedding::tied(&head) {
+                    self.gguf.release(info);
+                    return Ok((embd, head));
+                }
+            }
+        }
         let table = std::sync::Arc::new(self.gguf.qtensor("token_embd.weight", &Device::Cpu)?);
-        let output = if self.gguf.has_tensor("output.weight") {
-            ops::Linear::new(self.matrix("output.weight", n_vocab, d)?)?
-        } else {
-            ops::Linear::from_arc(table.clone())?
-        };
-        Ok((ops::Embedding { table }, output))
+        if self.gguf.has_tensor("output.weight") {
+            let output = ops::Linear::new(self.matrix("output.weight", n_vocab, d)?)?;
+            return Ok((
+                ops::Embedding::new(table, None),
+                std::sync::Arc::new(output),
+            ));
+        }
+        let output = std::sync::Arc::new(ops::Linear::from_arc(table.clone())?);
+        Ok((ops::Embedding::new(table, Some(&output)), output))
     }
 
     /// The attention and feed-forward products of block `i`, shared by every architecture

@@ -35,49 +35,70 @@ impl Linear {
         Self::from_arc(Arc::new(t))
     }
 
-    /// Shares the weights (e.g. an output head tied to the token embedding).
+    /// From shared weights (an output head tied to the token embedding).
     pub fn from_arc(t: Arc<QTensor>) -> Result<Self> {
         let (n_out, n_in) = t.shape().dims2()?;
-        let dtype = t.dtype();
-        let own = t.device().is_cpu() && own_kernels_enabled();
+        if t.device().is_cpu() {
+            if let Some(own) = Self::from_file_bytes(t.dtype(), &t.data()?, n_out, n_in) {
+                return Ok(own);
+            }
+        }
+        Ok(Linear {
+            dtype: t.dtype(),
+            kernel: Kernel::Candle(QMatMul::from_arc(t)?),
+            n_in,
+            n_out,
+        })
+    }
+
+    /// The engine's own CPU kernel for ggml block bytes of `dtype` (e.g. straight from the
+    /// file's mapping); `None` for types it does not cover or when they are turned off.
+    pub fn from_file_bytes(
+        dtype: GgmlDType,
+        bytes: &[u8],
+        n_out: usize,
+        n_in: usize,
+    ) -> Option<Self> {
+        if !own_kernels_enabled() {
+            return None;
+        }
+        let nibble = |kind| NibbleMatrix::from_bytes(kind, bytes, n_out, n_in).map(Kernel::Nibble);
+        let k_quant =
+            |kind| NibbleMatrix::from_k_quant(kind, bytes, n_out, n_in).map(Kernel::Nibble);
         let kernel = match dtype {
             // the interleaved kernel runs Q8_0 only with VNNI (maddubs would saturate)
-            GgmlDType::Q8_0 if own && crate::kernels::has_vnni() => {
-                NibbleMatrix::from_bytes(NibbleType::Q8_0, &t.data()?, n_out, n_in)
-                    .map(Kernel::Nibble)
-            }
-            GgmlDType::Q8_0 if own => {
-                Q8Matrix::from_q8_0_bytes(&t.data()?, n_out, n_in).map(Kernel::Q8)
-            }
-            GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 if own => {
-                let kind = match dtype {
-                    GgmlDType::Q4_0 => NibbleType::Q4_0,
-                    GgmlDType::Q4_1 => NibbleType::Q4_1,
-                    GgmlDType::Q5_0 => NibbleType::Q5_0,
-                    _ => NibbleType::Q5_1,
-                };
-                NibbleMatrix::from_bytes(kind, &t.data()?, n_out, n_in).map(Kernel::Nibble)
-            }
-            GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K if own => {
-                let kind = match dtype {
-                    GgmlDType::Q4K => KQuant::Q4K,
-                    GgmlDType::Q5K => KQuant::Q5K,
-                    _ => KQuant::Q6K,
-                };
-                NibbleMatrix::from_k_quant(kind, &t.data()?, n_out, n_in).map(Kernel::Nibble)
-            }
+            GgmlDType::Q8_0 if crate::kernels::has_vnni() => nibble(NibbleType::Q8_0),
+            GgmlDType::Q8_0 => Q8Matrix::from_q8_0_bytes(bytes, n_out, n_in).map(Kernel::Q8),
+            GgmlDType::Q4_0 => nibble(NibbleType::Q4_0),
+            GgmlDType::Q4_1 => nibble(NibbleType::Q4_1),
+            GgmlDType::Q5_0 => nibble(NibbleType::Q5_0),
+            GgmlDType::Q5_1 => nibble(NibbleType::Q5_1),
+            GgmlDType::Q4K => k_quant(KQuant::Q4K),
+            GgmlDType::Q5K => k_quant(KQuant::Q5K),
+            GgmlDType::Q6K => k_quant(KQuant::Q6K),
             _ => None,
-        };
-        let kernel = match kernel {
-            Some(k) => k,
-            None => Kernel::Candle(QMatMul::from_arc(t)?),
-        };
-        Ok(Linear {
+        }?;
+        Some(Linear {
             kernel,
             n_in,
             n_out,
             dtype,
         })
+    }
+
+    /// Row `o` of the weights in f32, when the kernel's layout can give it back.
+    pub fn dequantize_row(&self, o: usize, out: &mut [f32]) -> bool {
+        match &self.kernel {
+            Kernel::Nibble(w) => {
+                w.dequantize_row(o, out);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn can_dequantize_rows(&self) -> bool {
+        matches!(self.kernel, Kernel::Nibble(_))
     }
 
     pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
@@ -169,18 +190,47 @@ impl FusedLinear {
 }
 
 /// The token embedding, kept quantized; rows are dequantized on lookup.
-pub struct Embedding {
-    pub table: Arc<QTensor>,
+pub enum Embedding {
+    /// In the file's type.
+    Table(Arc<QTensor>),
+    /// Tied to the output head: the head's kernel layout is the only copy of the weights.
+    Tied(Arc<Linear>),
 }
 
 impl Embedding {
+    /// The embedding for `table`, tied to `output` when the head was built from the same
+    /// tensor and its kernel can give rows back (the table is then dropped).
+    pub fn new(table: Arc<QTensor>, tied_output: Option<&Arc<Linear>>) -> Self {
+        tied_output
+            .and_then(Self::tied)
+            .unwrap_or(Embedding::Table(table))
+    }
+
+    /// Reads rows back from `head`, when its kernel layout can give them.
+    pub fn tied(head: &Arc<Linear>) -> Option<Self> {
+        head.can_dequantize_rows()
+            .then(|| Embedding::Tied(head.clone()))
+    }
+
     pub fn lookup(&self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
-        Ok(self
-            .table
-            .embedding(&ids)?
-            .flatten_all()?
-            .to_vec1::<f32>()?)
+        match self {
+            Embedding::Table(table) => {
+                let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
+                Ok(table.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?)
+            }
+            Embedding::Tied(head) => {
+                let d = head.n_in;
+                let mut out = vec![0f32; tokens.len() * d];
+                for (row, &t) in out.chunks_exact_mut(d).zip(tokens) {
+                    if t as usize >= head.n_out || !head.dequantize_row(t as usize, row) {
+                        return Err(crate::error::EngineError::InvalidArgument(format!(
+                            "token id {t} is out of range"
+                        )));
+                    }
+                }
+                Ok(out)
+            }
+        }
     }
 }
 
