@@ -37,7 +37,8 @@ defmodule Bench.Tele do
       {:telemetry, [:llama_cpp_ex, :server, :tick], m, _} ->
         collect_ticks([{m.batch_size, m.eval_ms} | acc])
 
-      {:telemetry, _, _, _} -> collect_ticks(acc)
+      {:telemetry, _, _, _} ->
+        collect_ticks(acc)
     after
       0 -> acc
     end
@@ -112,7 +113,6 @@ defmodule Bench.Concurrent do
     avg_batch = Enum.sum(for {b, _} <- ticks, do: b) / n_ticks
     # decode ticks only (no prompt tokens): the engine's share of the inter-token latency
     decode_evals = for {b, ms} <- ticks, b <= c, do: ms
-
 
     %{
       tps: tokens / wall,
