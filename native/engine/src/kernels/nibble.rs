@@ -83,8 +83,6 @@ impl NibbleType {
 /// Output rows interleaved together: one 256-bit lane per row, so a block's products for all
 /// of them come out of one vector and need no horizontal sums.
 pub const GROUP: usize = 8;
-/// Activation rows that share one pass over a row group's unpacked values.
-const ROW_CHUNK: usize = 4;
 
 /// A matrix `[n_out, n_in]` repacked in groups of [`GROUP`] output rows, interleaved per
 /// block so that a 256-bit vector holds 4 consecutive values of each of the 8 rows.
@@ -415,11 +413,12 @@ unsafe fn load_bytes_block(qs: *const u8) -> [std::arch::x86_64::__m256i; 8] {
     v
 }
 
-/// Per lane (row), the dot product of its 32 values with one activation block.
+/// Per lane (row), the dot product of its 32 values with one activation block (`C`, the
+/// number of independent accumulation chains, only matters to VNNI).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn block_dot_avx2(
+unsafe fn block_dot_avx2<const C: usize>(
     v: &[std::arch::x86_64::__m256i; 8],
     x: *const i32,
 ) -> std::arch::x86_64::__m256i {
@@ -432,20 +431,25 @@ unsafe fn block_dot_avx2(
     _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
 }
 
+/// `C` independent chains: one row alone needs several to hide `vpdpbusd`'s latency, while
+/// many rows in flight hide it themselves and need the registers for their accumulators.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
 #[inline]
-unsafe fn block_dot_vnni(
+unsafe fn block_dot_vnni<const C: usize>(
     v: &[std::arch::x86_64::__m256i; 8],
     x: *const i32,
 ) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
-    // four independent chains: one chain of eight would wait on vpdpbusd's latency
-    let mut s = [_mm256_setzero_si256(); 4];
+    let mut s = [_mm256_setzero_si256(); C];
     for (q, vq) in v.iter().enumerate() {
-        s[q % 4] = _mm256_dpbusd_epi32(s[q % 4], *vq, _mm256_set1_epi32(*x.add(q)));
+        s[q % C] = _mm256_dpbusd_epi32(s[q % C], *vq, _mm256_set1_epi32(*x.add(q)));
     }
-    _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]))
+    let mut sum = s[0];
+    for &c in &s[1..] {
+        sum = _mm256_add_epi32(sum, c);
+    }
+    sum
 }
 
 /// Per lane (row), the dot products of values 0..16 and 16..32 with one activation block
@@ -454,7 +458,7 @@ unsafe fn block_dot_vnni(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn half_dots_avx2(
+unsafe fn half_dots_avx2<const C: usize>(
     v: &[std::arch::x86_64::__m256i; 8],
     x: *const i32,
 ) -> [std::arch::x86_64::__m256i; 2] {
@@ -469,108 +473,179 @@ unsafe fn half_dots_avx2(
     [half(0), half(4)]
 }
 
+/// `C` chains per half.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
 #[inline]
-unsafe fn half_dots_vnni(
+unsafe fn half_dots_vnni<const C: usize>(
     v: &[std::arch::x86_64::__m256i; 8],
     x: *const i32,
 ) -> [std::arch::x86_64::__m256i; 2] {
     use std::arch::x86_64::*;
-    let mut s = [_mm256_setzero_si256(); 4];
-    for (q, vq) in v.iter().enumerate() {
-        // chains 0, 1 sum the first half; 2, 3 the second
-        let c = (q / 4) * 2 + q % 2;
-        s[c] = _mm256_dpbusd_epi32(s[c], *vq, _mm256_set1_epi32(*x.add(q)));
+    let mut out = [_mm256_setzero_si256(); 2];
+    for (h, half) in out.iter_mut().enumerate() {
+        let mut s = [_mm256_setzero_si256(); C];
+        for q in 0..4 {
+            let at = 4 * h + q;
+            s[q % C] = _mm256_dpbusd_epi32(s[q % C], v[at], _mm256_set1_epi32(*x.add(at)));
+        }
+        *half = s[0];
+        for &c in &s[1..] {
+            *half = _mm256_add_epi32(*half, c);
+        }
     }
-    [_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3])]
+    out
 }
 
-/// One row group times every activation row: values unpacked once per block and chunk of
-/// [`ROW_CHUNK`] rows, or once per matmul into an L1-sized buffer when there are more rows.
+/// Rows per pass once the values are buffered: loading them from L1 is cheap, so fewer
+/// rows leave more registers to the products.
+const BUFFERED_ROWS: usize = 4;
+
+/// Where one row group's blocks live.
+#[cfg(target_arch = "x86_64")]
+struct GroupRef {
+    q: *const u8,
+    h: Option<*const u32>,
+    d: *const f32,
+    m: *const f32,
+    gbb: usize,
+    bytes8: bool,
+    halves: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl GroupRef {
+    fn new(w: &NibbleMatrix, g: usize) -> Self {
+        let (nb, gbb, halves) = (w.nb, w.kind.group_block_bytes(), w.kind.halves());
+        // SAFETY: group `g` exists, so these offsets are inside the matrix's buffers.
+        unsafe {
+            GroupRef {
+                q: w.qs.as_ptr().add(g * nb * gbb),
+                h: (!w.qh.is_empty()).then(|| w.qh.as_ptr().add(g * nb * GROUP)),
+                d: w.d.as_ptr().add(g * nb * GROUP * halves),
+                m: w.m.as_ptr().add(g * nb * GROUP * halves),
+                gbb,
+                bytes8: w.kind.byte_values(),
+                halves,
+            }
+        }
+    }
+}
+
+/// The 8 quads of block `b` of a row group, whatever its storage.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn group_block(p: &GroupRef, b: usize) -> [std::arch::x86_64::__m256i; 8] {
+    if p.bytes8 {
+        load_bytes_block(p.q.add(b * p.gbb))
+    } else {
+        unpack_block(p.q.add(b * p.gbb), p.h.map(|h| h.add(b * GROUP)))
+    }
+}
+
+/// One row group times every activation row. `$rows` activation rows share one pass over
+/// the group's values, with everything they need in registers (AVX2 has 16 of them, the
+/// AVX512VL encodings used by the VNNI path 32); with more rows than that the values are
+/// unpacked once per matmul into an L1-sized buffer. Each row's arithmetic is the same
+/// whatever `R`, so a row's result does not depend on the batch around it.
 macro_rules! group_kernel {
-    ($name:ident, $features:literal, $dot:ident, $half_dots:ident) => {
+    ($name:ident, $pass:ident, $features:literal, $dot:ident, $half_dots:ident,
+     $rows:literal, [$($r:literal),*]) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         unsafe fn $name(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &SharedMut) {
-            use std::arch::x86_64::*;
-            let (k, nb) = (w.n_in, w.nb);
-            let gbb = w.kind.group_block_bytes();
-            let bytes8 = w.kind.byte_values();
-            let halves = w.kind.halves();
-            let q_ptr = w.qs.as_ptr().add(g * nb * gbb);
-            let h_ptr = (!w.qh.is_empty()).then(|| w.qh.as_ptr().add(g * nb * GROUP));
-            let d_ptr = w.d.as_ptr().add(g * nb * GROUP * halves);
-            let m_ptr = w.m.as_ptr().add(g * nb * GROUP * halves);
-            // a macro, not a closure: closures do not inherit the target features, so the
-            // unpacking would not be inlined
-            macro_rules! unpack {
-                ($b:expr) => {
-                    if bytes8 {
-                        load_bytes_block(q_ptr.add($b * gbb))
-                    } else {
-                        unpack_block(q_ptr.add($b * gbb), h_ptr.map(|h| h.add($b * GROUP)))
-                    }
-                };
-            }
-            let mut buffered: Vec<[__m256i; 8]> = Vec::new();
-            if a.m > ROW_CHUNK {
-                buffered.reserve_exact(nb);
-                for b in 0..nb {
-                    buffered.push(unpack!(b));
+            let p = GroupRef::new(w, g);
+            let mut buffered = Vec::new();
+            let mut chunk = $rows;
+            if a.m > $rows {
+                buffered.reserve_exact(w.nb);
+                for b in 0..w.nb {
+                    buffered.push(group_block(&p, b));
                 }
+                chunk = BUFFERED_ROWS;
             }
             let valid = GROUP.min(w.n_out - g * GROUP);
-            for r0 in (0..a.m).step_by(ROW_CHUNK) {
-                let rows = ROW_CHUNK.min(a.m - r0);
-                let mut acc = [_mm256_setzero_ps(); ROW_CHUNK];
-                for b in 0..nb {
-                    let unpacked;
-                    let v = match buffered.get(b) {
-                        Some(v) => v,
-                        None => {
-                            unpacked = unpack!(b);
-                            &unpacked
-                        }
-                    };
-                    let dv = _mm256_loadu_ps(d_ptr.add(b * GROUP * halves));
-                    let mv = _mm256_loadu_ps(m_ptr.add(b * GROUP * halves));
-                    if halves == 2 {
-                        let dv1 = _mm256_loadu_ps(d_ptr.add(b * GROUP * 2 + GROUP));
-                        let mv1 = _mm256_loadu_ps(m_ptr.add(b * GROUP * 2 + GROUP));
-                        for (i, acc) in acc.iter_mut().enumerate().take(rows) {
-                            let r = r0 + i;
-                            let x = a.quants.as_ptr().add(r * k + b * QK4_1) as *const i32;
-                            let [lo, hi] = $half_dots(v, x);
-                            let dx = _mm256_set1_ps(*a.scales.get_unchecked(r * nb + b));
-                            let sums = a.half_sums.as_ptr().add(2 * (r * nb + b));
-                            let dot_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), dv);
-                            let dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), dv1, dot_lo);
-                            *acc = _mm256_fmadd_ps(dot, dx, *acc);
-                            *acc = _mm256_fmadd_ps(mv, _mm256_set1_ps(*sums), *acc);
-                            *acc = _mm256_fmadd_ps(mv1, _mm256_set1_ps(*sums.add(1)), *acc);
-                        }
-                        continue;
-                    }
-                    for (i, acc) in acc.iter_mut().enumerate().take(rows) {
-                        let r = r0 + i;
-                        let x = a.quants.as_ptr().add(r * k + b * QK4_1) as *const i32;
-                        let dot = _mm256_cvtepi32_ps($dot(v, x));
-                        let dx = _mm256_set1_ps(*a.scales.get_unchecked(r * nb + b));
-                        let sx = _mm256_set1_ps(*a.sums.get_unchecked(r * nb + b));
-                        *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
-                        *acc = _mm256_fmadd_ps(mv, sx, *acc);
-                    }
+            let mut r0 = 0;
+            while r0 < a.m {
+                let rows = (a.m - r0).min(chunk);
+                match rows {
+                    $($r => $pass::<$r>(w, &p, &buffered, a, r0, valid, g, out),)*
+                    _ => unreachable!(),
                 }
-                for (i, acc) in acc.iter().enumerate().take(rows) {
-                    let dst = out.0.add((r0 + i) * w.n_out + g * GROUP);
-                    if valid == GROUP {
-                        _mm256_storeu_ps(dst, *acc);
-                    } else {
-                        let mut tmp = [0f32; GROUP];
-                        _mm256_storeu_ps(tmp.as_mut_ptr(), *acc);
-                        std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, valid);
+                r0 += rows;
+            }
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $pass<const R: usize>(
+            w: &NibbleMatrix,
+            p: &GroupRef,
+            buffered: &[[std::arch::x86_64::__m256i; 8]],
+            a: &Q8Activations,
+            r0: usize,
+            valid: usize,
+            g: usize,
+            out: &SharedMut,
+        ) {
+            use std::arch::x86_64::*;
+            let (k, nb) = (w.n_in, w.nb);
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                let v = match buffered.get(b) {
+                    Some(v) => *v,
+                    None => group_block(p, b),
+                };
+                let x = |i: usize| a.quants.as_ptr().add((r0 + i) * k + b * QK4_1) as *const i32;
+                let at = |i: usize| (r0 + i) * nb + b;
+                if p.halves == 2 {
+                    let dv = _mm256_loadu_ps(p.d.add(b * GROUP * 2));
+                    let mv = _mm256_loadu_ps(p.m.add(b * GROUP * 2));
+                    let dv1 = _mm256_loadu_ps(p.d.add(b * GROUP * 2 + GROUP));
+                    let mv1 = _mm256_loadu_ps(p.m.add(b * GROUP * 2 + GROUP));
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let [lo, hi] = if R >= 4 {
+                            $half_dots::<1>(&v, x(i))
+                        } else {
+                            $half_dots::<2>(&v, x(i))
+                        };
+                        let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
+                        let sums = a.half_sums.as_ptr().add(2 * at(i));
+                        let dot_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), dv);
+                        let dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), dv1, dot_lo);
+                        *acc = _mm256_fmadd_ps(dot, dx, *acc);
+                        *acc = _mm256_fmadd_ps(mv, _mm256_set1_ps(*sums), *acc);
+                        *acc = _mm256_fmadd_ps(mv1, _mm256_set1_ps(*sums.add(1)), *acc);
                     }
+                    continue;
+                }
+                let dv = _mm256_loadu_ps(p.d.add(b * GROUP));
+                let mv = _mm256_loadu_ps(p.m.add(b * GROUP));
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let dot = if R >= 4 {
+                        $dot::<1>(&v, x(i))
+                    } else if R >= 2 {
+                        $dot::<2>(&v, x(i))
+                    } else {
+                        $dot::<4>(&v, x(i))
+                    };
+                    let dot = _mm256_cvtepi32_ps(dot);
+                    let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
+                    let sx = _mm256_set1_ps(*a.sums.get_unchecked(at(i)));
+                    *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
+                    *acc = _mm256_fmadd_ps(mv, sx, *acc);
+                }
+            }
+            for (i, acc) in acc.iter().enumerate() {
+                let dst = out.0.add((r0 + i) * w.n_out + g * GROUP);
+                if valid == GROUP {
+                    _mm256_storeu_ps(dst, *acc);
+                } else {
+                    let mut tmp = [0f32; GROUP];
+                    _mm256_storeu_ps(tmp.as_mut_ptr(), *acc);
+                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, valid);
                 }
             }
         }
@@ -579,15 +654,21 @@ macro_rules! group_kernel {
 
 group_kernel!(
     group_kernel_avx2,
+    group_pass_avx2,
     "avx2,fma",
     block_dot_avx2,
-    half_dots_avx2
+    half_dots_avx2,
+    4,
+    [1, 2, 3, 4]
 );
 group_kernel!(
     group_kernel_vnni,
+    group_pass_vnni,
     "avx2,fma,avx512vnni,avx512vl",
     block_dot_vnni,
-    half_dots_vnni
+    half_dots_vnni,
+    8,
+    [1, 2, 3, 4, 5, 6, 7, 8]
 );
 
 #[cfg(test)]
