@@ -79,8 +79,11 @@ defmodule LlamaCppEx.Context do
     * `:n_ctx` - KV cache size in tokens, shared by all sequences. Default 2048.
     * `:n_batch` - the most tokens one `decode/2` or batch may hold. Default `n_ctx`.
     * `:n_ubatch` - tokens per forward pass; larger batches are split. Default 512.
-    * `:n_threads` - engine worker threads (process-wide; the first context created fixes
-      it). Default `default_threads/0`.
+    * `:n_threads` - threads a one-token forward pass (decoding) of this context uses: the
+      calling thread plus workers of the engine's pool, which sleep when idle. Default
+      `default_threads/0`.
+    * `:n_threads_batch` - the same for passes over several tokens (prompt processing,
+      batches of sequences). Default `:n_threads`.
     * `:n_seq_max` - number of sequences. Default 1.
     * `:type_k` / `:type_v` - KV precision, `:f16` (default) or `:f32`; other llama.cpp types
       are accepted and stored as f16.
@@ -96,6 +99,7 @@ defmodule LlamaCppEx.Context do
     n_batch = Keyword.get(opts, :n_batch, n_ctx)
     n_ubatch = Keyword.get(opts, :n_ubatch, 512)
     n_threads = Keyword.get(opts, :n_threads) || default_threads()
+    n_threads_batch = Keyword.get(opts, :n_threads_batch) || n_threads
     n_seq_max = Keyword.get(opts, :n_seq_max, 1)
     type_k = Keyword.get(opts, :type_k, :f16)
 
@@ -103,10 +107,20 @@ defmodule LlamaCppEx.Context do
          :ok <- check_int(:n_batch, n_batch),
          :ok <- check_int(:n_ubatch, n_ubatch),
          :ok <- check_int(:n_threads, n_threads),
+         :ok <- check_int(:n_threads_batch, n_threads_batch),
          :ok <- check_int(:n_seq_max, n_seq_max),
          :ok <- check_kv_type(type_k),
          {:ok, ref} <-
-           NIF.context_create(mref, n_ctx, n_batch, n_ubatch, n_threads, n_seq_max, kv(type_k)) do
+           NIF.context_create(
+             mref,
+             n_ctx,
+             n_batch,
+             n_ubatch,
+             n_threads,
+             n_threads_batch,
+             n_seq_max,
+             kv(type_k)
+           ) do
       {:ok, %__MODULE__{ref: ref, model: model}}
     end
   end

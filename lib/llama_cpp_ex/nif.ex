@@ -38,8 +38,17 @@ defmodule LlamaCppEx.NIF do
   def token_to_piece(_model, _token), do: err()
   def chat_apply_template(_model, _messages, _add_assistant, _enable_thinking, _kwargs), do: err()
 
-  def context_create(_model, _n_ctx, _n_batch, _n_ubatch, _n_threads, _n_seq_max, _kv_type),
-    do: err()
+  def context_create(
+        _model,
+        _n_ctx,
+        _n_batch,
+        _n_ubatch,
+        _n_threads,
+        _n_threads_batch,
+        _n_seq_max,
+        _kv_type
+      ),
+      do: err()
 
   def context_n_ctx(_ctx), do: err()
   def context_n_seq_max(_ctx), do: err()

@@ -22,6 +22,10 @@ pub struct ContextParams {
     pub n_ubatch: usize,
     pub n_seq_max: usize,
     pub kv_type: KvType,
+    /// Threads a one-token forward pass of this context uses (the calling thread included).
+    pub n_threads: usize,
+    /// Threads a forward pass over several tokens uses.
+    pub n_threads_batch: usize,
 }
 
 impl Default for ContextParams {
@@ -32,6 +36,8 @@ impl Default for ContextParams {
             n_ubatch: DEFAULT_UBATCH,
             n_seq_max: 1,
             kv_type: KvType::F16,
+            n_threads: crate::pool::default_threads(),
+            n_threads_batch: crate::pool::default_threads(),
         }
     }
 }
@@ -161,7 +167,13 @@ impl Context {
         self.reserve_batch(&ranges)
             .map_err(|seq| EngineError::ContextFull { seq })?;
         let arch = self.model.architecture()?;
-        let logits = match arch.forward(batch, &mut self.kv) {
+        let threads = if batch.len() == 1 {
+            self.params.n_threads
+        } else {
+            self.params.n_threads_batch
+        };
+        let kv = &mut self.kv;
+        let logits = match crate::pool::with_threads(threads, || arch.forward(batch, kv)) {
             Ok(l) => l,
             Err(e) => {
                 self.release_reserved(&ranges);

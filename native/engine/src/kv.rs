@@ -52,7 +52,7 @@ impl ZeroedBuf {
     }
 }
 
-/// Keys and values of one layer: `[block][slot][kv_head][head_dim]`.
+/// Keys and values of one layer: `[block][kv_head][slot][head_dim]`.
 struct LayerStore {
     k: ZeroedBuf,
     v: ZeroedBuf,
@@ -495,26 +495,35 @@ impl KvCache {
     /// Writes one position's keys and values (`n_kv_heads * head_dim` each) for a layer.
     /// The block must have been reserved.
     pub fn write(&mut self, layer: usize, seq: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let row = self.n_kv_heads * self.head_dim;
+        let hd = self.head_dim;
         let b = self.groups[self.layer_group[layer]].seqs[seq].blocks[pos / KV_BLOCK_SIZE] as usize;
-        let at = (b * KV_BLOCK_SIZE + pos % KV_BLOCK_SIZE) * row;
         let kv_type = self.kv_type;
+        let first = self.head_offset(b, 0) + pos % KV_BLOCK_SIZE * hd;
         let store = &mut self.layers[layer];
-        write_row(kv_type, &mut store.k.words, at, &k[..row]);
-        write_row(kv_type, &mut store.v.words, at, &v[..row]);
+        for h in 0..self.n_kv_heads {
+            let at = first + h * KV_BLOCK_SIZE * hd;
+            write_row(kv_type, &mut store.k.words, at, &k[h * hd..(h + 1) * hd]);
+            write_row(kv_type, &mut store.v.words, at, &v[h * hd..(h + 1) * hd]);
+        }
     }
 
-    /// Reads the keys (or values) of `n` consecutive slots of block `b` into `out` as f32.
+    /// Element offset of KV head `h`'s slots in block `b` (`[block][kv_head][slot][head_dim]`,
+    /// so one head's slots of a block are contiguous for the per-head attention tasks).
+    fn head_offset(&self, b: usize, h: usize) -> usize {
+        (b * self.n_kv_heads + h) * KV_BLOCK_SIZE * self.head_dim
+    }
+
+    /// Reads the keys (or values) of `n` consecutive slots of block `b` into `out` as f32,
+    /// one row of every KV head per slot.
     pub fn read_block(&self, layer: usize, values: bool, b: u32, n: usize, out: &mut [f32]) {
-        let row = self.n_kv_heads * self.head_dim;
-        let store = &self.layers[layer];
-        let words = if values {
-            &store.v.words
-        } else {
-            &store.k.words
-        };
-        let at = b as usize * KV_BLOCK_SIZE * row;
-        read_rows(self.kv_type, words, at, &mut out[..n * row]);
+        let (hd, row) = (self.head_dim, self.n_kv_heads * self.head_dim);
+        let mut head = vec![0f32; n * hd];
+        for h in 0..self.n_kv_heads {
+            self.read_head(layer, values, b, h, 0..n, &mut head);
+            for (s, src) in head.chunks_exact(hd).enumerate() {
+                out[s * row + h * hd..][..hd].copy_from_slice(src);
+            }
+        }
     }
 
     /// Reads one KV head of the slots `slots` of block `b` into `out`
@@ -529,22 +538,41 @@ impl KvCache {
         out: &mut [f32],
     ) {
         let hd = self.head_dim;
-        let row = self.n_kv_heads * hd;
         let store = &self.layers[layer];
         let words = if values {
             &store.v.words
         } else {
             &store.k.words
         };
-        let base = b as usize * KV_BLOCK_SIZE * row + head * hd;
-        for (i, s) in slots.enumerate() {
-            read_rows(
-                self.kv_type,
-                words,
-                base + s * row,
-                &mut out[i * hd..(i + 1) * hd],
-            );
+        let at = self.head_offset(b as usize, head) + slots.start * hd;
+        read_rows(self.kv_type, words, at, &mut out[..slots.len() * hd]);
+    }
+
+    /// Asks the CPU to start loading one KV head's keys and values of block `b`, so that
+    /// attention computing on the current blocks overlaps the memory reads of the next ones.
+    pub fn prefetch_head(&self, layer: usize, b: u32, head: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            const LINE_BYTES: usize = 64;
+            let elem_bytes = match self.kv_type {
+                KvType::F16 => 2,
+                KvType::F32 => 4,
+            };
+            let store = &self.layers[layer];
+            let at = self.head_offset(b as usize, head) * elem_bytes;
+            let len = KV_BLOCK_SIZE * self.head_dim * elem_bytes;
+            for words in [&store.k.words, &store.v.words] {
+                let base = words.as_ptr() as *const i8;
+                for off in (0..len).step_by(LINE_BYTES) {
+                    // SAFETY: a prefetch never faults, and `at + off` stays inside the layer's
+                    // buffer (block `b` exists), so the pointer arithmetic is in bounds.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(at + off)) };
+                }
+            }
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (layer, b, head);
     }
 }
 

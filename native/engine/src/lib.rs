@@ -13,6 +13,7 @@ pub mod grammar;
 pub mod kernels;
 pub mod kv;
 pub mod model;
+pub mod pool;
 pub mod sampler;
 pub mod tokenizer;
 
@@ -23,8 +24,10 @@ pub use model::{LoadOptions, Model, Requantize};
 pub use sampler::{Sampler, SamplerParams};
 pub use tokenizer::{TokenId, Tokenizer};
 
-/// Sets the number of worker threads of the matmul/attention pool. It only takes effect before
-/// the first forward pass of the process (candle sizes its pool once); returns whether it did.
+/// Sets the number of threads of candle's own pool, which only runs the products the engine
+/// has no kernel for (other weight types, CUDA). It only takes effect before candle's first
+/// parallel operation in the process (candle sizes its pool once); returns whether it did.
+/// The engine's own kernels use [`pool`], sized per call by each context's `n_threads`.
 pub fn set_worker_threads(n: usize) -> bool {
     static SET: std::sync::Once = std::sync::Once::new();
     let mut applied = false;

@@ -407,12 +407,14 @@ fn context_create<'a>(
     n_batch: i64,
     n_ubatch: i64,
     n_threads: i64,
+    n_threads_batch: i64,
     n_seq_max: i64,
     kv_type: Atom,
 ) -> Term<'a> {
     let r = guard(|| {
         let n_threads = count(n_threads, "n_threads")?;
-        if n_threads == 0 {
+        let n_threads_batch = count(n_threads_batch, "n_threads_batch")?;
+        if n_threads == 0 || n_threads_batch == 0 {
             return Err(NifError::Message("n_threads must be positive".into()));
         }
         llama_cpp_ex_engine::set_worker_threads(n_threads);
@@ -427,6 +429,8 @@ fn context_create<'a>(
             n_ubatch: count(n_ubatch, "n_ubatch")?,
             n_seq_max: count(n_seq_max, "n_seq_max")?,
             kv_type,
+            n_threads,
+            n_threads_batch,
         };
         let ctx = Context::new(m.model.clone(), params.clone())?;
         Ok(ResourceArc::new(ContextRes {

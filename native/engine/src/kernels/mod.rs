@@ -45,7 +45,7 @@ pub(crate) fn for_each_tile(
     if macs < q8::PARALLEL_MIN_MACS {
         run(0..n_tiles);
     } else {
-        candle_core::utils::barrier_pool().execute_chunked(n_tiles, run);
+        crate::pool::for_each_chunk(n_tiles, run);
     }
 }
 

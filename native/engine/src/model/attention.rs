@@ -6,7 +6,7 @@
 //! `CHUNK_BLOCKS` at a time: the tile's heads × the chunk's slots form small matrix products
 //! (`kernels::attn`), and each query row keeps an online-softmax state over the slots it can
 //! see: positions `[lo, pos]` of its sequence, where `lo` comes from the layer's sliding
-//! window. Tasks run on candle's worker pool.
+//! window. Tasks run on the engine's worker pool.
 
 use super::ops::{fast_exp, Rope};
 use crate::batch::Batch;
@@ -97,17 +97,20 @@ pub fn paged_attention(
     let shared = SharedOut(out.as_mut_ptr());
     let run = |range: std::ops::Range<usize>| {
         let shared = &shared;
-        let mut scratch = Scratch::new(p.head_dim, p.n_head / p.n_kv_heads);
-        for task in range {
-            let (start, len) = tiles[task / p.n_kv_heads];
-            let g = task % p.n_kv_heads;
-            attend_tile(kv, layer, batch, start, len, g, q, p, shared, &mut scratch);
-        }
+        SCRATCH.with(|cell| {
+            let mut scratch = cell.borrow_mut();
+            scratch.fit(p.head_dim, p.n_head / p.n_kv_heads);
+            for task in range.clone() {
+                let (start, len) = tiles[task / p.n_kv_heads];
+                let g = task % p.n_kv_heads;
+                attend_tile(kv, layer, batch, start, len, g, q, p, shared, &mut scratch);
+            }
+        });
     };
     if n_tasks <= 1 {
         run(0..n_tasks);
     } else {
-        candle_core::utils::barrier_pool().execute_chunked(n_tasks, run);
+        crate::pool::for_each_chunk(n_tasks, run);
     }
 }
 
@@ -125,18 +128,38 @@ struct Scratch {
     l: Vec<f32>,
 }
 
+thread_local! {
+    /// Per worker thread, reused by every layer and pass: `attend_tile` initialises what it
+    /// reads, so only growing it allocates.
+    static SCRATCH: std::cell::RefCell<Scratch> = const {
+        std::cell::RefCell::new(Scratch {
+            q: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+            s: Vec::new(),
+            o: Vec::new(),
+            m: Vec::new(),
+            l: Vec::new(),
+        })
+    };
+}
+
 impl Scratch {
-    fn new(head_dim: usize, ratio: usize) -> Self {
+    /// Sizes the buffers for heads of `head_dim` and `ratio` query heads per KV head.
+    fn fit(&mut self, head_dim: usize, ratio: usize) {
         let rows = (QUERY_TILE * ratio).next_multiple_of(attn::ROW_BLOCK);
-        Scratch {
-            q: vec![0.0; rows * head_dim],
-            k: vec![0.0; CHUNK * head_dim],
-            v: vec![0.0; CHUNK * head_dim],
-            s: vec![0.0; rows * CHUNK],
-            o: vec![0.0; rows * head_dim],
-            m: vec![0.0; rows],
-            l: vec![0.0; rows],
-        }
+        let grow = |v: &mut Vec<f32>, n: usize| {
+            if v.len() < n {
+                v.resize(n, 0.0);
+            }
+        };
+        grow(&mut self.q, rows * head_dim);
+        grow(&mut self.k, CHUNK * head_dim);
+        grow(&mut self.v, CHUNK * head_dim);
+        grow(&mut self.s, rows * CHUNK);
+        grow(&mut self.o, rows * head_dim);
+        grow(&mut self.m, rows);
+        grow(&mut self.l, rows);
     }
 }
 
@@ -200,6 +223,10 @@ fn attend_tile(
             );
             kv.read_head(layer, true, blocks[bi], g, slots, &mut s.v[from..to]);
             at = end;
+        }
+        let next_end = (c1 + CHUNK).min(last + 1);
+        for bi in (c1.div_ceil(KV_BLOCK_SIZE) * KV_BLOCK_SIZE..next_end).step_by(KV_BLOCK_SIZE) {
+            kv.prefetch_head(layer, blocks[bi / KV_BLOCK_SIZE], g);
         }
         let keys = n.next_multiple_of(attn::KEY_BLOCK);
         s.k[n * hd..keys * hd].fill(0.0);

@@ -343,20 +343,43 @@ pub fn fast_exp(x: f32) -> f32 {
 /// SiLU keeps libm's `expf`: SmolLM2's greedy output sits on near-ties that the fixture
 /// tests pin, and SiLU costs little next to GELU.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
+    elementwise(gate, up, |g, u| g / (1.0 + (-g).exp()) * u);
 }
 
 /// GELU with the tanh approximation, written as `x · σ(2u)` (the same function:
 /// `0.5·(1 + tanh(u)) = σ(2u)`) so it needs one exponential and no `tanhf`.
 pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    for (g, u) in gate.iter_mut().zip(up) {
-        let x = *g;
+    elementwise(gate, up, |x, u| {
         let two_u = 2.0 * SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
-        *g = x / (1.0 + fast_exp(-two_u)) * u;
+        x / (1.0 + fast_exp(-two_u)) * u
+    });
+}
+
+/// Values per task of a parallel element-wise op; smaller ops run on the calling thread.
+const ELEMENTWISE_CHUNK: usize = 4096;
+
+/// `a[i] = f(a[i], b[i])`, on the worker pool when there are several chunks of work (a
+/// batch's gated activations are the largest serial step between two products).
+fn elementwise(a: &mut [f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
+    let n = a.len().min(b.len());
+    let run = |a: &mut [f32], b: &[f32]| {
+        for (x, y) in a.iter_mut().zip(b) {
+            *x = f(*x, *y);
+        }
+    };
+    if n < 2 * ELEMENTWISE_CHUNK {
+        return run(&mut a[..n], &b[..n]);
     }
+    let out = crate::kernels::SharedMut(a.as_mut_ptr());
+    let out = &out;
+    crate::pool::for_each_chunk(n.div_ceil(ELEMENTWISE_CHUNK), |chunks| {
+        let lo = chunks.start * ELEMENTWISE_CHUNK;
+        let hi = (chunks.end * ELEMENTWISE_CHUNK).min(n);
+        // SAFETY: chunk ranges are disjoint and within `a`, which outlives the call.
+        let a = unsafe { std::slice::from_raw_parts_mut(out.0.add(lo), hi - lo) };
+        run(a, &b[lo..hi]);
+    });
 }
 
 pub fn add_assign(x: &mut [f32], y: &[f32]) {
