@@ -4,8 +4,10 @@
 #     mix run bench/server_concurrent.exs
 #
 # Workload 1: at concurrency 1, 2, 4, 8, 16 (n_parallel = concurrency), each client sends a
-# ~100-token prompt and streams 128 new tokens at temperature 0. Prints aggregate tok/s, TTFT
-# and inter-token latency percentiles and the average batch size (from tick telemetry). With
+# ~100-token prompt and streams 128 new tokens at temperature 0. Prints aggregate tok/s (wall
+# time, prefill included) and decode tok/s (after each stream's first token), its scaling over
+# one stream, TTFT and inter-token latency percentiles, the engine's eval time per decode tick
+# and the average batch size (from tick telemetry). With
 # LLAMA_CPP_BIN, the same workload goes to `llama-server -np N` on 127.0.0.1 (/completion,
 # timings taken from its responses) and our/their ratios are printed.
 #
@@ -109,6 +111,13 @@ defmodule Bench.Concurrent do
         ts |> Enum.chunk_every(2, 1, :discard) |> Enum.map(fn [a, b] -> (b - a) / 1000 end)
       end)
 
+    # decode throughput: tokens after each stream's first, over the span in which streams
+    # were decoding (first token of the earliest to last token of the latest)
+    firsts = for {_, [first | _]} <- results, do: first
+    lasts = for {_, ts} <- results, ts != [], do: List.last(ts)
+    span = max(Enum.max(lasts) - Enum.min(firsts), 1) / 1.0e6
+    decode_tps = (tokens - length(firsts)) / span
+
     n_ticks = max(length(ticks), 1)
     avg_batch = Enum.sum(for {b, _} <- ticks, do: b) / n_ticks
     # decode ticks only (no prompt tokens): the engine's share of the inter-token latency
@@ -116,6 +125,7 @@ defmodule Bench.Concurrent do
 
     %{
       tps: tokens / wall,
+      decode_tps: decode_tps,
       ttft50: pct(ttft, 50),
       ttft99: pct(ttft, 99),
       itl50: pct(itl, 50),
@@ -178,8 +188,12 @@ defmodule Bench.Concurrent do
     System.cmd("kill", ["#{os_pid}"])
     tokens = Enum.sum(Enum.map(results, & &1.n))
 
+    # generation time per request as llama-server reports it; the streams decode together
+    span = Enum.max(Enum.map(results, & &1.predicted_ms)) / 1000
+
     %{
       tps: tokens / wall,
+      decode_tps: tokens / span,
       ttft50: pct(Enum.map(results, & &1.prompt_ms), 50),
       itl50: pct(Enum.map(results, & &1.itl), 50)
     }
@@ -217,6 +231,7 @@ defmodule Bench.Concurrent do
     %{
       n: trunc(num.("predicted_n")),
       prompt_ms: num.("prompt_ms"),
+      predicted_ms: num.("predicted_ms"),
       itl: num.("predicted_per_token_ms")
     }
   end
@@ -300,26 +315,36 @@ IO.puts(
   "model: #{Path.basename(path)}, threads: #{threads}, #{max_tokens} new tokens per request\n"
 )
 
+IO.puts("""
+tok/s: generated tokens over the wall time (prefill included); decode tok/s: tokens after
+each stream's first over the span in which streams were decoding; scaling: decode tok/s over
+the figure of the first level (1 stream by default).
+""")
+
 IO.puts(
-  "| conc | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | eval p50 ms | avg batch | llama-server tok/s | ratio | llama-server TTFT p50 | ITL p50 |"
+  "| conc | tok/s | decode tok/s | scaling | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | eval p50 ms | avg batch | llama-server tok/s | decode tok/s | ratio tok/s | ratio decode | llama-server TTFT p50 | ITL p50 |"
 )
 
-IO.puts("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+IO.puts("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
-for c <- levels do
+Enum.reduce(levels, nil, fn c, base ->
   o = Bench.Concurrent.run_ours(path, c, threads, max_tokens)
   t = if bin, do: Bench.Concurrent.run_theirs(bin, path, c, threads, max_tokens)
+  base = base || o.decode_tps
+  r = fn x, y -> :erlang.float_to_binary(x / y, decimals: 2) end
 
   theirs =
     if t,
       do:
-        "#{f.(t.tps)} | #{:erlang.float_to_binary(o.tps / t.tps, decimals: 2)} | #{f.(t.ttft50)} | #{f.(t.itl50)}",
-      else: "- | - | - | -"
+        "#{f.(t.tps)} | #{f.(t.decode_tps)} | #{r.(o.tps, t.tps)} | #{r.(o.decode_tps, t.decode_tps)} | #{f.(t.ttft50)} | #{f.(t.itl50)}",
+      else: "- | - | - | - | - | -"
 
   IO.puts(
-    "| #{c} | #{f.(o.tps)} | #{f.(o.ttft50)} | #{f.(o.ttft99)} | #{f.(o.itl50)} | #{f.(o.itl99)} | #{f.(o.eval50)} | #{f.(o.batch)} | #{theirs} |"
+    "| #{c} | #{f.(o.tps)} | #{f.(o.decode_tps)} | #{r.(o.decode_tps, base)} | #{f.(o.ttft50)} | #{f.(o.ttft99)} | #{f.(o.itl50)} | #{f.(o.itl99)} | #{f.(o.eval50)} | #{f.(o.batch)} | #{theirs} |"
   )
-end
+
+  base
+end)
 
 unless System.get_env("BENCH_SKIP_PREFIX") do
   IO.puts("\nprefix reuse: 8 conversations x 4 turns, shared system prompt, 24 tokens per turn")

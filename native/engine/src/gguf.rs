@@ -407,6 +407,25 @@ impl GgufFile {
         }
     }
 
+    /// Drops the mapped pages under `bytes`, a slice of this file's mapping that has been
+    /// copied (pages it shares with neighbouring data fault back in from the file if read).
+    pub fn release_bytes(&self, bytes: &[u8]) {
+        let base = self.mmap.as_ptr() as usize;
+        let start = bytes.as_ptr() as usize;
+        if bytes.is_empty() || start < base || start + bytes.len() > base + self.mmap.len() {
+            return;
+        }
+        #[cfg(unix)]
+        // SAFETY: as in `release`; the range was checked to lie inside the mapping.
+        unsafe {
+            let _ = self.mmap.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                start - base,
+                bytes.len(),
+            );
+        }
+    }
+
     /// Loads a tensor dequantized to f32 as a flat vector.
     pub fn f32_vec(&self, name: &str) -> Result<Vec<f32>> {
         let t = self.qtensor(name, &Device::Cpu)?;

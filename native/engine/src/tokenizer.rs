@@ -2,9 +2,11 @@
 //!
 //! * `gpt2` vocabularies: byte-level BPE with the merges stored in the file and the
 //!   pre-tokenizer named by `tokenizer.ggml.pre`.
-//! * `llama` vocabularies (SentencePiece style, with scores): BPE whose merges are derived from
-//!   the scores (a pair merges into a token with the rank of that token's score), byte
-//!   fallback, spaces written as "▁". This reproduces llama.cpp's SPM bigram merging.
+//! * `llama` vocabularies (SentencePiece style, with scores): llama.cpp's SPM bigram merging
+//!   (`Spm`): characters merge pairwise, best-scoring vocabulary token first, then leftover
+//!   characters fall back to byte tokens; spaces are written as "▁". Implemented here rather
+//!   than through the tokenizers crate, whose BPE would need every split of every token as a
+//!   merge (millions of string pairs on a 262k vocabulary, ~200 MB while building).
 //!
 //! Special tokens are split out of the text before the BPE runs, longest first, the way
 //! llama.cpp's `tokenizer_st_partition` does: control and unknown tokens only when
@@ -14,7 +16,6 @@ use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
 use std::collections::HashMap;
 use tokenizers::models::bpe::BPE;
-use tokenizers::normalizers::{NormalizerWrapper, Replace};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -83,13 +84,151 @@ pub struct Tokenizer {
     pieces: Vec<Vec<u8>>,
     /// Special tokens considered by the partition step, longest text first.
     specials: Vec<(String, TokenId, TokenType)>,
-    hf: HfTokenizer,
+    model: TextModel,
     pub bos: Option<TokenId>,
     pub eos: Option<TokenId>,
     pub add_bos: bool,
     pub add_eos: bool,
     add_space_prefix: bool,
     eog: Vec<TokenId>,
+}
+
+/// What turns a fragment of plain text into ids.
+enum TextModel {
+    Bpe(Box<HfTokenizer>),
+    Spm(Box<Spm>),
+}
+
+/// llama.cpp's SentencePiece tokenizer (`llm_tokenizer_spm`).
+struct Spm {
+    /// Text → id; for duplicate texts the later id wins, as in llama.cpp.
+    ids: HashMap<Box<str>, TokenId>,
+    scores: Vec<f32>,
+    /// `<0xXX>` tokens (or the byte's own one-character token) for byte fallback.
+    bytes: [Option<TokenId>; 256],
+}
+
+/// A pair of adjacent symbols whose concatenation is a vocabulary token.
+#[derive(PartialEq)]
+struct Bigram {
+    score: f32,
+    left: usize,
+    right: usize,
+    size: usize,
+}
+
+impl Eq for Bigram {}
+
+impl Ord for Bigram {
+    /// llama.cpp's queue order: the highest score first, then the leftmost pair.
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.score
+            .total_cmp(&other.score)
+            .then(other.left.cmp(&self.left))
+    }
+}
+
+impl PartialOrd for Bigram {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// A run of text: a character at first, a merged token later (`len == 0` once merged away).
+#[derive(Clone, Copy)]
+struct Symbol {
+    start: usize,
+    len: usize,
+    prev: Option<usize>,
+    next: Option<usize>,
+}
+
+impl Spm {
+    fn new(tokens: &[String], scores: Vec<f32>) -> Self {
+        let mut ids: HashMap<Box<str>, TokenId> = HashMap::with_capacity(tokens.len());
+        for (i, t) in tokens.iter().enumerate() {
+            ids.insert(t.as_str().into(), i as TokenId);
+        }
+        let mut bytes = [None; 256];
+        for (b, slot) in bytes.iter_mut().enumerate() {
+            let hex = format!("<0x{b:02X}>");
+            *slot = ids.get(hex.as_str()).copied().or_else(|| {
+                let c = char::from_u32(b as u32).filter(|_| b < 0x80)?;
+                ids.get(c.to_string().as_str()).copied()
+            });
+        }
+        Spm { ids, scores, bytes }
+    }
+
+    /// `text` has its spaces already escaped as "▁".
+    fn encode(&self, text: &str, out: &mut Vec<TokenId>) -> Result<()> {
+        let mut symbols: Vec<Symbol> = Vec::with_capacity(text.len());
+        for (i, (start, c)) in text.char_indices().enumerate() {
+            let end = start + c.len_utf8();
+            symbols.push(Symbol {
+                start,
+                len: c.len_utf8(),
+                prev: i.checked_sub(1),
+                next: (end < text.len()).then_some(i + 1),
+            });
+        }
+        let mut queue = std::collections::BinaryHeap::new();
+        let try_add = |queue: &mut std::collections::BinaryHeap<Bigram>,
+                       symbols: &[Symbol],
+                       left: Option<usize>,
+                       right: Option<usize>| {
+            let (Some(left), Some(right)) = (left, right) else {
+                return;
+            };
+            let (l, r) = (symbols[left], symbols[right]);
+            let piece = &text[l.start..r.start + r.len];
+            if let Some(&id) = self.ids.get(piece) {
+                queue.push(Bigram {
+                    score: self.scores[id as usize],
+                    left,
+                    right,
+                    size: piece.len(),
+                });
+            }
+        };
+        for i in 1..symbols.len() {
+            try_add(&mut queue, &symbols, Some(i - 1), Some(i));
+        }
+        while let Some(bigram) = queue.pop() {
+            let (l, r) = (symbols[bigram.left], symbols[bigram.right]);
+            // stale: one side was merged into something else since this pair was queued
+            if l.len == 0 || r.len == 0 || l.len + r.len != bigram.size {
+                continue;
+            }
+            symbols[bigram.left].len += r.len;
+            symbols[bigram.left].next = r.next;
+            symbols[bigram.right].len = 0;
+            if let Some(next) = r.next {
+                symbols[next].prev = Some(bigram.left);
+            }
+            try_add(&mut queue, &symbols, l.prev, Some(bigram.left));
+            try_add(&mut queue, &symbols, Some(bigram.left), r.next);
+        }
+        let mut at = (!symbols.is_empty()).then_some(0);
+        while let Some(i) = at {
+            let sym = symbols[i];
+            let piece = &text[sym.start..sym.start + sym.len];
+            // merged symbols are always tokens; a leftover character may not be
+            match self.ids.get(piece) {
+                Some(&id) => out.push(id),
+                None => {
+                    for &b in piece.as_bytes() {
+                        let id = self.bytes[b as usize].ok_or_else(|| {
+                            EngineError::Tokenize(format!("no byte token for 0x{b:02X}"))
+                        })?;
+                        out.push(id);
+                    }
+                }
+            }
+            at = sym.next;
+        }
+        Ok(())
+    }
 }
 
 fn meta_err(msg: impl Into<String>) -> EngineError {
@@ -196,15 +335,9 @@ impl Tokenizer {
             }
         }
 
-        // llama.cpp's text → id map: later duplicates win.
-        let mut vocab: HashMap<String, u32> = HashMap::with_capacity(n_vocab);
-        for (i, t) in tokens.iter().enumerate() {
-            vocab.insert(t.clone(), i as u32);
-        }
-
-        let hf = match kind {
-            VocabKind::Gpt2 => Self::build_gpt2(gguf, &vocab)?,
-            VocabKind::Spm => Self::build_spm(gguf, &tokens, &vocab)?,
+        let model = match kind {
+            VocabKind::Gpt2 => TextModel::Bpe(Box::new(Self::build_gpt2(gguf, &tokens)?)),
+            VocabKind::Spm => TextModel::Spm(Box::new(Self::build_spm(gguf, &tokens)?)),
         };
 
         let b2u = byte_to_unicode();
@@ -270,7 +403,7 @@ impl Tokenizer {
             types,
             pieces,
             specials,
-            hf,
+            model,
             bos,
             eos,
             add_bos,
@@ -280,7 +413,13 @@ impl Tokenizer {
         })
     }
 
-    fn build_gpt2(gguf: &GgufFile, vocab: &HashMap<String, u32>) -> Result<HfTokenizer> {
+    fn build_gpt2(gguf: &GgufFile, tokens: &[String]) -> Result<HfTokenizer> {
+        // llama.cpp's text → id map: later duplicates win.
+        let mut vocab: HashMap<String, u32> = HashMap::with_capacity(tokens.len());
+        for (i, t) in tokens.iter().enumerate() {
+            vocab.insert(t.clone(), i as u32);
+        }
+        let vocab = &vocab;
         let merges: Vec<(String, String)> = gguf
             .get("tokenizer.ggml.merges")
             .and_then(|v| v.as_array())
@@ -318,11 +457,7 @@ impl Tokenizer {
         Ok(hf)
     }
 
-    fn build_spm(
-        gguf: &GgufFile,
-        tokens: &[String],
-        vocab: &HashMap<String, u32>,
-    ) -> Result<HfTokenizer> {
+    fn build_spm(gguf: &GgufFile, tokens: &[String]) -> Result<Spm> {
         let scores: Vec<f32> = match gguf.get("tokenizer.ggml.scores").and_then(|v| v.as_array()) {
             Some(a) if a.len() == tokens.len() => {
                 a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect()
@@ -333,36 +468,7 @@ impl Tokenizer {
                 ))
             }
         };
-        // Every split of a token into two vocabulary tokens is a merge ranked by the merged
-        // token's score (higher score merges first), which is exactly SPM's bigram order.
-        let mut ranked: Vec<(f32, u32, usize)> = Vec::new();
-        let mut merges_src: Vec<(usize, usize)> = Vec::new();
-        for (id, text) in tokens.iter().enumerate() {
-            if vocab.get(text) != Some(&(id as u32)) {
-                continue;
-            }
-            for (split, _) in text.char_indices().skip(1) {
-                let (a, b) = text.split_at(split);
-                if vocab.contains_key(a) && vocab.contains_key(b) {
-                    ranked.push((scores[id], id as u32, merges_src.len()));
-                    merges_src.push((id, split));
-                }
-            }
-        }
-        ranked.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
-        let merges: Vec<(String, String)> = ranked
-            .iter()
-            .map(|&(_, _, k)| {
-                let (id, split) = merges_src[k];
-                let (a, b) = tokens[id].split_at(split);
-                (a.to_owned(), b.to_owned())
-            })
-            .collect();
-        let bpe = build_bpe(vocab, merges, true)?;
-        let mut hf = HfTokenizer::new(ModelWrapper::BPE(bpe));
-        let replace = Replace::new(" ", SPM_SPACE).map_err(|e| meta_err(e.to_string()))?;
-        hf.with_normalizer(Some(NormalizerWrapper::Replace(replace)));
-        Ok(hf)
+        Ok(Spm::new(tokens, scores))
     }
 
     pub fn kind(&self) -> VocabKind {
@@ -463,12 +569,16 @@ impl Tokenizer {
         if text.is_empty() {
             return Ok(());
         }
-        let enc = self
-            .hf
-            .encode(text, false)
-            .map_err(|e| EngineError::Tokenize(e.to_string()))?;
-        out.extend_from_slice(enc.get_ids());
-        Ok(())
+        match &self.model {
+            TextModel::Bpe(hf) => {
+                let enc = hf
+                    .encode(text, false)
+                    .map_err(|e| EngineError::Tokenize(e.to_string()))?;
+                out.extend_from_slice(enc.get_ids());
+                Ok(())
+            }
+            TextModel::Spm(spm) => spm.encode(&text.replace(' ', SPM_SPACE), out),
+        }
     }
 
     fn partition<'t>(&self, text: &'t str, parse_special: bool) -> Vec<Fragment<'t>> {

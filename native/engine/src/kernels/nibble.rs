@@ -87,7 +87,8 @@ pub const GROUP: usize = 8;
 /// A matrix `[n_out, n_in]` repacked in groups of [`GROUP`] output rows, interleaved per
 /// block so that a 256-bit vector holds 4 consecutive values of each of the 8 rows.
 ///
-/// Per row group and block: `d` and `m` are 8 floats (one per row). `qs` is 4 chunks of 32
+/// Per row group and block: `d` is 8 floats (one per row), and so is `m` for types with a
+/// stored minimum (the others' offset is implied by `d`, so it is not stored). `qs` is 4 chunks of 32
 /// bytes; in chunk `c`, byte `4j + t` holds value `4c + t` of row `j` in its low nibble and
 /// value `16 + 4c + t` in its high nibble, so the low nibbles of a chunk are "quad" `c` and
 /// the high nibbles quad `c + 4` (a quad is 4 consecutive values). 5-bit types keep one `u32`
@@ -183,7 +184,11 @@ impl NibbleMatrix {
         let blocks = n_out.div_ceil(GROUP) * nb;
         let halves = kind.halves();
         let mut d = Vec::with_capacity(blocks * GROUP * halves);
-        let mut m = Vec::with_capacity(blocks * GROUP * halves);
+        let mut m = Vec::with_capacity(if kind.has_min() {
+            blocks * GROUP * halves
+        } else {
+            0
+        });
         let mut qs = Vec::with_capacity(blocks * kind.group_block_bytes());
         let mut qh = Vec::with_capacity(if kind.has_high_bits() {
             blocks * GROUP
@@ -203,7 +208,9 @@ impl NibbleMatrix {
                 }
                 for h in 0..halves {
                     d.extend(rows.iter().map(|r| r.d[h]));
-                    m.extend(rows.iter().map(|r| r.m[h]));
+                    if kind.has_min() {
+                        m.extend(rows.iter().map(|r| r.m[h]));
+                    }
                 }
                 if kind.byte_values() {
                     for q in 0..QK8_0 / 4 {
@@ -273,8 +280,18 @@ impl NibbleMatrix {
         let last = halves - 1;
         RowBlock {
             d: [self.d[at(0)], self.d[at(last)]],
-            m: [self.m[at(0)], self.m[at(last)]],
+            m: [self.offset(at(0)), self.offset(at(last))],
             vals,
+        }
+    }
+
+    /// The offset of the scale at `at` in `d`: stored for types with a minimum, else implied
+    /// (`implied_offset · d`, the same f32 product the loader used to compute).
+    fn offset(&self, at: usize) -> f32 {
+        if self.kind.has_min() {
+            self.m[at]
+        } else {
+            self.kind.implied_offset() * self.d[at]
         }
     }
 
@@ -295,6 +312,38 @@ impl NibbleMatrix {
                 };
             }
         }
+    }
+
+    /// Reserves room for `n_out` rows in all, so appending parts never reallocates.
+    pub fn reserve_rows(&mut self, n_out: usize) {
+        let groups = n_out
+            .div_ceil(GROUP)
+            .saturating_sub(self.n_out.div_ceil(GROUP));
+        let blocks = groups * self.nb;
+        let halves = self.kind.halves();
+        self.d.reserve_exact(blocks * GROUP * halves);
+        if self.kind.has_min() {
+            self.m.reserve_exact(blocks * GROUP * halves);
+        }
+        self.qs
+            .reserve_exact(blocks * self.kind.group_block_bytes());
+        if self.kind.has_high_bits() {
+            self.qh.reserve_exact(blocks * GROUP);
+        }
+    }
+
+    /// Appends `other`'s rows below this matrix's; `None` (and nothing changes) unless both
+    /// have the same type and input width and this matrix fills its last row group.
+    pub fn append(&mut self, other: NibbleMatrix) -> Option<()> {
+        if other.kind != self.kind || other.n_in != self.n_in || !self.n_out.is_multiple_of(GROUP) {
+            return None;
+        }
+        self.n_out += other.n_out;
+        self.d.extend_from_slice(&other.d);
+        self.m.extend_from_slice(&other.m);
+        self.qs.extend_from_slice(&other.qs);
+        self.qh.extend_from_slice(&other.qh);
+        Some(())
     }
 
     /// Stacks matrices with the same input width so one product computes all of them.
@@ -507,7 +556,9 @@ struct GroupRef {
     q: *const u8,
     h: Option<*const u32>,
     d: *const f32,
-    m: *const f32,
+    /// `None` for types whose offset is implied by the scale.
+    m: Option<*const f32>,
+    implied: f32,
     gbb: usize,
     bytes8: bool,
     halves: usize,
@@ -523,7 +574,10 @@ impl GroupRef {
                 q: w.qs.as_ptr().add(g * nb * gbb),
                 h: (!w.qh.is_empty()).then(|| w.qh.as_ptr().add(g * nb * GROUP)),
                 d: w.d.as_ptr().add(g * nb * GROUP * halves),
-                m: w.m.as_ptr().add(g * nb * GROUP * halves),
+                m: w.kind
+                    .has_min()
+                    .then(|| w.m.as_ptr().add(g * nb * GROUP * halves)),
+                implied: w.kind.implied_offset(),
                 gbb,
                 bytes8: w.kind.byte_values(),
                 halves,
@@ -602,9 +656,17 @@ macro_rules! group_kernel {
                 let at = |i: usize| (r0 + i) * nb + b;
                 if p.halves == 2 {
                     let dv = _mm256_loadu_ps(p.d.add(b * GROUP * 2));
-                    let mv = _mm256_loadu_ps(p.m.add(b * GROUP * 2));
                     let dv1 = _mm256_loadu_ps(p.d.add(b * GROUP * 2 + GROUP));
-                    let mv1 = _mm256_loadu_ps(p.m.add(b * GROUP * 2 + GROUP));
+                    let (mv, mv1) = match p.m {
+                        Some(m) => (
+                            _mm256_loadu_ps(m.add(b * GROUP * 2)),
+                            _mm256_loadu_ps(m.add(b * GROUP * 2 + GROUP)),
+                        ),
+                        None => (
+                            _mm256_mul_ps(_mm256_set1_ps(p.implied), dv),
+                            _mm256_mul_ps(_mm256_set1_ps(p.implied), dv1),
+                        ),
+                    };
                     for (i, acc) in acc.iter_mut().enumerate() {
                         let [lo, hi] = if R >= 4 {
                             $half_dots::<1>(&v, x(i))
@@ -622,7 +684,10 @@ macro_rules! group_kernel {
                     continue;
                 }
                 let dv = _mm256_loadu_ps(p.d.add(b * GROUP));
-                let mv = _mm256_loadu_ps(p.m.add(b * GROUP));
+                let mv = match p.m {
+                    Some(m) => _mm256_loadu_ps(m.add(b * GROUP)),
+                    None => _mm256_mul_ps(_mm256_set1_ps(p.implied), dv),
+                };
                 for (i, acc) in acc.iter_mut().enumerate() {
                     let dot = if R >= 4 {
                         $dot::<1>(&v, x(i))

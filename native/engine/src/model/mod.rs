@@ -235,7 +235,10 @@ impl TensorLoader<'_> {
             // tied: build the head straight from the mapping and read embeddings back from
             // it, so the table is never resident twice (not even while loading)
             let bytes = self.gguf.tensor_bytes(info);
-            if let Some(head) = ops::Linear::from_file_bytes(info.dtype, bytes, n_vocab, d) {
+            let release = |done: &[u8]| self.gguf.release_bytes(done);
+            if let Some(head) =
+                ops::Linear::from_file_bytes_releasing(info.dtype, bytes, n_vocab, d, &release)
+            {
                 let head = std::sync::Arc::new(head);
                 if let Some(embd) = ops::Embedding::tied(&head) {
                     self.gguf.release(info);

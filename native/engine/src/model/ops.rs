@@ -30,6 +30,9 @@ pub(crate) fn own_kernels_enabled() -> bool {
     *ENABLED.get_or_init(|| std::env::var("LLAMA_CPP_EX_KERNELS").map_or(true, |v| v != "candle"))
 }
 
+/// Rows converted to the kernel layout per step when loading (a multiple of the row group).
+const CONVERT_ROWS: usize = 4096;
+
 impl Linear {
     pub fn new(t: QTensor) -> Result<Self> {
         Self::from_arc(Arc::new(t))
@@ -59,12 +62,43 @@ impl Linear {
         n_out: usize,
         n_in: usize,
     ) -> Option<Self> {
-        if !own_kernels_enabled() {
+        Self::from_file_bytes_releasing(dtype, bytes, n_out, n_in, &|_| {})
+    }
+
+    /// [`Linear::from_file_bytes`], converting [`CONVERT_ROWS`] rows at a time and handing
+    /// each converted part of `bytes` to `release`, so a large matrix read from a mapping
+    /// (a 262k-row output head) is never resident in both layouts at once.
+    pub fn from_file_bytes_releasing(
+        dtype: GgmlDType,
+        bytes: &[u8],
+        n_out: usize,
+        n_in: usize,
+        release: &dyn Fn(&[u8]),
+    ) -> Option<Self> {
+        if !own_kernels_enabled() || n_out == 0 || !bytes.len().is_multiple_of(n_out) {
             return None;
         }
-        let nibble = |kind| NibbleMatrix::from_bytes(kind, bytes, n_out, n_in).map(Kernel::Nibble);
-        let k_quant =
-            |kind| NibbleMatrix::from_k_quant(kind, bytes, n_out, n_in).map(Kernel::Nibble);
+        let row_bytes = bytes.len() / n_out;
+        let in_parts = |convert: &dyn Fn(&[u8], usize) -> Option<NibbleMatrix>| {
+            let mut whole: Option<NibbleMatrix> = None;
+            for r0 in (0..n_out).step_by(CONVERT_ROWS) {
+                let rows = CONVERT_ROWS.min(n_out - r0);
+                let part_bytes = &bytes[r0 * row_bytes..(r0 + rows) * row_bytes];
+                let part = convert(part_bytes, rows)?;
+                release(part_bytes);
+                match whole.as_mut() {
+                    None => {
+                        let mut first = part;
+                        first.reserve_rows(n_out);
+                        whole = Some(first);
+                    }
+                    Some(w) => w.append(part)?,
+                }
+            }
+            whole.map(Kernel::Nibble)
+        };
+        let nibble = |kind| in_parts(&|b, rows| NibbleMatrix::from_bytes(kind, b, rows, n_in));
+        let k_quant = |kind| in_parts(&|b, rows| NibbleMatrix::from_k_quant(kind, b, rows, n_in));
         let kernel = match dtype {
             // the interleaved kernel runs Q8_0 only with VNNI (maddubs would saturate)
             GgmlDType::Q8_0 if crate::kernels::has_vnni() => nibble(NibbleType::Q8_0),
