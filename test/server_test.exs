@@ -370,4 +370,19 @@ defmodule LlamaCppEx.ServerTest do
       GenServer.stop(s)
     end
   end
+
+  test "prefix instability is reported for a diverging prompt, not for a repeated one",
+       %{server: server} do
+    event = [:llama_cpp_ex, :server, :prefix_instability]
+    attach([event])
+    prompt = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+    {:ok, _} = Server.generate(server, prompt, max_tokens: 96)
+    {:ok, _} = Server.generate(server, prompt, max_tokens: 4)
+    refute_receive {:telemetry, ^event, _, _}, 100
+
+    {:ok, _} = Server.generate(server, prompt, max_tokens: 96)
+    {:ok, _} = Server.generate(server, prompt <> " Then tell it again as a poem.", max_tokens: 4)
+    assert_receive {:telemetry, ^event, %{matched_tokens: m, cached_tokens: c}, _}, 1000
+    assert m < c
+  end
 end

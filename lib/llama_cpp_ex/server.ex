@@ -996,7 +996,7 @@ defmodule LlamaCppEx.Server do
         true -> {own, []}
       end
 
-    maybe_prefix_instability(state, seq, old, own)
+    maybe_prefix_instability(state, seq, old, own, n)
     now = now_ms()
 
     slot = %{
@@ -1066,10 +1066,14 @@ defmodule LlamaCppEx.Server do
     |> Enum.max_by(fn {s, len} -> {len, -s} end, fn -> {nil, 0} end)
   end
 
-  defp maybe_prefix_instability(state, seq, old, matched) do
+  # A prompt that diverges early from a long cached conversation suggests a template that
+  # rewrites earlier turns; a prompt that is itself a prefix of the cache (the same prompt sent
+  # again, a shorter one) rewrote nothing.
+  defp maybe_prefix_instability(state, seq, old, matched, prompt_len) do
     cached = length(old.cached_tokens)
 
-    if cached >= @prefix_instability_min and matched * 10 >= cached and matched * 2 <= cached do
+    if cached >= @prefix_instability_min and matched * 10 >= cached and matched * 2 <= cached and
+         matched < prompt_len - 1 do
       Telemetry.execute(
         [:llama_cpp_ex, :server, :prefix_instability],
         %{matched_tokens: matched, cached_tokens: cached},
