@@ -3,7 +3,7 @@
 use crate::batch::Batch;
 use crate::error::{EngineError, Result};
 use crate::kv::{KvCache, KvType, KvUsage};
-use crate::model::Model;
+use crate::model::{Model, Workspace};
 use crate::sampler::{Sampler, TokenLogprobs};
 use crate::tokenizer::TokenId;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -58,6 +58,10 @@ pub struct Context {
     logits: Vec<f32>,
     /// For each entry of the last batch, its logits row (or -1).
     output_rows: Vec<i32>,
+    /// Buffers reused by every forward pass and batch check (no allocation per token).
+    ws: Workspace,
+    next_pos: Vec<Option<usize>>,
+    ranges: Vec<(usize, usize, usize)>,
 }
 
 impl Context {
@@ -95,6 +99,9 @@ impl Context {
             kv,
             logits: Vec::new(),
             output_rows: Vec::new(),
+            ws: Workspace::default(),
+            next_pos: Vec::new(),
+            ranges: Vec::new(),
         })
     }
 
@@ -104,14 +111,22 @@ impl Context {
 
     /// Validates a batch: known tokens, sequence ids in range, and per sequence positions
     /// that continue its cache without gaps.
-    fn validate(&self, batch: &Batch) -> Result<()> {
+    fn validate(&mut self, batch: &Batch) -> Result<()> {
+        let mut next = std::mem::take(&mut self.next_pos);
+        next.clear();
+        next.resize(self.kv.n_seq_max(), None);
+        let checked = self.validate_with(batch, &mut next);
+        self.next_pos = next;
+        checked
+    }
+
+    fn validate_with(&self, batch: &Batch, next: &mut [Option<usize>]) -> Result<()> {
         let n = batch.len();
         if batch.pos.len() != n || batch.seq.len() != n || batch.logits.len() != n {
             return Err(EngineError::InvalidArgument(
                 "batch fields differ in length".into(),
             ));
         }
-        let mut next: Vec<Option<usize>> = vec![None; self.kv.n_seq_max()];
         for i in 0..n {
             self.model.tokenizer.check_id(batch.tokens[i] as i64)?;
             let s = self.kv.check_seq(batch.seq[i] as i64)?;
@@ -146,6 +161,9 @@ impl Context {
         self.output_rows.clear();
         let n_vocab = self.n_vocab();
         let ub = self.params.n_ubatch;
+        if batch.len() <= ub {
+            return self.decode_ubatch(batch);
+        }
         let mut start = 0;
         while start < batch.len() {
             let end = (start + ub).min(batch.len());
@@ -163,8 +181,15 @@ impl Context {
     }
 
     fn decode_ubatch(&mut self, batch: &Batch) -> Result<()> {
-        let ranges = seq_ranges(batch);
-        self.reserve_batch(&ranges)
+        let mut ranges = std::mem::take(&mut self.ranges);
+        seq_ranges_into(batch, &mut ranges);
+        let done = self.decode_ranges(batch, &ranges);
+        self.ranges = ranges;
+        done
+    }
+
+    fn decode_ranges(&mut self, batch: &Batch, ranges: &[(usize, usize, usize)]) -> Result<()> {
+        self.reserve_batch(ranges)
             .map_err(|seq| EngineError::ContextFull { seq })?;
         let arch = self.model.architecture()?;
         let threads = if batch.len() == 1 {
@@ -172,15 +197,12 @@ impl Context {
         } else {
             self.params.n_threads_batch
         };
-        let kv = &mut self.kv;
-        let logits = match crate::pool::with_threads(threads, || arch.forward(batch, kv)) {
-            Ok(l) => l,
-            Err(e) => {
-                self.release_reserved(&ranges);
-                return Err(e);
-            }
-        };
-        for &(s, _, to) in &ranges {
+        let (kv, ws) = (&mut self.kv, &mut self.ws);
+        if let Err(e) = crate::pool::with_threads(threads, || arch.forward(batch, kv, ws)) {
+            self.release_reserved(ranges);
+            return Err(e);
+        }
+        for &(s, _, to) in ranges {
             self.kv.commit(s, to);
         }
         let base = (self.logits.len() / self.n_vocab().max(1)) as i32;
@@ -193,7 +215,7 @@ impl Context {
                 self.output_rows.push(-1);
             }
         }
-        self.logits.extend_from_slice(&logits);
+        self.logits.extend_from_slice(&self.ws.logits);
         Ok(())
     }
 
@@ -294,7 +316,14 @@ impl Context {
 
 /// `(seq, first position, end position)` of every sequence in a (validated) batch.
 fn seq_ranges(batch: &Batch) -> Vec<(usize, usize, usize)> {
-    let mut ranges: Vec<(usize, usize, usize)> = Vec::new();
+    let mut ranges = Vec::new();
+    seq_ranges_into(batch, &mut ranges);
+    ranges
+}
+
+/// Per sequence of the batch: `(seq, first position, last position + 1)`.
+fn seq_ranges_into(batch: &Batch, ranges: &mut Vec<(usize, usize, usize)>) {
+    ranges.clear();
     for i in 0..batch.len() {
         let s = batch.seq[i];
         match ranges.iter_mut().find(|r| r.0 == s) {
@@ -302,7 +331,6 @@ fn seq_ranges(batch: &Batch) -> Vec<(usize, usize, usize)> {
             None => ranges.push((s, batch.pos[i], batch.pos[i] + 1)),
         }
     }
-    ranges
 }
 
 /// One sequence's outcome in [`Context::eval_sample`].

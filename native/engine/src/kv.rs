@@ -187,7 +187,12 @@ impl KvCache {
                 window,
                 refcount: vec![0; n_blocks],
                 free: (0..n_blocks as u32).rev().collect(),
-                seqs: vec![SeqTable::default(); n_seq_max],
+                // room for a full context, so decoding never grows a table
+                seqs: (0..n_seq_max)
+                    .map(|_| SeqTable {
+                        blocks: Vec::with_capacity(n_blocks),
+                    })
+                    .collect(),
             })
             .collect();
         Ok(KvCache {
@@ -382,10 +387,12 @@ impl KvCache {
 
     pub fn seq_clear(&mut self, seq: usize) {
         for group in &mut self.groups {
-            let blocks = std::mem::take(&mut group.seqs[seq].blocks);
-            for b in blocks {
+            let mut blocks = std::mem::take(&mut group.seqs[seq].blocks);
+            for &b in &blocks {
                 group.release(b);
             }
+            blocks.clear();
+            group.seqs[seq].blocks = blocks;
         }
         self.lens[seq] = 0;
     }
@@ -411,7 +418,8 @@ impl KvCache {
         self.seq_clear(dst);
         let n_blocks = n.div_ceil(KV_BLOCK_SIZE);
         for group in &mut self.groups {
-            let shared: Vec<u32> = group.seqs[src].blocks[..n_blocks].to_vec();
+            let mut shared = std::mem::take(&mut group.seqs[dst].blocks);
+            shared.extend_from_slice(&group.seqs[src].blocks[..n_blocks]);
             for &b in &shared {
                 if b != NO_BLOCK {
                     group.refcount[b as usize] += 1;

@@ -367,10 +367,11 @@ impl NibbleMatrix {
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
         assert_eq!(x.len(), m * self.n_in);
         assert_eq!(out.len(), m * self.n_out);
-        let a = Q8Activations::quantize(x, m, self.n_in);
         let shared = SharedMut(out.as_mut_ptr());
-        super::for_each_tile(self.n_out, GROUP, m * self.n_out * self.n_in, |o0, _| {
-            self.group(&a, o0 / GROUP, &shared)
+        Q8Activations::with_quantized(x, m, self.n_in, |a| {
+            super::for_each_tile(self.n_out, GROUP, m * self.n_out * self.n_in, |o0, _| {
+                self.group(a, o0 / GROUP, &shared)
+            })
         });
     }
 

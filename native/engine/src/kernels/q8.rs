@@ -79,14 +79,15 @@ impl Q8Matrix {
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
         assert_eq!(x.len(), m * self.n_in);
         assert_eq!(out.len(), m * self.n_out);
-        let a = Q8Activations::quantize(x, m, self.n_in);
         let shared = SharedMut(out.as_mut_ptr());
-        super::for_each_tile(
-            self.n_out,
-            ROW_TILE,
-            m * self.n_out * self.n_in,
-            |o0, rows| self.tile(&a, o0, rows, &shared),
-        );
+        Q8Activations::with_quantized(x, m, self.n_in, |a| {
+            super::for_each_tile(
+                self.n_out,
+                ROW_TILE,
+                m * self.n_out * self.n_in,
+                |o0, rows| self.tile(a, o0, rows, &shared),
+            )
+        });
     }
 
     fn tile(&self, a: &Q8Activations, o0: usize, rows: usize, out: &SharedMut) {
@@ -189,30 +190,71 @@ impl Q8Activations {
     /// ggml's `quantize_row_q8_0`: per block scale `amax / 127`, values rounded to nearest
     /// (ties to even, as ggml's AVX2 path does).
     pub fn quantize(x: &[f32], m: usize, k: usize) -> Self {
+        let mut a = Q8Activations {
+            m: 0,
+            quants: Vec::new(),
+            scales: Vec::new(),
+            sums: Vec::new(),
+            half_sums: Vec::new(),
+        };
+        a.quantize_into(x, m, k);
+        a
+    }
+
+    /// [`Q8Activations::quantize`] into this value's buffers (no allocation once they are
+    /// large enough).
+    pub fn quantize_into(&mut self, x: &[f32], m: usize, k: usize) {
         let nb = k / QK8_0;
-        let mut quants = vec![0i8; m * k];
-        let mut scales = vec![0f32; m * nb];
-        let mut sums = vec![0f32; m * nb];
-        let mut half_sums = vec![0f32; 2 * m * nb];
+        self.m = m;
+        let fit = |v: &mut Vec<f32>, n: usize| {
+            v.clear();
+            v.resize(n, 0.0);
+        };
+        self.quants.clear();
+        self.quants.resize(m * k, 0);
+        fit(&mut self.scales, m * nb);
+        fit(&mut self.sums, m * nb);
+        fit(&mut self.half_sums, 2 * m * nb);
         for (bi, (xb, qb)) in x
             .chunks_exact(QK8_0)
-            .zip(quants.chunks_exact_mut(QK8_0))
+            .zip(self.quants.chunks_exact_mut(QK8_0))
             .enumerate()
         {
             let (d, [lo, hi]) = quantize_block(xb, qb);
             // the scale as ggml stores it (f16) so results match Q8_0 x Q8_0 products
-            scales[bi] = f16::from_f32(d).to_f32();
-            sums[bi] = scales[bi] * (lo + hi) as f32;
-            half_sums[2 * bi] = scales[bi] * lo as f32;
-            half_sums[2 * bi + 1] = scales[bi] * hi as f32;
+            let scale = f16::from_f32(d).to_f32();
+            self.scales[bi] = scale;
+            self.sums[bi] = scale * (lo + hi) as f32;
+            self.half_sums[2 * bi] = scale * lo as f32;
+            self.half_sums[2 * bi + 1] = scale * hi as f32;
         }
-        Q8Activations {
-            m,
-            quants,
-            scales,
-            sums,
-            half_sums,
+    }
+
+    /// Quantizes `x` into the calling thread's reusable activation buffers and runs `f` on
+    /// them (a fresh value if they are already in use on this thread).
+    pub(crate) fn with_quantized<R>(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        f: impl FnOnce(&Self) -> R,
+    ) -> R {
+        thread_local! {
+            static BUFFERS: std::cell::RefCell<Q8Activations> =
+                const { std::cell::RefCell::new(Q8Activations {
+                    m: 0,
+                    quants: Vec::new(),
+                    scales: Vec::new(),
+                    sums: Vec::new(),
+                    half_sums: Vec::new(),
+                }) };
         }
+        BUFFERS.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut a) => {
+                a.quantize_into(x, m, k);
+                f(&a)
+            }
+            Err(_) => f(&Self::quantize(x, m, k)),
+        })
     }
 }
 

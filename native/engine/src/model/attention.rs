@@ -33,9 +33,10 @@ struct SharedOut(*mut f32);
 unsafe impl Sync for SharedOut {}
 unsafe impl Send for SharedOut {}
 
-/// Runs of consecutive positions of one sequence, at most `QUERY_TILE` long.
-fn tiles(batch: &Batch) -> Vec<(usize, usize)> {
-    let mut out: Vec<(usize, usize)> = Vec::new();
+/// Runs of consecutive positions of one sequence, at most `QUERY_TILE` long, into `out`
+/// (computed once per forward pass; every layer attends over the same tiles).
+pub fn tiles_into(batch: &Batch, out: &mut Vec<(usize, usize)>) {
+    out.clear();
     for i in 0..batch.len() {
         match out.last_mut() {
             Some((start, len))
@@ -49,7 +50,6 @@ fn tiles(batch: &Batch) -> Vec<(usize, usize)> {
             _ => out.push((i, 1)),
         }
     }
-    out
 }
 
 /// Rotates every token's queries and keys at its own position, then writes its keys and
@@ -81,18 +81,18 @@ pub fn rotate_and_store(
     }
 }
 
-/// `q`: `[n_tokens, n_head * head_dim]` (already rotated). `out`: same shape.
-/// Keys and values of every token of the batch must already be written to `kv`.
+/// `q`: `[n_tokens, n_head * head_dim]` (already rotated). `out`: same shape. `tiles`: from
+/// [`tiles_into`]. Keys and values of every token of the batch must already be written to `kv`.
 pub fn paged_attention(
     kv: &KvCache,
     layer: usize,
     batch: &Batch,
+    tiles: &[(usize, usize)],
     q: &[f32],
     p: &AttnParams,
     out: &mut [f32],
 ) {
     assert_eq!(q.len(), out.len());
-    let tiles = tiles(batch);
     let n_tasks = tiles.len() * p.n_kv_heads;
     let shared = SharedOut(out.as_mut_ptr());
     let run = |range: std::ops::Range<usize>| {

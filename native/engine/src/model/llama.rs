@@ -1,11 +1,11 @@
 //! The `llama` architecture (Llama 2/3, Mistral, SmolLM2): RMSNorm, rotary embeddings on
 //! adjacent pairs, grouped-query attention, SwiGLU feed-forward.
 
-use super::attention::{paged_attention, rotate_and_store, AttnParams};
+use super::attention::{paged_attention, rotate_and_store, tiles_into, AttnParams};
 use super::ops::{
-    add_assign, inv_freq, output_logits, rms_norm, silu_mul, Embedding, Linear, Rope,
+    add_assign, inv_freq, output_logits_into, rms_norm, silu_mul, sized, Embedding, Linear,
 };
-use super::{Architecture, Config, Projections, TensorLoader};
+use super::{Architecture, Config, Projections, TensorLoader, Workspace};
 use crate::batch::Batch;
 use crate::error::Result;
 use crate::kv::KvCache;
@@ -55,45 +55,65 @@ impl Llama {
 }
 
 impl Architecture for Llama {
-    fn forward(&self, batch: &Batch, kv: &mut KvCache) -> Result<Vec<f32>> {
+    fn forward(&self, batch: &Batch, kv: &mut KvCache, ws: &mut Workspace) -> Result<()> {
         let c = &self.cfg;
         let n = batch.len();
         let d = c.n_embd;
         let hd = c.head_dim;
-        let mut x = self.embd.lookup(&batch.tokens)?;
-        let rope = Rope::new(&batch.pos, &self.inv_freq);
+        self.embd.lookup_into(&batch.tokens, &mut ws.x)?;
+        ws.rope.fill(&batch.pos, &self.inv_freq);
+        tiles_into(batch, &mut ws.tiles);
         let attn = AttnParams {
             n_head: c.n_head,
             n_kv_heads: c.n_head_kv,
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
         };
-        let q_dim = c.n_head * hd;
-        let mut attn_out = vec![0f32; n * q_dim];
+        sized(&mut ws.attn, n * c.n_head * hd);
+        let Workspace {
+            x,
+            h,
+            q,
+            k,
+            v,
+            attn: attn_out,
+            o,
+            g,
+            u,
+            stacked,
+            rope,
+            tiles,
+            logits,
+            ..
+        } = ws;
         for (li, layer) in self.layers.iter().enumerate() {
-            let mut h = x.clone();
-            rms_norm(&mut h, &layer.attn_norm, c.eps);
-            let mut qkv = layer.proj.qkv.forward(&h, n)?.into_iter();
-            let (mut q, mut k, v) = match (qkv.next(), qkv.next(), qkv.next()) {
-                (Some(q), Some(k), Some(v)) => (q, k, v),
-                _ => unreachable!("three projections"),
-            };
-            rotate_and_store(kv, li, batch, &rope, false, &attn, &mut q, &mut k, &v);
-            paged_attention(kv, li, batch, &q, &attn, &mut attn_out);
-            let o = layer.proj.wo.forward(&attn_out, n)?;
-            add_assign(&mut x, &o);
+            h.clone_from(x);
+            rms_norm(h, &layer.attn_norm, c.eps);
+            layer.proj.qkv.forward_into(h, n, &mut [q, k, v], stacked)?;
+            rotate_and_store(kv, li, batch, rope, false, &attn, q, k, v);
+            paged_attention(kv, li, batch, tiles, q, &attn, attn_out);
+            layer.proj.wo.forward_into(attn_out, n, o)?;
+            add_assign(x, o);
 
-            let mut h = x.clone();
-            rms_norm(&mut h, &layer.ffn_norm, c.eps);
-            let mut gu = layer.proj.gate_up.forward(&h, n)?.into_iter();
-            let (mut g, u) = match (gu.next(), gu.next()) {
-                (Some(g), Some(u)) => (g, u),
-                _ => unreachable!("two projections"),
-            };
-            silu_mul(&mut g, &u);
-            let down = layer.proj.down.forward(&g, n)?;
-            add_assign(&mut x, &down);
+            h.clone_from(x);
+            rms_norm(h, &layer.ffn_norm, c.eps);
+            layer
+                .proj
+                .gate_up
+                .forward_into(h, n, &mut [g, u], stacked)?;
+            silu_mul(g, u);
+            layer.proj.down.forward_into(g, n, o)?;
+            add_assign(x, o);
         }
-        output_logits(&x, d, &batch.logits, &self.norm, c.eps, &self.output)
+        output_logits_into(
+            x,
+            d,
+            &batch.logits,
+            &self.norm,
+            c.eps,
+            &self.output,
+            h,
+            logits,
+        )
     }
 }

@@ -175,9 +175,31 @@ impl Config {
 
 /// One architecture's forward pass over a batch.
 pub trait Architecture: Send + Sync {
-    /// Runs the batch, writing keys/values into `kv` (blocks already reserved), and returns the
-    /// logits of the tokens whose logits flag is set, in batch order (`[n_outputs, n_vocab]`).
-    fn forward(&self, batch: &Batch, kv: &mut KvCache) -> Result<Vec<f32>>;
+    /// Runs the batch, writing keys/values into `kv` (blocks already reserved), and leaves the
+    /// logits of the tokens whose logits flag is set in `ws.logits`, in batch order
+    /// (`[n_outputs, n_vocab]`).
+    fn forward(&self, batch: &Batch, kv: &mut KvCache, ws: &mut Workspace) -> Result<()>;
+}
+
+/// The buffers of a forward pass, kept by the context from one pass to the next: once they
+/// have grown to the largest batch seen, a pass allocates nothing.
+#[derive(Default)]
+pub struct Workspace {
+    pub(crate) x: Vec<f32>,
+    pub(crate) h: Vec<f32>,
+    pub(crate) q: Vec<f32>,
+    pub(crate) k: Vec<f32>,
+    pub(crate) v: Vec<f32>,
+    pub(crate) attn: Vec<f32>,
+    pub(crate) o: Vec<f32>,
+    pub(crate) g: Vec<f32>,
+    pub(crate) u: Vec<f32>,
+    pub(crate) stacked: Vec<f32>,
+    pub(crate) rope: ops::Rope,
+    pub(crate) rope_local: ops::Rope,
+    pub(crate) tiles: Vec<(usize, usize)>,
+    /// Logits of the last pass.
+    pub logits: Vec<f32>,
 }
 
 /// Loads one tensor, re-quantizing scalar-only types when asked.

@@ -30,6 +30,13 @@ pub(crate) fn own_kernels_enabled() -> bool {
     *ENABLED.get_or_init(|| std::env::var("LLAMA_CPP_EX_KERNELS").map_or(true, |v| v != "candle"))
 }
 
+/// `v` resized to `n` values (zeroed), without reallocating once its capacity is enough.
+pub fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    v.clear();
+    v.resize(n, 0.0);
+    v
+}
+
 /// Rows converted to the kernel layout per step when loading (a multiple of the row group).
 const CONVERT_ROWS: usize = 4096;
 
@@ -136,23 +143,23 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.forward_into(x, m, &mut out)?;
+        Ok(out)
+    }
+
+    /// `out = x · Wᵀ` (`[m, n_out]`), reusing `out`'s allocation on the engine's kernels.
+    pub fn forward_into(&self, x: &[f32], m: usize, out: &mut Vec<f32>) -> Result<()> {
         match &self.kernel {
-            Kernel::Q8(w) => {
-                let mut out = vec![0f32; m * self.n_out];
-                w.matmul(x, m, &mut out);
-                Ok(out)
-            }
-            Kernel::Nibble(w) => {
-                let mut out = vec![0f32; m * self.n_out];
-                w.matmul(x, m, &mut out);
-                Ok(out)
-            }
+            Kernel::Q8(w) => w.matmul(x, m, sized(out, m * self.n_out)),
+            Kernel::Nibble(w) => w.matmul(x, m, sized(out, m * self.n_out)),
             Kernel::Candle(w) => {
                 let t = Tensor::from_slice(x, (m, self.n_in), &Device::Cpu)?;
                 let y = w.forward(&t)?;
-                Ok(y.flatten_all()?.to_vec1::<f32>()?)
+                *out = y.flatten_all()?.to_vec1::<f32>()?;
             }
         }
+        Ok(())
     }
 }
 
@@ -202,6 +209,38 @@ impl FusedLinear {
         }
     }
 
+    /// One output per part, each `[m, part.n_out]`, into `outs` (as many as parts);
+    /// `stacked` holds the stacked product in between.
+    pub fn forward_into(
+        &self,
+        x: &[f32],
+        m: usize,
+        outs: &mut [&mut Vec<f32>],
+        stacked: &mut Vec<f32>,
+    ) -> Result<()> {
+        match self {
+            FusedLinear::Separate(parts) => {
+                for (p, out) in parts.iter().zip(outs.iter_mut()) {
+                    p.forward_into(x, m, out)?;
+                }
+            }
+            FusedLinear::Stacked { w, widths } => {
+                w.forward_into(x, m, stacked)?;
+                for out in outs.iter_mut() {
+                    out.clear();
+                }
+                for row in stacked.chunks_exact(w.n_out) {
+                    let mut off = 0;
+                    for (out, &n) in outs.iter_mut().zip(widths) {
+                        out.extend_from_slice(&row[off..off + n]);
+                        off += n;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// One output per part, each `[m, part.n_out]`.
     pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<Vec<f32>>> {
         match self {
@@ -247,14 +286,21 @@ impl Embedding {
     }
 
     pub fn lookup(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.lookup_into(tokens, &mut out)?;
+        Ok(out)
+    }
+
+    /// The rows of `tokens` into `out` (`[tokens.len(), n_embd]`).
+    pub fn lookup_into(&self, tokens: &[u32], out: &mut Vec<f32>) -> Result<()> {
         match self {
             Embedding::Table(table) => {
                 let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
-                Ok(table.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?)
+                *out = table.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?;
             }
             Embedding::Tied(head) => {
                 let d = head.n_in;
-                let mut out = vec![0f32; tokens.len() * d];
+                let out = sized(out, tokens.len() * d);
                 for (row, &t) in out.chunks_exact_mut(d).zip(tokens) {
                     if t as usize >= head.n_out || !head.dequantize_row(t as usize, row) {
                         return Err(crate::error::EngineError::InvalidArgument(format!(
@@ -262,9 +308,9 @@ impl Embedding {
                         )));
                     }
                 }
-                Ok(out)
             }
         }
+        Ok(())
     }
 }
 
@@ -280,6 +326,7 @@ pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
 }
 
 /// Rotary tables per token: `cos[t * half + i]`, `sin[...]`.
+#[derive(Default)]
 pub struct Rope {
     pub half: usize,
     pub cos: Vec<f32>,
@@ -288,17 +335,27 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(positions: &[usize], inv_freq: &[f32]) -> Self {
-        let half = inv_freq.len();
-        let mut cos = Vec::with_capacity(positions.len() * half);
-        let mut sin = Vec::with_capacity(positions.len() * half);
+        let mut rope = Rope {
+            half: 0,
+            cos: Vec::new(),
+            sin: Vec::new(),
+        };
+        rope.fill(positions, inv_freq);
+        rope
+    }
+
+    /// Recomputes the tables for `positions`, reusing their allocations.
+    pub fn fill(&mut self, positions: &[usize], inv_freq: &[f32]) {
+        self.half = inv_freq.len();
+        self.cos.clear();
+        self.sin.clear();
         for &p in positions {
             for &f in inv_freq {
                 let a = p as f32 * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
+                self.cos.push(a.cos());
+                self.sin.push(a.sin());
             }
         }
-        Rope { half, cos, sin }
     }
 
     /// Rotates every head of token `t`. `neox`: pairs are (i, i + n_rot/2) instead of
@@ -333,25 +390,29 @@ pub fn inv_freq(n_rot: usize, base: f32, factors: Option<&[f32]>) -> Vec<f32> {
         .collect()
 }
 
-/// Final norm and output head for the rows whose logits flag is set, in batch order.
-pub fn output_logits(
+/// Final norm and output head for the rows whose logits flag is set, in batch order, into
+/// `logits` (`h` holds the selected rows).
+#[allow(clippy::too_many_arguments)]
+pub fn output_logits_into(
     x: &[f32],
     d: usize,
     wanted: &[bool],
     norm: &[f32],
     eps: f32,
     output: &Linear,
-) -> Result<Vec<f32>> {
-    let rows: Vec<usize> = (0..wanted.len()).filter(|&t| wanted[t]).collect();
-    if rows.is_empty() {
-        return Ok(Vec::new());
-    }
-    let mut h = Vec::with_capacity(rows.len() * d);
-    for &t in &rows {
+    h: &mut Vec<f32>,
+    logits: &mut Vec<f32>,
+) -> Result<()> {
+    h.clear();
+    for (t, _) in wanted.iter().enumerate().filter(|(_, &w)| w) {
         h.extend_from_slice(&x[t * d..(t + 1) * d]);
     }
-    rms_norm(&mut h, norm, eps);
-    output.forward(&h, rows.len())
+    if h.is_empty() {
+        logits.clear();
+        return Ok(());
+    }
+    rms_norm(h, norm, eps);
+    output.forward_into(h, h.len() / d, logits)
 }
 
 /// `exp(x)` without a libm call, so loops over it vectorise: `2^k · p(r)` with
