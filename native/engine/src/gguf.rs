@@ -31,7 +31,13 @@ pub enum Value {
     F32(f32),
     Bool(bool),
     String(String),
+    /// Arrays of other types (nested arrays, integers other than i32, ...).
     Array(Vec<Value>),
+    /// Compact forms of the large arrays of tokenizer metadata (a 262k-token vocabulary as
+    /// `Value`s is ~35 MiB; as these, ~5 MiB).
+    Strings(StrArray),
+    I32s(Vec<i32>),
+    F32s(Vec<f32>),
     U64(u64),
     I64(i64),
     F64(f64),
@@ -79,6 +85,63 @@ impl Value {
             Value::Array(a) => Some(a),
             _ => None,
         }
+    }
+
+    pub fn is_array(&self) -> bool {
+        matches!(
+            self,
+            Value::Array(_) | Value::Strings(_) | Value::I32s(_) | Value::F32s(_)
+        )
+    }
+
+    /// An array of strings.
+    pub fn as_strings(&self) -> Option<&StrArray> {
+        match self {
+            Value::Strings(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// An array of numbers, whatever their stored type (`None` if any item is not one).
+    pub fn numbers(&self) -> Option<Vec<f64>> {
+        match self {
+            Value::I32s(a) => Some(a.iter().map(|&v| v as f64).collect()),
+            Value::F32s(a) => Some(a.iter().map(|&v| v as f64).collect()),
+            Value::Array(a) => a.iter().map(Value::as_f64).collect(),
+            _ => None,
+        }
+    }
+}
+
+/// Strings stored back to back: item `i` is `data[ends[i - 1]..ends[i]]`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct StrArray {
+    data: String,
+    ends: Vec<usize>,
+}
+
+impl StrArray {
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    pub fn get(&self, i: usize) -> Option<&str> {
+        let end = *self.ends.get(i)?;
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        Some(&self.data[start..end])
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &str> + '_ {
+        (0..self.len()).filter_map(|i| self.get(i))
+    }
+
+    fn push(&mut self, s: &str) {
+        self.data.push_str(s);
+        self.ends.push(self.data.len());
     }
 }
 
@@ -180,11 +243,36 @@ impl<'a> Reader<'a> {
                 let item_ty = self.u32()?;
                 let min_size = value_min_size(item_ty)?;
                 let n = self.len(min_size)?;
-                let mut items = Vec::with_capacity(n);
-                for _ in 0..n {
-                    items.push(self.value(item_ty, depth + 1)?);
+                match item_ty {
+                    5 => Value::I32s(
+                        (0..n)
+                            .map(|_| Ok(i32::from_le_bytes(self.array()?)))
+                            .collect::<Result<_>>()?,
+                    ),
+                    6 => Value::F32s(
+                        (0..n)
+                            .map(|_| Ok(f32::from_le_bytes(self.array()?)))
+                            .collect::<Result<_>>()?,
+                    ),
+                    8 => {
+                        let mut items = StrArray {
+                            data: String::new(),
+                            ends: Vec::with_capacity(n),
+                        };
+                        for _ in 0..n {
+                            let len = self.len(1)?;
+                            items.push(&String::from_utf8_lossy(self.take(len)?));
+                        }
+                        Value::Strings(items)
+                    }
+                    _ => {
+                        let mut items = Vec::with_capacity(n);
+                        for _ in 0..n {
+                            items.push(self.value(item_ty, depth + 1)?);
+                        }
+                        Value::Array(items)
+                    }
                 }
-                Value::Array(items)
             }
             10 => Value::U64(self.u64()?),
             11 => Value::I64(i64::from_le_bytes(self.array()?)),

@@ -13,7 +13,7 @@
 //! `parse_special` is on, user-defined tokens always.
 
 use crate::error::{EngineError, Result};
-use crate::gguf::GgufFile;
+use crate::gguf::{GgufFile, StrArray};
 use std::collections::HashMap;
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -78,10 +78,11 @@ const EOG_TEXTS: &[&str] = &[
 
 pub struct Tokenizer {
     kind: VocabKind,
-    tokens: Vec<String>,
+    tokens: StrArray,
     types: Vec<TokenType>,
-    /// Raw bytes each token renders as (special tokens render as their text).
-    pieces: Vec<Vec<u8>>,
+    /// Raw bytes each token renders as (special tokens render as their text), back to back.
+    pieces: Vec<u8>,
+    piece_ends: Vec<usize>,
     /// Special tokens considered by the partition step, longest text first.
     specials: Vec<(String, TokenId, TokenType)>,
     model: TextModel,
@@ -101,8 +102,10 @@ enum TextModel {
 
 /// llama.cpp's SentencePiece tokenizer (`llm_tokenizer_spm`).
 struct Spm {
-    /// Text → id; for duplicate texts the later id wins, as in llama.cpp.
-    ids: HashMap<Box<str>, TokenId>,
+    /// Text → id as a table of ids hashed by their text (the texts stay in the tokenizer's
+    /// `tokens`); for duplicate texts the later id wins, as in llama.cpp.
+    ids: hashbrown::HashTable<TokenId>,
+    hasher: std::collections::hash_map::RandomState,
     scores: Vec<f32>,
     /// `<0xXX>` tokens (or the byte's own one-character token) for byte fallback.
     bytes: [Option<TokenId>; 256],
@@ -144,24 +147,47 @@ struct Symbol {
 }
 
 impl Spm {
-    fn new(tokens: &[String], scores: Vec<f32>) -> Self {
-        let mut ids: HashMap<Box<str>, TokenId> = HashMap::with_capacity(tokens.len());
+    fn new(tokens: &StrArray, scores: Vec<f32>) -> Self {
+        use std::hash::BuildHasher;
+        let hasher = std::collections::hash_map::RandomState::new();
+        let mut ids = hashbrown::HashTable::with_capacity(tokens.len());
+        let text_of = |id: &TokenId| tokens.get(*id as usize).unwrap_or("");
         for (i, t) in tokens.iter().enumerate() {
-            ids.insert(t.as_str().into(), i as TokenId);
+            let hash = hasher.hash_one(t);
+            match ids.find_mut(hash, |id| text_of(id) == t) {
+                Some(id) => *id = i as TokenId,
+                None => {
+                    ids.insert_unique(hash, i as TokenId, |id| hasher.hash_one(text_of(id)));
+                }
+            }
         }
-        let mut bytes = [None; 256];
-        for (b, slot) in bytes.iter_mut().enumerate() {
+        let mut spm = Spm {
+            ids,
+            hasher,
+            scores,
+            bytes: [None; 256],
+        };
+        for b in 0..256usize {
             let hex = format!("<0x{b:02X}>");
-            *slot = ids.get(hex.as_str()).copied().or_else(|| {
+            spm.bytes[b] = spm.id(tokens, &hex).or_else(|| {
                 let c = char::from_u32(b as u32).filter(|_| b < 0x80)?;
-                ids.get(c.to_string().as_str()).copied()
+                spm.id(tokens, &c.to_string())
             });
         }
-        Spm { ids, scores, bytes }
+        spm
+    }
+
+    fn id(&self, tokens: &StrArray, text: &str) -> Option<TokenId> {
+        use std::hash::BuildHasher;
+        self.ids
+            .find(self.hasher.hash_one(text), |&id| {
+                tokens.get(id as usize) == Some(text)
+            })
+            .copied()
     }
 
     /// `text` has its spaces already escaped as "▁".
-    fn encode(&self, text: &str, out: &mut Vec<TokenId>) -> Result<()> {
+    fn encode(&self, tokens: &StrArray, text: &str, out: &mut Vec<TokenId>) -> Result<()> {
         let mut symbols: Vec<Symbol> = Vec::with_capacity(text.len());
         for (i, (start, c)) in text.char_indices().enumerate() {
             let end = start + c.len_utf8();
@@ -182,7 +208,7 @@ impl Spm {
             };
             let (l, r) = (symbols[left], symbols[right]);
             let piece = &text[l.start..r.start + r.len];
-            if let Some(&id) = self.ids.get(piece) {
+            if let Some(id) = self.id(tokens, piece) {
                 queue.push(Bigram {
                     score: self.scores[id as usize],
                     left,
@@ -214,8 +240,8 @@ impl Spm {
             let sym = symbols[i];
             let piece = &text[sym.start..sym.start + sym.len];
             // merged symbols are always tokens; a leftover character may not be
-            match self.ids.get(piece) {
-                Some(&id) => out.push(id),
+            match self.id(tokens, piece) {
+                Some(id) => out.push(id),
                 None => {
                     for &b in piece.as_bytes() {
                         let id = self.bytes[b as usize].ok_or_else(|| {
@@ -285,25 +311,23 @@ impl Tokenizer {
             "llama" => VocabKind::Spm,
             other => return Err(meta_err(format!("tokenizer model {other:?}"))),
         };
-        let tokens: Vec<String> = gguf
+        let tokens: StrArray = gguf
             .get("tokenizer.ggml.tokens")
-            .and_then(|v| v.as_array())
             .ok_or_else(|| meta_err("missing tokenizer.ggml.tokens"))?
-            .iter()
-            .map(|v| v.as_str().map(str::to_owned))
-            .collect::<Option<_>>()
-            .ok_or_else(|| meta_err("tokenizer.ggml.tokens holds non-strings"))?;
+            .as_strings()
+            .ok_or_else(|| meta_err("tokenizer.ggml.tokens is not an array of strings"))?
+            .clone();
         let n_vocab = tokens.len();
         if n_vocab == 0 || n_vocab > u32::MAX as usize {
             return Err(meta_err("empty or oversized vocabulary"));
         }
         let mut types: Vec<TokenType> = match gguf
             .get("tokenizer.ggml.token_type")
-            .and_then(|v| v.as_array())
+            .and_then(|v| v.numbers())
         {
             Some(a) if a.len() == n_vocab => a
                 .iter()
-                .map(|v| TokenType::from_code(v.as_u64().unwrap_or(1)))
+                .map(|&v| TokenType::from_code(if v >= 0.0 { v as u64 } else { 1 }))
                 .collect(),
             Some(_) => return Err(meta_err("token_type length differs from the vocabulary")),
             None => vec![TokenType::Normal; n_vocab],
@@ -330,7 +354,7 @@ impl Tokenizer {
             .unwrap_or(kind == VocabKind::Spm);
 
         for (i, t) in tokens.iter().enumerate() {
-            if EOG_TEXTS.contains(&t.as_str()) {
+            if EOG_TEXTS.contains(&t) {
                 types[i] = TokenType::Control;
             }
         }
@@ -345,33 +369,34 @@ impl Tokenizer {
         for (b, c) in b2u.iter().enumerate() {
             u2b.insert(*c, b as u8);
         }
-        let pieces: Vec<Vec<u8>> = tokens
-            .iter()
-            .zip(&types)
-            .map(|(text, ty)| match (kind, ty) {
+        let mut pieces: Vec<u8> = Vec::new();
+        let mut piece_ends: Vec<usize> = Vec::with_capacity(n_vocab);
+        for (text, ty) in tokens.iter().zip(&types) {
+            match (kind, ty) {
                 (_, TokenType::Control | TokenType::Unknown | TokenType::UserDefined) => {
-                    text.as_bytes().to_vec()
+                    pieces.extend_from_slice(text.as_bytes())
                 }
                 (VocabKind::Gpt2, _) => {
-                    let mut out = Vec::with_capacity(text.len());
                     for c in text.chars() {
                         match u2b.get(&c) {
-                            Some(b) => out.push(*b),
+                            Some(b) => pieces.push(*b),
                             None => {
                                 let mut buf = [0u8; 4];
-                                out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                                pieces.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
                             }
                         }
                     }
-                    out
                 }
                 (VocabKind::Spm, TokenType::Byte) => match parse_byte_token(text) {
-                    Some(b) => vec![b],
-                    None => text.as_bytes().to_vec(),
+                    Some(b) => pieces.push(b),
+                    None => pieces.extend_from_slice(text.as_bytes()),
                 },
-                (VocabKind::Spm, _) => text.replace(SPM_SPACE, " ").into_bytes(),
-            })
-            .collect();
+                (VocabKind::Spm, _) => {
+                    pieces.extend_from_slice(text.replace(SPM_SPACE, " ").as_bytes())
+                }
+            }
+            piece_ends.push(pieces.len());
+        }
 
         let mut specials: Vec<(String, TokenId, TokenType)> = tokens
             .iter()
@@ -384,13 +409,13 @@ impl Tokenizer {
                         TokenType::Control | TokenType::UserDefined | TokenType::Unknown
                     )
             })
-            .map(|(i, (t, ty))| (t.clone(), i as TokenId, *ty))
+            .map(|(i, (t, ty))| (t.to_owned(), i as TokenId, *ty))
             .collect();
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
 
         let mut eog: Vec<TokenId> = [eos, eot, eom].into_iter().flatten().collect();
         for (i, t) in tokens.iter().enumerate() {
-            if EOG_TEXTS.contains(&t.as_str()) {
+            if EOG_TEXTS.contains(&t) {
                 eog.push(i as TokenId);
             }
         }
@@ -402,6 +427,7 @@ impl Tokenizer {
             tokens,
             types,
             pieces,
+            piece_ends,
             specials,
             model,
             bos,
@@ -413,19 +439,18 @@ impl Tokenizer {
         })
     }
 
-    fn build_gpt2(gguf: &GgufFile, tokens: &[String]) -> Result<HfTokenizer> {
+    fn build_gpt2(gguf: &GgufFile, tokens: &StrArray) -> Result<HfTokenizer> {
         // llama.cpp's text → id map: later duplicates win.
         let mut vocab: HashMap<String, u32> = HashMap::with_capacity(tokens.len());
         for (i, t) in tokens.iter().enumerate() {
-            vocab.insert(t.clone(), i as u32);
+            vocab.insert(t.to_owned(), i as u32);
         }
         let vocab = &vocab;
         let merges: Vec<(String, String)> = gguf
             .get("tokenizer.ggml.merges")
-            .and_then(|v| v.as_array())
+            .and_then(|v| v.as_strings())
             .ok_or_else(|| meta_err("gpt2 vocabulary without tokenizer.ggml.merges"))?
             .iter()
-            .filter_map(|v| v.as_str())
             .filter_map(|m| m.split_once(' '))
             .filter(|(a, b)| {
                 vocab.contains_key(*a)
@@ -457,11 +482,9 @@ impl Tokenizer {
         Ok(hf)
     }
 
-    fn build_spm(gguf: &GgufFile, tokens: &[String]) -> Result<Spm> {
-        let scores: Vec<f32> = match gguf.get("tokenizer.ggml.scores").and_then(|v| v.as_array()) {
-            Some(a) if a.len() == tokens.len() => {
-                a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect()
-            }
+    fn build_spm(gguf: &GgufFile, tokens: &StrArray) -> Result<Spm> {
+        let scores: Vec<f32> = match gguf.get("tokenizer.ggml.scores").and_then(|v| v.numbers()) {
+            Some(a) if a.len() == tokens.len() => a.iter().map(|&v| v as f32).collect(),
             _ => {
                 return Err(meta_err(
                     "llama vocabulary without matching tokenizer.ggml.scores",
@@ -480,7 +503,7 @@ impl Tokenizer {
     }
 
     pub fn token_text(&self, id: TokenId) -> Option<&str> {
-        self.tokens.get(id as usize).map(String::as_str)
+        self.tokens.get(id as usize)
     }
 
     pub fn token_type(&self, id: TokenId) -> Option<TokenType> {
@@ -509,13 +532,13 @@ impl Tokenizer {
 
     /// The bytes a token renders as (llama.cpp's `token_to_piece` with special = true).
     pub fn token_to_piece(&self, id: TokenId) -> Result<&[u8]> {
-        self.pieces
-            .get(id as usize)
-            .map(Vec::as_slice)
-            .ok_or(EngineError::InvalidToken {
-                id: id as i64,
-                n_vocab: self.tokens.len(),
-            })
+        let i = id as usize;
+        let end = *self.piece_ends.get(i).ok_or(EngineError::InvalidToken {
+            id: id as i64,
+            n_vocab: self.tokens.len(),
+        })?;
+        let start = if i == 0 { 0 } else { self.piece_ends[i - 1] };
+        Ok(&self.pieces[start..end])
     }
 
     /// Concatenation of the pieces of `ids`; may be invalid UTF-8 when it ends mid-codepoint.
@@ -577,7 +600,7 @@ impl Tokenizer {
                 out.extend_from_slice(enc.get_ids());
                 Ok(())
             }
-            TextModel::Spm(spm) => spm.encode(&text.replace(' ', SPM_SPACE), out),
+            TextModel::Spm(spm) => spm.encode(&self.tokens, &text.replace(' ', SPM_SPACE), out),
         }
     }
 

@@ -402,7 +402,7 @@ impl Model {
         let mut metadata: Vec<(String, String)> = gguf
             .metadata
             .iter()
-            .filter(|(_, v)| v.as_array().is_none())
+            .filter(|(_, v)| !v.is_array())
             .map(|(k, v)| {
                 let s = match v {
                     crate::gguf::Value::String(s) => s.clone(),
