@@ -6,7 +6,8 @@
 
 use super::attention::{paged_attention, rotate_and_store, tiles_into, AttnParams};
 use super::ops::{
-    add_assign, gelu_tanh_mul, inv_freq, output_logits_into, rms_norm, sized, Embedding, Linear,
+    add_assign, add_rms_norm_into, gelu_tanh_mul, inv_freq, output_logits_into, rms_norm,
+    rms_norm_into, sized, Embedding, Linear,
 };
 use super::{Architecture, Config, Projections, TensorLoader, Workspace};
 use crate::batch::Batch;
@@ -108,8 +109,7 @@ impl Architecture for Gemma3 {
             } else {
                 &*rope_global
             };
-            h.clone_from(x);
-            rms_norm(h, &layer.attn_norm, c.eps);
+            rms_norm_into(x, &layer.attn_norm, c.eps, h);
             layer.proj.qkv.forward_into(h, n, &mut [q, k, v], stacked)?;
             rms_norm(q, &layer.q_norm, c.eps);
             rms_norm(k, &layer.k_norm, c.eps);
@@ -117,10 +117,7 @@ impl Architecture for Gemma3 {
             paged_attention(kv, li, batch, tiles, q, &attn, attn_out);
             layer.proj.wo.forward_into(attn_out, n, o)?;
             rms_norm(o, &layer.post_attn_norm, c.eps);
-            add_assign(x, o);
-
-            h.clone_from(x);
-            rms_norm(h, &layer.ffn_norm, c.eps);
+            add_rms_norm_into(x, o, &layer.ffn_norm, c.eps, h);
             layer
                 .proj
                 .gate_up

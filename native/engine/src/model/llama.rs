@@ -3,7 +3,8 @@
 
 use super::attention::{paged_attention, rotate_and_store, tiles_into, AttnParams};
 use super::ops::{
-    add_assign, inv_freq, output_logits_into, rms_norm, silu_mul, sized, Embedding, Linear,
+    add_assign, add_rms_norm_into, inv_freq, output_logits_into, rms_norm_into, silu_mul, sized,
+    Embedding, Linear,
 };
 use super::{Architecture, Config, Projections, TensorLoader, Workspace};
 use crate::batch::Batch;
@@ -87,16 +88,12 @@ impl Architecture for Llama {
             ..
         } = ws;
         for (li, layer) in self.layers.iter().enumerate() {
-            h.clone_from(x);
-            rms_norm(h, &layer.attn_norm, c.eps);
+            rms_norm_into(x, &layer.attn_norm, c.eps, h);
             layer.proj.qkv.forward_into(h, n, &mut [q, k, v], stacked)?;
             rotate_and_store(kv, li, batch, rope, false, &attn, q, k, v);
             paged_attention(kv, li, batch, tiles, q, &attn, attn_out);
             layer.proj.wo.forward_into(attn_out, n, o)?;
-            add_assign(x, o);
-
-            h.clone_from(x);
-            rms_norm(h, &layer.ffn_norm, c.eps);
+            add_rms_norm_into(x, o, &layer.ffn_norm, c.eps, h);
             layer
                 .proj
                 .gate_up

@@ -325,6 +325,32 @@ pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
+/// `out = rms_norm(x)` (`x` unchanged): the copy and the norm in one pass.
+pub fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
+    let d = w.len();
+    out.clear();
+    for row in x.chunks_exact(d) {
+        let ss: f32 = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let scale = 1.0 / (ss + eps).sqrt();
+        out.extend(row.iter().zip(w).map(|(v, g)| v * scale * g));
+    }
+}
+
+/// `x += y`, then `out = rms_norm(x)`: a residual add and the next norm in one pass per row
+/// (the same arithmetic as [`add_assign`] then [`rms_norm_into`]).
+pub fn add_rms_norm_into(x: &mut [f32], y: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
+    let d = w.len();
+    out.clear();
+    for (row, add) in x.chunks_exact_mut(d).zip(y.chunks_exact(d)) {
+        for (v, a) in row.iter_mut().zip(add) {
+            *v += a;
+        }
+        let ss: f32 = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let scale = 1.0 / (ss + eps).sqrt();
+        out.extend(row.iter().zip(w).map(|(v, g)| v * scale * g));
+    }
+}
+
 /// Rotary tables per token: `cos[t * half + i]`, `sin[...]`.
 #[derive(Default)]
 pub struct Rope {
@@ -497,6 +523,33 @@ mod tests {
         }
         // clamped, never infinite or NaN
         assert!(fast_exp(1000.0).is_finite() && fast_exp(-1000.0) >= 0.0);
+    }
+
+    #[test]
+    fn fused_norms_equal_the_separate_steps_bitwise() {
+        let d = 24;
+        let w: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 * 0.03).collect();
+        let x: Vec<f32> = (0..3 * d)
+            .map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.11)
+            .collect();
+        let y: Vec<f32> = (0..3 * d)
+            .map(|i| ((i * 11 % 13) as f32 - 6.0) * 0.07)
+            .collect();
+
+        let mut want = x.clone();
+        rms_norm(&mut want, &w, 1e-6);
+        let mut got = Vec::new();
+        rms_norm_into(&x, &w, 1e-6, &mut got);
+        assert_eq!(got, want);
+
+        let mut summed = x.clone();
+        add_assign(&mut summed, &y);
+        let mut want = summed.clone();
+        rms_norm(&mut want, &w, 1e-6);
+        let mut fused_x = x.clone();
+        add_rms_norm_into(&mut fused_x, &y, &w, 1e-6, &mut got);
+        assert_eq!(fused_x, summed);
+        assert_eq!(got, want);
     }
 
     #[test]

@@ -1,0 +1,137 @@
+# Single-stream decode under the Server against the same engine without it, in one VM.
+#
+#   [LLAMA_MODEL_PATH=model.gguf] [LLAMA_THREADS=2] [BENCH_ROUNDS=5] mix run bench/server_overhead.exs
+#
+# Each round decodes the same ~100-token prompt and 128 new tokens twice, alternating:
+#
+#   * bare: `Context.decode/2` of one token at a time on a context like the Server's (same
+#     n_ctx, threads, positions), timed around the NIF call;
+#   * server: `Server.stream/3` of the same prompt (temperature 0, prompt cache off); the
+#     engine's own time per one-token tick comes from the `:tick` telemetry (`eval_ms`), the
+#     inter-token latency from the stream.
+#
+# Alternating rounds keep a shared machine's drift out of the comparison. Prints per-round
+# medians and the median over rounds, with the ratios server/bare.
+
+alias LlamaCppEx.{Context, Server, Tokenizer}
+
+defmodule Bench.Overhead do
+  def median([]), do: 0.0
+  def median(xs), do: xs |> Enum.sort() |> Enum.at(div(length(xs), 2))
+
+  def install_telemetry do
+    unless Code.ensure_loaded?(:telemetry) do
+      Code.compile_string("""
+      defmodule :telemetry do
+        def execute(event, m, _meta) do
+          case :persistent_term.get(:bench_overhead, nil) do
+            nil -> :ok
+            pid -> send(pid, {:telemetry, event, m})
+          end
+          :ok
+        end
+      end
+      """)
+    end
+  end
+
+  def drain(acc \\ []) do
+    receive do
+      {:telemetry, [:llama_cpp_ex, :server, :tick], m} -> drain([m | acc])
+      {:telemetry, _, _} -> drain(acc)
+    after
+      0 -> acc
+    end
+  end
+
+  def bare(ctx, ids, n) do
+    Context.clear(ctx)
+    :ok = Context.decode(ctx, ids)
+
+    times =
+      for i <- 1..n do
+        {us, :ok} = :timer.tc(fn -> Context.decode(ctx, [100 + i]) end)
+        us / 1000
+      end
+
+    median(times)
+  end
+
+  def server(s, prompt, n) do
+    drain()
+    :persistent_term.put(:bench_overhead, self())
+
+    stamps =
+      s
+      |> Server.stream(prompt, max_tokens: n, timeout: 120_000)
+      |> Enum.map(fn _ -> System.monotonic_time(:microsecond) end)
+
+    :persistent_term.erase(:bench_overhead)
+    evals = for m <- drain(), m.batch_size == 1, do: m.eval_ms
+
+    itl = stamps |> Enum.chunk_every(2, 1, :discard) |> Enum.map(fn [a, b] -> (b - a) / 1000 end)
+
+    {median(evals), median(itl)}
+  end
+end
+
+Bench.Overhead.install_telemetry()
+
+path =
+  System.get_env("LLAMA_MODEL_PATH") ||
+    Path.join(System.user_home!(), ".cache/llama_cpp_ex/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+threads = String.to_integer(System.get_env("LLAMA_THREADS") || "#{System.schedulers_online()}")
+rounds = String.to_integer(System.get_env("BENCH_ROUNDS") || "5")
+n = 128
+n_ctx = 1024
+
+prompt =
+  "Here is a report on the committee. " <>
+    String.duplicate("The committee reviewed the budget, the schedule and the risks. ", 8)
+
+{:ok, model} = LlamaCppEx.load_model(path)
+{:ok, ids} = Tokenizer.encode(model, prompt)
+{:ok, ctx} = Context.create(model, n_ctx: n_ctx, n_threads: threads)
+
+{:ok, s} =
+  Server.start_link(
+    model_path: path,
+    n_parallel: 1,
+    n_ctx: n_ctx,
+    n_threads: threads,
+    temp: 0.0,
+    cache_prompt: false
+  )
+
+Server.generate(s, "warm up", max_tokens: 4)
+Bench.Overhead.bare(ctx, ids, 8)
+
+IO.puts(
+  "model: #{Path.basename(path)}, threads: #{threads}, prompt #{length(ids)} tokens, #{n} new\n"
+)
+
+IO.puts(
+  "| round | bare decode p50 ms | server eval p50 ms | server ITL p50 ms | eval/bare | ITL/bare |"
+)
+
+IO.puts("|---:|---:|---:|---:|---:|---:|")
+r = fn x, y -> :erlang.float_to_binary(x / y, decimals: 2) end
+f = fn x -> :erlang.float_to_binary(x / 1, decimals: 2) end
+
+results =
+  for round <- 1..rounds do
+    b = Bench.Overhead.bare(ctx, ids, n)
+    {e, i} = Bench.Overhead.server(s, prompt, n)
+    IO.puts("| #{round} | #{f.(b)} | #{f.(e)} | #{f.(i)} | #{r.(e, b)} | #{r.(i, b)} |")
+    {b, e, i}
+  end
+
+{bs, es, is} =
+  Enum.reduce(results, {[], [], []}, fn {b, e, i}, {bs, es, is} ->
+    {[b | bs], [e | es], [i | is]}
+  end)
+
+{b, e, i} = {Bench.Overhead.median(bs), Bench.Overhead.median(es), Bench.Overhead.median(is)}
+IO.puts("| median | #{f.(b)} | #{f.(e)} | #{f.(i)} | #{r.(e, b)} | #{r.(i, b)} |")
+GenServer.stop(s)
