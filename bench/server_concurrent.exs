@@ -16,36 +16,7 @@
 
 alias LlamaCppEx.Server
 
-defmodule Bench.Tele do
-  # Minimal :telemetry stand-in so the bench can read tick batch sizes without Hex.
-  def install do
-    unless Code.ensure_loaded?(:telemetry) do
-      Code.compile_string("""
-      defmodule :telemetry do
-        def execute(event, m, meta) do
-          case :persistent_term.get(:bench_telemetry, nil) do
-            nil -> :ok
-            pid -> send(pid, {:telemetry, event, m, meta})
-          end
-          :ok
-        end
-      end
-      """)
-    end
-  end
-
-  def collect_ticks(acc \\ []) do
-    receive do
-      {:telemetry, [:llama_cpp_ex, :server, :tick], m, _} ->
-        collect_ticks([{m.batch_size, m.eval_ms} | acc])
-
-      {:telemetry, _, _, _} ->
-        collect_ticks(acc)
-    after
-      0 -> acc
-    end
-  end
-end
+Code.require_file("support/tele.exs", __DIR__)
 
 defmodule Bench.Concurrent do
   def pct([], _), do: 0.0

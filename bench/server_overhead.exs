@@ -15,34 +15,11 @@
 
 alias LlamaCppEx.{Context, Server, Tokenizer}
 
+Code.require_file("support/tele.exs", __DIR__)
+
 defmodule Bench.Overhead do
   def median([]), do: 0.0
   def median(xs), do: xs |> Enum.sort() |> Enum.at(div(length(xs), 2))
-
-  def install_telemetry do
-    unless Code.ensure_loaded?(:telemetry) do
-      Code.compile_string("""
-      defmodule :telemetry do
-        def execute(event, m, _meta) do
-          case :persistent_term.get(:bench_overhead, nil) do
-            nil -> :ok
-            pid -> send(pid, {:telemetry, event, m})
-          end
-          :ok
-        end
-      end
-      """)
-    end
-  end
-
-  def drain(acc \\ []) do
-    receive do
-      {:telemetry, [:llama_cpp_ex, :server, :tick], m} -> drain([m | acc])
-      {:telemetry, _, _} -> drain(acc)
-    after
-      0 -> acc
-    end
-  end
 
   def bare(ctx, ids, n) do
     Context.clear(ctx)
@@ -58,16 +35,16 @@ defmodule Bench.Overhead do
   end
 
   def server(s, prompt, n) do
-    drain()
-    :persistent_term.put(:bench_overhead, self())
+    Bench.Tele.collect_ticks()
+    :persistent_term.put(:bench_telemetry, self())
 
     stamps =
       s
       |> Server.stream(prompt, max_tokens: n, timeout: 120_000)
       |> Enum.map(fn _ -> System.monotonic_time(:microsecond) end)
 
-    :persistent_term.erase(:bench_overhead)
-    evals = for m <- drain(), m.batch_size == 1, do: m.eval_ms
+    :persistent_term.erase(:bench_telemetry)
+    evals = for {1, ms} <- Bench.Tele.collect_ticks(), do: ms
 
     itl = stamps |> Enum.chunk_every(2, 1, :discard) |> Enum.map(fn [a, b] -> (b - a) / 1000 end)
 
@@ -75,7 +52,7 @@ defmodule Bench.Overhead do
   end
 end
 
-Bench.Overhead.install_telemetry()
+Bench.Tele.install()
 
 path =
   System.get_env("LLAMA_MODEL_PATH") ||
