@@ -269,7 +269,15 @@ defmodule LlamaCppEx.GrammarTest do
         )
 
       {:ok, model} = wait_model(server)
-      on_exit(fn -> if Process.alive?(server), do: GenServer.stop(server) end)
+      # the server is linked to the test process and may already be stopping with it
+      on_exit(fn ->
+        try do
+          GenServer.stop(server)
+        catch
+          :exit, _ -> :ok
+        end
+      end)
+
       %{server: server, model: model}
     end
 
