@@ -279,20 +279,6 @@ fn byte_to_unicode() -> [char; 256] {
     table
 }
 
-fn build_bpe(
-    vocab: &HashMap<String, u32>,
-    merges: Vec<(String, String)>,
-    byte_fallback: bool,
-) -> Result<BPE> {
-    let vocab: tokenizers::models::bpe::Vocab =
-        vocab.iter().map(|(k, v)| (k.clone(), *v)).collect();
-    BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .byte_fallback(byte_fallback)
-        .build()
-        .map_err(|e| meta_err(format!("BPE: {e}")))
-}
-
 fn parse_byte_token(text: &str) -> Option<u8> {
     let hex = text.strip_prefix("<0x")?.strip_suffix('>')?;
     if hex.len() != 2 {
@@ -441,11 +427,10 @@ impl Tokenizer {
 
     fn build_gpt2(gguf: &GgufFile, tokens: &StrArray) -> Result<HfTokenizer> {
         // llama.cpp's text → id map: later duplicates win.
-        let mut vocab: HashMap<String, u32> = HashMap::with_capacity(tokens.len());
+        let mut vocab = tokenizers::models::bpe::Vocab::default();
         for (i, t) in tokens.iter().enumerate() {
             vocab.insert(t.to_owned(), i as u32);
         }
-        let vocab = &vocab;
         let merges: Vec<(String, String)> = gguf
             .get("tokenizer.ggml.merges")
             .and_then(|v| v.as_strings())
@@ -459,7 +444,10 @@ impl Tokenizer {
             })
             .map(|(a, b)| (a.to_owned(), b.to_owned()))
             .collect();
-        let bpe = build_bpe(vocab, merges, false)?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| meta_err(format!("BPE: {e}")))?;
         let pre = gguf.get_str("tokenizer.ggml.pre").unwrap_or("default");
         let byte_level = PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, true));
         let pre_tokenizer = match pre {

@@ -142,12 +142,6 @@ impl Linear {
         matches!(self.kernel, Kernel::Nibble(_))
     }
 
-    pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
-        let mut out = Vec::new();
-        self.forward_into(x, m, &mut out)?;
-        Ok(out)
-    }
-
     /// `out = x · Wᵀ` (`[m, n_out]`), reusing `out`'s allocation on the engine's kernels.
     pub fn forward_into(&self, x: &[f32], m: usize, out: &mut Vec<f32>) -> Result<()> {
         match &self.kernel {
@@ -239,26 +233,6 @@ impl FusedLinear {
             }
         }
         Ok(())
-    }
-
-    /// One output per part, each `[m, part.n_out]`.
-    pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<Vec<f32>>> {
-        match self {
-            FusedLinear::Separate(parts) => parts.iter().map(|p| p.forward(x, m)).collect(),
-            FusedLinear::Stacked { w, widths } => {
-                let y = w.forward(x, m)?;
-                let mut outs: Vec<Vec<f32>> =
-                    widths.iter().map(|&n| Vec::with_capacity(m * n)).collect();
-                for row in y.chunks_exact(w.n_out) {
-                    let mut off = 0;
-                    for (out, &n) in outs.iter_mut().zip(widths) {
-                        out.extend_from_slice(&row[off..off + n]);
-                        off += n;
-                    }
-                }
-                Ok(outs)
-            }
-        }
     }
 }
 
@@ -360,16 +334,6 @@ pub struct Rope {
 }
 
 impl Rope {
-    pub fn new(positions: &[usize], inv_freq: &[f32]) -> Self {
-        let mut rope = Rope {
-            half: 0,
-            cos: Vec::new(),
-            sin: Vec::new(),
-        };
-        rope.fill(positions, inv_freq);
-        rope
-    }
-
     /// Recomputes the tables for `positions`, reusing their allocations.
     pub fn fill(&mut self, positions: &[usize], inv_freq: &[f32]) {
         self.half = inv_freq.len();
