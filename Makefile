@@ -46,6 +46,7 @@ demo: setup
 
 test: setup
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) test --release --manifest-path native/Cargo.toml -p llama_cpp_ex_engine
+	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/test_simd_levels.sh
 	mix test
 
 clean:

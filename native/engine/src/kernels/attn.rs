@@ -14,7 +14,7 @@ const COL_BLOCK: usize = 16;
 fn simd_ok(hd: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        hd.is_multiple_of(COL_BLOCK) && super::q8::has_avx2()
+        hd.is_multiple_of(COL_BLOCK) && super::has_avx2()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -46,9 +46,26 @@ pub fn scores(
         let qi = &q[i * hd..(i + 1) * hd];
         for j in 0..keys {
             let kj = &k[j * hd..(j + 1) * hd];
-            s[i * s_stride + j] = qi.iter().zip(kj).map(|(a, b)| a * b).sum();
+            s[i * s_stride + j] = if hd.is_multiple_of(COL_BLOCK) {
+                lane_dot(qi, kj)
+            } else {
+                qi.iter().zip(kj).map(|(a, b)| a * b).sum()
+            };
         }
     }
+}
+
+/// `a · b` with the AVX2 path's arithmetic: 8 lanes of fused multiply-adds, then its
+/// horizontal reduction `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, so scores are
+/// bitwise the same on every path.
+fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut l = [0f32; 8];
+    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for i in 0..8 {
+            l[i] = ca[i].mul_add(cb[i], l[i]);
+        }
+    }
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
 
 /// `o_i += Σ_j p[i * p_stride + j] · v_j` for `i < rows`; `v` is `[keys, hd]`, `o` is
@@ -75,7 +92,8 @@ pub fn accumulate(
         for j in 0..keys {
             let w = p[i * p_stride + j];
             for (x, vv) in oi.iter_mut().zip(&v[j * hd..(j + 1) * hd]) {
-                *x += w * vv;
+                // fused, like the AVX2 path
+                *x = w.mul_add(*vv, *x);
             }
         }
     }
@@ -168,6 +186,39 @@ unsafe fn accumulate_avx2(
 mod tests {
     use super::*;
     use crate::kernels::lcg;
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn scalar_and_avx2_paths_are_bitwise_equal() {
+        if !crate::kernels::has_avx2() {
+            return;
+        }
+        let mut seed = 9u64;
+        let (rows, keys, stride, hd) = (8, 6, 8, 64);
+        let q: Vec<f32> = (0..rows * hd).map(|_| lcg(&mut seed)).collect();
+        let k: Vec<f32> = (0..keys * hd).map(|_| lcg(&mut seed)).collect();
+        let (mut s1, mut s2) = (vec![0f32; rows * stride], vec![0f32; rows * stride]);
+        // SAFETY: AVX2 and FMA were detected; the buffers hold every index touched.
+        unsafe { scores_avx2(&q, rows, &k, keys, hd, &mut s1, stride) };
+        for i in 0..rows {
+            for j in 0..keys {
+                s2[i * stride + j] = lane_dot(&q[i * hd..(i + 1) * hd], &k[j * hd..(j + 1) * hd]);
+            }
+        }
+        assert_eq!(s1, s2);
+        let (mut o1, mut o2) = (vec![0.25f32; rows * hd], vec![0.25f32; rows * hd]);
+        // SAFETY: as above.
+        unsafe { accumulate_avx2(&s1, stride, rows, &k, keys, hd, &mut o1) };
+        for i in 0..rows {
+            for j in 0..keys {
+                let w = s1[i * stride + j];
+                for d in 0..hd {
+                    o2[i * hd + d] = w.mul_add(k[j * hd + d], o2[i * hd + d]);
+                }
+            }
+        }
+        assert_eq!(o1, o2);
+    }
 
     #[test]
     fn micro_kernels_match_plain_loops() {

@@ -13,18 +13,78 @@ pub mod kquant;
 pub mod nibble;
 pub mod q8;
 
-/// Whether the CPU has AVX512-VNNI (used on 256-bit vectors); `LLAMA_CPP_EX_NO_VNNI` turns
-/// it off for comparisons. Always false off x86_64.
-pub fn has_vnni() -> bool {
+/// The instruction sets the kernels may use, best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimdLevel {
+    /// Portable Rust (also every target other than x86_64).
+    Scalar,
+    /// AVX2 + FMA + F16C, 16 ymm registers, `vpmaddubsw` products.
+    Avx2,
+    /// AVX512-VNNI on 256-bit vectors (AVX512VL encodings: 32 ymm registers, `vpdpbusd`).
+    Avx512Vnni,
+}
+
+impl SimdLevel {
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Scalar => "scalar",
+            SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512Vnni => "avx512",
+        }
+    }
+}
+
+/// The best level this CPU supports.
+pub fn detected_simd_level() -> SimdLevel {
     #[cfg(target_arch = "x86_64")]
     {
-        q8::has_vnni()
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        let vnni = is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+        match (avx2, vnni) {
+            (true, true) => SimdLevel::Avx512Vnni,
+            (true, false) => SimdLevel::Avx2,
+            _ => SimdLevel::Scalar,
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        false
+        SimdLevel::Scalar
     }
 }
+
+/// The level the kernels use: the detected one, lowered by `LLAMA_CPP_EX_SIMD=scalar|avx2|avx512`
+/// (or the older `LLAMA_CPP_EX_NO_VNNI=1`, the same as `avx2`) so every path can be exercised
+/// and compared on one machine. A level above what the CPU has is ignored. Read once per
+/// process.
+pub fn simd_level() -> SimdLevel {
+    use std::sync::OnceLock;
+    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let cpu = detected_simd_level();
+        let asked = match std::env::var("LLAMA_CPP_EX_SIMD").as_deref() {
+            Ok("scalar") => SimdLevel::Scalar,
+            Ok("avx2") => SimdLevel::Avx2,
+            _ if std::env::var_os("LLAMA_CPP_EX_NO_VNNI").is_some() => SimdLevel::Avx2,
+            _ => SimdLevel::Avx512Vnni,
+        };
+        cpu.min(asked)
+    })
+}
+
+/// Whether the AVX512-VNNI paths run (see [`simd_level`]).
+pub fn has_vnni() -> bool {
+    simd_level() >= SimdLevel::Avx512Vnni
+}
+
+/// Whether the AVX2 (or better) paths run (see [`simd_level`]).
+pub fn has_avx2() -> bool {
+    simd_level() >= SimdLevel::Avx2
+}
+
+/// Below this many multiply-adds a product runs on the calling thread.
+pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 16;
 
 /// Runs `tile(o0, rows)` over every tile of `tile_rows` output rows, on the worker pool when
 /// the product is large enough to pay for waking it.
@@ -42,7 +102,7 @@ pub(crate) fn for_each_tile(
         }
     };
     // below this many multiply-adds, waking the worker pool costs more than it saves
-    if macs < q8::PARALLEL_MIN_MACS {
+    if macs < PARALLEL_MIN_MACS {
         run(0..n_tiles);
     } else {
         crate::pool::for_each_chunk(n_tiles, run);

@@ -23,7 +23,8 @@ pub enum NibbleType {
     Q5_0,
     Q5_1,
     /// Signed 8-bit values, stored here as `q + 128` with offset `-128d` so every type runs
-    /// through the same unsigned products (needs AVX512-VNNI: `maddubs` would saturate).
+    /// through the same unsigned products on VNNI; the AVX2 path flips them back to signed
+    /// (`maddubs` on `q + 128` would saturate) and uses `|x|·(sign(x)·q)`.
     Q8_0,
     /// Q6_K's 6-bit values (0..=63), one byte each; every 32-value block has two halves of 16
     /// with their own scale `d` and offset `-32d` (see [`super::kquant`]).
@@ -381,43 +382,67 @@ impl NibbleMatrix {
             // SAFETY: the features were detected at run time; every offset stays inside the
             // matrices and the activations (checked by the asserts in `matmul`), and row
             // group `g` writes only its own output columns.
-            if super::q8::has_vnni() {
+            if super::has_vnni() {
                 return unsafe { group_kernel_vnni(self, a, g, out) };
             }
-            if super::q8::has_avx2() && self.kind != NibbleType::Q8_0 {
-                return unsafe { group_kernel_avx2(self, a, g, out) };
+            if super::has_avx2() {
+                return unsafe {
+                    if self.kind == NibbleType::Q8_0 {
+                        group_kernel_avx2_q8(self, a, g, out)
+                    } else {
+                        group_kernel_avx2(self, a, g, out)
+                    }
+                };
             }
         }
         self.group_scalar(a, g, out);
     }
 
     fn group_scalar(&self, a: &Q8Activations, g: usize, out: &SharedMut) {
-        let (k, nb) = (self.n_in, self.nb);
-        for o in g * GROUP..self.n_out.min((g + 1) * GROUP) {
-            let blocks: Vec<RowBlock> = (0..nb).map(|b| self.row_block(o, b)).collect();
-            for r in 0..a.m {
-                let mut sum = 0f32;
-                for (b, blk) in blocks.iter().enumerate() {
-                    let x = &a.quants[r * k + b * QK4_1..][..QK4_1];
-                    let dot = |range: std::ops::Range<usize>| -> f32 {
-                        range.map(|i| blk.vals[i] as i32 * x[i] as i32).sum::<i32>() as f32
-                    };
-                    let dx = a.scales[r * nb + b];
-                    if self.kind.halves() == 2 {
-                        let half = QK4_1 / 2;
-                        let (lo, hi) = (
-                            a.half_sums[2 * (r * nb + b)],
-                            a.half_sums[2 * (r * nb + b) + 1],
-                        );
-                        sum += dot(0..half) * blk.d[0] * dx + dot(half..QK4_1) * blk.d[1] * dx;
-                        sum += blk.m[0] * lo + blk.m[1] * hi;
-                    } else {
-                        sum += dot(0..QK4_1) * blk.d[0] * dx + blk.m[0] * a.sums[r * nb + b];
-                    }
-                }
-                // SAFETY: (r, o) is in bounds and written by this row group only.
-                unsafe { *out.0.add(r * self.n_out + o) = sum };
+        thread_local! {
+            /// One row's blocks, decoded once for every activation row (reused: no allocation
+            /// per product once grown).
+            static BLOCKS: std::cell::RefCell<Vec<RowBlock>> = const {
+                std::cell::RefCell::new(Vec::new())
+            };
+        }
+        BLOCKS.with(|cell| {
+            let mut blocks = cell.borrow_mut();
+            for o in g * GROUP..self.n_out.min((g + 1) * GROUP) {
+                blocks.clear();
+                blocks.extend((0..self.nb).map(|b| self.row_block(o, b)));
+                self.row_scalar(a, o, &blocks, out);
             }
+        });
+    }
+
+    /// Output row `o` (its blocks decoded in `blocks`) for every activation row, with the
+    /// SIMD paths' arithmetic in the same order (integer dots are exact, then the same fused
+    /// multiply-adds), so every path gives bitwise the same results.
+    fn row_scalar(&self, a: &Q8Activations, o: usize, blocks: &[RowBlock], out: &SharedMut) {
+        let (k, nb) = (self.n_in, self.nb);
+        for r in 0..a.m {
+            let mut acc = 0f32;
+            for (b, blk) in blocks.iter().enumerate() {
+                let x = &a.quants[r * k + b * QK4_1..][..QK4_1];
+                let dot = |range: std::ops::Range<usize>| -> f32 {
+                    range.map(|i| blk.vals[i] as i32 * x[i] as i32).sum::<i32>() as f32
+                };
+                let at = r * nb + b;
+                let dx = a.scales[at];
+                if self.kind.halves() == 2 {
+                    let half = QK4_1 / 2;
+                    let dot = dot(half..QK4_1).mul_add(blk.d[1], dot(0..half) * blk.d[0]);
+                    acc = dot.mul_add(dx, acc);
+                    acc = blk.m[0].mul_add(a.half_sums[2 * at], acc);
+                    acc = blk.m[1].mul_add(a.half_sums[2 * at + 1], acc);
+                } else {
+                    acc = dot(0..QK4_1).mul_add(blk.d[0] * dx, acc);
+                    acc = blk.m[0].mul_add(a.sums[at], acc);
+                }
+            }
+            // SAFETY: (r, o) is in bounds and written by this row group only.
+            unsafe { *out.0.add(r * self.n_out + o) = acc };
         }
     }
 }
@@ -479,6 +504,30 @@ unsafe fn block_dot_avx2<const C: usize>(
     let hi = _mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7)));
     let ones = _mm256_set1_epi16(1);
     _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
+}
+
+/// Per lane (row), the dot product of a block of Q8_0 values flipped back from `q + 128` to
+/// signed `q` (see [`GroupRef::signed`]) with one activation block: `maddubs(|q|, sign(q)·x)`
+/// (the sign goes to the activation, whose range excludes -128), whose pairs stay within
+/// ±2·128·127, widened to 32 bits per quad. `bias` (`128·Σx`) is added back, so the result
+/// is exactly the integer the biased layout gives on the VNNI path.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn block_dot_avx2_signed(
+    v: &[std::arch::x86_64::__m256i; 8],
+    x: *const i32,
+    bias: i32,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let ones = _mm256_set1_epi16(1);
+    let mut sum = _mm256_set1_epi32(bias);
+    for (q, vq) in v.iter().enumerate() {
+        let xq = _mm256_set1_epi32(*x.add(q));
+        let p = _mm256_maddubs_epi16(_mm256_sign_epi8(*vq, *vq), _mm256_sign_epi8(xq, *vq));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+    }
+    sum
 }
 
 /// `C` independent chains: one row alone needs several to hide `vpdpbusd`'s latency, while
@@ -562,12 +611,15 @@ struct GroupRef {
     implied: f32,
     gbb: usize,
     bytes8: bool,
+    /// Byte values are flipped from `q + 128` back to signed `q` when loaded (the AVX2 Q8_0
+    /// path, whose dot product then adds `128·Σx` back).
+    signed: bool,
     halves: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
 impl GroupRef {
-    fn new(w: &NibbleMatrix, g: usize) -> Self {
+    fn new(w: &NibbleMatrix, g: usize, signed: bool) -> Self {
         let (nb, gbb, halves) = (w.nb, w.kind.group_block_bytes(), w.kind.halves());
         // SAFETY: group `g` exists, so these offsets are inside the matrix's buffers.
         unsafe {
@@ -581,6 +633,7 @@ impl GroupRef {
                 implied: w.kind.implied_offset(),
                 gbb,
                 bytes8: w.kind.byte_values(),
+                signed,
                 halves,
             }
         }
@@ -593,7 +646,15 @@ impl GroupRef {
 #[inline]
 unsafe fn group_block(p: &GroupRef, b: usize) -> [std::arch::x86_64::__m256i; 8] {
     if p.bytes8 {
-        load_bytes_block(p.q.add(b * p.gbb))
+        let mut v = load_bytes_block(p.q.add(b * p.gbb));
+        if p.signed {
+            use std::arch::x86_64::{_mm256_set1_epi8, _mm256_xor_si256};
+            let flip = _mm256_set1_epi8(-128);
+            for vq in &mut v {
+                *vq = _mm256_xor_si256(*vq, flip);
+            }
+        }
+        v
     } else {
         unpack_block(p.q.add(b * p.gbb), p.h.map(|h| h.add(b * GROUP)))
     }
@@ -605,12 +666,12 @@ unsafe fn group_block(p: &GroupRef, b: usize) -> [std::arch::x86_64::__m256i; 8]
 /// unpacked once per matmul into an L1-sized buffer. Each row's arithmetic is the same
 /// whatever `R`, so a row's result does not depend on the batch around it.
 macro_rules! group_kernel {
-    ($name:ident, $pass:ident, $features:literal, $dot:ident, $half_dots:ident,
+    ($name:ident, $pass:ident, $features:literal, $dot:ident, $half_dots:ident, $signed:literal,
      $rows:literal, [$($r:literal),*]) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         unsafe fn $name(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &SharedMut) {
-            let p = GroupRef::new(w, g);
+            let p = GroupRef::new(w, g, $signed);
             let mut buffered = Vec::new();
             let mut chunk = $rows;
             if a.m > $rows {
@@ -690,7 +751,9 @@ macro_rules! group_kernel {
                     None => _mm256_mul_ps(_mm256_set1_ps(p.implied), dv),
                 };
                 for (i, acc) in acc.iter_mut().enumerate() {
-                    let dot = if R >= 4 {
+                    let dot = if $signed {
+                        block_dot_avx2_signed(&v, x(i), 128 * *a.int_sums.get_unchecked(at(i)))
+                    } else if R >= 4 {
                         $dot::<1>(&v, x(i))
                     } else if R >= 2 {
                         $dot::<2>(&v, x(i))
@@ -724,6 +787,17 @@ group_kernel!(
     "avx2,fma",
     block_dot_avx2,
     half_dots_avx2,
+    false,
+    4,
+    [1, 2, 3, 4]
+);
+group_kernel!(
+    group_kernel_avx2_q8,
+    group_pass_avx2_q8,
+    "avx2,fma",
+    block_dot_avx2,
+    half_dots_avx2,
+    true,
     4,
     [1, 2, 3, 4]
 );
@@ -733,6 +807,7 @@ group_kernel!(
     "avx2,fma,avx512vnni,avx512vl",
     block_dot_vnni,
     half_dots_vnni,
+    false,
     8,
     [1, 2, 3, 4, 5, 6, 7, 8]
 );
@@ -833,7 +908,7 @@ pub(crate) mod tests {
         }
     }
 
-    /// The scalar, AVX2 and VNNI paths give the same products (within float rounding).
+    /// The scalar, AVX2 and VNNI paths give bitwise the same products.
     pub(crate) fn assert_paths_agree(w12: &NibbleMatrix, seed: &mut u64) {
         let kind = w12.kind;
         let (n_out, k) = (w12.n_out, w12.n_in);
@@ -848,10 +923,10 @@ pub(crate) mod tests {
             }
             #[cfg(target_arch = "x86_64")]
             for (path, available) in [
-                ("avx2", crate::kernels::q8::has_avx2()),
-                ("vnni", crate::kernels::q8::has_vnni()),
+                ("avx2", crate::kernels::has_avx2()),
+                ("vnni", crate::kernels::has_vnni()),
             ] {
-                if !available || (path == "avx2" && kind == NibbleType::Q8_0) {
+                if !available {
                     continue;
                 }
                 let mut simd = vec![0f32; m * n_out];
@@ -859,19 +934,16 @@ pub(crate) mod tests {
                 for g in 0..groups {
                     // SAFETY: the feature was detected above.
                     unsafe {
-                        if path == "avx2" {
+                        if path == "avx2" && kind == NibbleType::Q8_0 {
+                            group_kernel_avx2_q8(w12, &a, g, &p)
+                        } else if path == "avx2" {
                             group_kernel_avx2(w12, &a, g, &p)
                         } else {
                             group_kernel_vnni(w12, &a, g, &p)
                         }
                     }
                 }
-                for (p, q) in simd.iter().zip(&scalar) {
-                    assert!(
-                        (p - q).abs() <= 1e-4 * q.abs().max(1.0),
-                        "{kind:?} {path} m={m}: {p} vs {q}"
-                    );
-                }
+                assert_eq!(simd, scalar, "{kind:?} {path} m={m}");
             }
         }
     }

@@ -1,24 +1,11 @@
-//! Q8_0 weights (blocks of 32 int8 values with one f16 scale) times f32 activations.
+//! Activations quantized to Q8_0 (blocks of 32 int8 values with one scale): the input side
+//! of every quantized product (`super::nibble`).
 
-use super::SharedMut;
+use super::has_avx2;
 use half::f16;
 
 /// Elements per Q8_0 block.
 pub const QK8_0: usize = 32;
-const Q8_0_BLOCK_BYTES: usize = 2 + QK8_0;
-/// Weight rows computed together for every activation row.
-pub(crate) const ROW_TILE: usize = 4;
-/// Below this many multiply-adds a product runs on the calling thread.
-pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 16;
-
-/// A Q8_0 matrix `[n_out, n_in]` repacked as separate scale and quant arrays.
-pub struct Q8Matrix {
-    pub n_out: usize,
-    pub n_in: usize,
-    nb: usize,
-    scales: Vec<f32>,
-    quants: Vec<i8>,
-}
 
 /// Activations quantized to Q8_0 per row and block.
 pub struct Q8Activations {
@@ -27,163 +14,11 @@ pub struct Q8Activations {
     pub(crate) scales: Vec<f32>,
     /// Per block: scale × Σ quants (ggml's Q8_1 `s`), for weight types with an offset.
     pub(crate) sums: Vec<f32>,
+    /// Per block: Σ quants, exact (the AVX2 Q8_0 path adds `128·Σ` to a signed dot product
+    /// to get the same integer as the biased one).
+    pub(crate) int_sums: Vec<i32>,
     /// The same per half block (values 0..16, 16..32), for types with a scale per half.
     pub(crate) half_sums: Vec<f32>,
-}
-
-impl Q8Matrix {
-    /// From GGUF/ggml Q8_0 bytes (34-byte blocks: f16 scale then 32 int8).
-    pub fn from_q8_0_bytes(bytes: &[u8], n_out: usize, n_in: usize) -> Option<Self> {
-        if !n_in.is_multiple_of(QK8_0) || bytes.len() != n_out * n_in / QK8_0 * Q8_0_BLOCK_BYTES {
-            return None;
-        }
-        let nb = n_in / QK8_0;
-        let mut scales = Vec::with_capacity(n_out * nb);
-        let mut quants = Vec::with_capacity(n_out * n_in);
-        for block in bytes.chunks_exact(Q8_0_BLOCK_BYTES) {
-            scales.push(f16::from_le_bytes([block[0], block[1]]).to_f32());
-            quants.extend(block[2..].iter().map(|&b| b as i8));
-        }
-        Some(Q8Matrix {
-            n_out,
-            n_in,
-            nb,
-            scales,
-            quants,
-        })
-    }
-
-    /// Stacks matrices with the same input width (e.g. Q, K and V) so one product computes
-    /// all of them.
-    pub fn concat(parts: &[&Q8Matrix]) -> Option<Q8Matrix> {
-        let n_in = parts.first()?.n_in;
-        if parts.iter().any(|p| p.n_in != n_in) {
-            return None;
-        }
-        Some(Q8Matrix {
-            n_out: parts.iter().map(|p| p.n_out).sum(),
-            n_in,
-            nb: n_in / QK8_0,
-            scales: parts
-                .iter()
-                .flat_map(|p| p.scales.iter().copied())
-                .collect(),
-            quants: parts
-                .iter()
-                .flat_map(|p| p.quants.iter().copied())
-                .collect(),
-        })
-    }
-
-    /// `out[r * n_out + o] = Σ_i w[o, i] · x[r, i]` for `m` rows of `x`.
-    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
-        assert_eq!(x.len(), m * self.n_in);
-        assert_eq!(out.len(), m * self.n_out);
-        let shared = SharedMut(out.as_mut_ptr());
-        Q8Activations::with_quantized(x, m, self.n_in, |a| {
-            super::for_each_tile(
-                self.n_out,
-                ROW_TILE,
-                m * self.n_out * self.n_in,
-                |o0, rows| self.tile(a, o0, rows, &shared),
-            )
-        });
-    }
-
-    fn tile(&self, a: &Q8Activations, o0: usize, rows: usize, out: &SharedMut) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if rows == ROW_TILE && has_avx2() {
-                // SAFETY: AVX2 and FMA were detected at run time; all slices are in bounds
-                // (checked by the asserts in `matmul` and the tile arithmetic).
-                unsafe { self.tile4_avx2(a, o0, out) };
-                return;
-            }
-        }
-        self.tile_scalar(a, o0, rows, out);
-    }
-
-    fn tile_scalar(&self, a: &Q8Activations, o0: usize, rows: usize, out: &SharedMut) {
-        let (k, nb) = (self.n_in, self.nb);
-        for r in 0..a.m {
-            for j in 0..rows {
-                let o = o0 + j;
-                let mut sum = 0f32;
-                for b in 0..nb {
-                    let w = &self.quants[o * k + b * QK8_0..o * k + (b + 1) * QK8_0];
-                    let x = &a.quants[r * k + b * QK8_0..r * k + (b + 1) * QK8_0];
-                    let dot: i32 = w.iter().zip(x).map(|(&p, &q)| p as i32 * q as i32).sum();
-                    sum += dot as f32 * self.scales[o * nb + b] * a.scales[r * nb + b];
-                }
-                // SAFETY: (r, o) is in bounds and written by this tile only.
-                unsafe { *out.0.add(r * self.n_out + o) = sum };
-            }
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile4_avx2(&self, a: &Q8Activations, o0: usize, out: &SharedMut) {
-        use std::arch::x86_64::*;
-        let (k, nb) = (self.n_in, self.nb);
-        let ones = _mm256_set1_epi16(1);
-        let w_ptr = self.quants.as_ptr().add(o0 * k);
-        let ws = self.scales.as_ptr().add(o0 * nb);
-        for r in 0..a.m {
-            let x_ptr = a.quants.as_ptr().add(r * k);
-            let xs = a.scales.as_ptr().add(r * nb);
-            let mut acc = [_mm256_setzero_ps(); ROW_TILE];
-            for b in 0..nb {
-                let vx = _mm256_loadu_si256(x_ptr.add(b * QK8_0) as *const __m256i);
-                let dx = *xs.add(b);
-                for (j, acc_j) in acc.iter_mut().enumerate() {
-                    let vw = _mm256_loadu_si256(w_ptr.add(j * k + b * QK8_0) as *const __m256i);
-                    // |w| · (x · sign(w)) as unsigned × signed byte products summed in pairs
-                    let aw = _mm256_sign_epi8(vw, vw);
-                    let sx = _mm256_sign_epi8(vx, vw);
-                    let d16 = _mm256_maddubs_epi16(aw, sx);
-                    let d32 = _mm256_madd_epi16(d16, ones);
-                    let scale = _mm256_set1_ps(*ws.add(j * nb + b) * dx);
-                    *acc_j = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), scale, *acc_j);
-                }
-            }
-            for (j, acc_j) in acc.iter().enumerate() {
-                *out.0.add(r * self.n_out + o0 + j) = hsum(*acc_j);
-            }
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-pub(crate) unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
-    use std::arch::x86_64::*;
-    let lo = _mm256_castps256_ps128(v);
-    let hi = _mm256_extractf128_ps(v, 1);
-    let s = _mm_add_ps(lo, hi);
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    _mm_cvtss_f32(s)
-}
-
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn has_avx2() -> bool {
-    use std::sync::OnceLock;
-    static AVX2: OnceLock<bool> = OnceLock::new();
-    *AVX2.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
-}
-
-/// AVX512-VNNI with 256-bit vectors (`vpdpbusd` on ymm registers), and AVX2/FMA.
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn has_vnni() -> bool {
-    use std::sync::OnceLock;
-    static VNNI: OnceLock<bool> = OnceLock::new();
-    *VNNI.get_or_init(|| {
-        has_avx2()
-            && is_x86_feature_detected!("avx512vnni")
-            && is_x86_feature_detected!("avx512vl")
-            && std::env::var("LLAMA_CPP_EX_NO_VNNI").is_err()
-    })
 }
 
 impl Q8Activations {
@@ -195,6 +30,7 @@ impl Q8Activations {
             quants: Vec::new(),
             scales: Vec::new(),
             sums: Vec::new(),
+            int_sums: Vec::new(),
             half_sums: Vec::new(),
         };
         a.quantize_into(x, m, k);
@@ -215,6 +51,8 @@ impl Q8Activations {
         fit(&mut self.scales, m * nb);
         fit(&mut self.sums, m * nb);
         fit(&mut self.half_sums, 2 * m * nb);
+        self.int_sums.clear();
+        self.int_sums.resize(m * nb, 0);
         for (bi, (xb, qb)) in x
             .chunks_exact(QK8_0)
             .zip(self.quants.chunks_exact_mut(QK8_0))
@@ -225,6 +63,7 @@ impl Q8Activations {
             let scale = f16::from_f32(d).to_f32();
             self.scales[bi] = scale;
             self.sums[bi] = scale * (lo + hi) as f32;
+            self.int_sums[bi] = lo + hi;
             self.half_sums[2 * bi] = scale * lo as f32;
             self.half_sums[2 * bi + 1] = scale * hi as f32;
         }
@@ -245,6 +84,7 @@ impl Q8Activations {
                     quants: Vec::new(),
                     scales: Vec::new(),
                     sums: Vec::new(),
+                    int_sums: Vec::new(),
                     half_sums: Vec::new(),
                 }) };
         }
@@ -333,6 +173,7 @@ unsafe fn quantize_block_avx2(xb: *const f32, qb: *mut i8) -> (f32, [i32; 2]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::lcg;
 
     #[test]
     fn simd_quantization_matches_scalar() {
@@ -360,95 +201,5 @@ mod tests {
                 assert_eq!(a, b, "case {case}");
             }
         }
-    }
-
-    use crate::kernels::lcg;
-
-    fn random_q8(n_out: usize, n_in: usize, seed: &mut u64) -> (Vec<u8>, Vec<f32>) {
-        let mut bytes = Vec::new();
-        let mut dense = Vec::new();
-        for _ in 0..n_out * n_in / QK8_0 {
-            let d = f16::from_f32(0.01 + lcg(seed).abs() * 0.02);
-            bytes.extend_from_slice(&d.to_le_bytes());
-            for _ in 0..QK8_0 {
-                let q = (lcg(seed) * 127.0).round() as i8;
-                bytes.push(q as u8);
-                dense.push(q as f32 * d.to_f32());
-            }
-        }
-        (bytes, dense)
-    }
-
-    #[test]
-    fn matches_a_dequantized_reference() {
-        let mut seed = 42;
-        for &(n_out, n_in) in &[(7usize, 64usize), (33, 576), (130, 640), (1, 32)] {
-            let (bytes, dense) = random_q8(n_out, n_in, &mut seed);
-            let w = Q8Matrix::from_q8_0_bytes(&bytes, n_out, n_in).unwrap();
-            // activation quantization error: |x| ≤ 1 → step 1/127 per element
-            let bound = 0.02 * (n_in as f32).sqrt() + 1e-3;
-            crate::kernels::check_against_reference(
-                "Q8_0",
-                &dense,
-                n_out,
-                n_in,
-                &mut seed,
-                |x, m, out| w.matmul(x, m, out),
-                |_| bound,
-            );
-        }
-    }
-
-    #[test]
-    fn scalar_and_simd_paths_agree() {
-        let mut seed = 7;
-        let (bytes, _) = random_q8(8, 128, &mut seed);
-        let w = Q8Matrix::from_q8_0_bytes(&bytes, 8, 128).unwrap();
-        let x: Vec<f32> = (0..3 * 128).map(|_| lcg(&mut seed)).collect();
-        let a = Q8Activations::quantize(&x, 3, 128);
-        let mut simd = vec![0f32; 3 * 8];
-        let mut scalar = vec![0f32; 3 * 8];
-        let s1 = SharedMut(simd.as_mut_ptr());
-        let s2 = SharedMut(scalar.as_mut_ptr());
-        for tile in 0..2 {
-            w.tile(&a, tile * 4, 4, &s1);
-            w.tile_scalar(&a, tile * 4, 4, &s2);
-        }
-        for (p, q) in simd.iter().zip(&scalar) {
-            assert!((p - q).abs() <= 1e-4 * q.abs().max(1.0), "{p} vs {q}");
-        }
-    }
-
-    #[test]
-    fn stacked_matrices_compute_every_part() {
-        let mut seed = 9;
-        let (b1, _) = random_q8(5, 64, &mut seed);
-        let (b2, _) = random_q8(3, 64, &mut seed);
-        let w1 = Q8Matrix::from_q8_0_bytes(&b1, 5, 64).unwrap();
-        let w2 = Q8Matrix::from_q8_0_bytes(&b2, 3, 64).unwrap();
-        let both = Q8Matrix::concat(&[&w1, &w2]).unwrap();
-        let x: Vec<f32> = (0..2 * 64).map(|_| lcg(&mut seed)).collect();
-        let (mut o1, mut o2, mut o) = (vec![0f32; 10], vec![0f32; 6], vec![0f32; 16]);
-        w1.matmul(&x, 2, &mut o1);
-        w2.matmul(&x, 2, &mut o2);
-        both.matmul(&x, 2, &mut o);
-        // (tail rows of a part use the scalar path: equal up to summation order)
-        let close = |a: &[f32], b: &[f32]| {
-            a.iter()
-                .zip(b)
-                .all(|(x, y)| (x - y).abs() <= 1e-4 * y.abs().max(1.0))
-        };
-        for r in 0..2 {
-            assert!(close(&o[r * 8..r * 8 + 5], &o1[r * 5..r * 5 + 5]));
-            assert!(close(&o[r * 8 + 5..r * 8 + 8], &o2[r * 3..r * 3 + 3]));
-        }
-        let narrow = Q8Matrix::from_q8_0_bytes(&b2[..34], 1, 32).unwrap();
-        assert!(Q8Matrix::concat(&[&w1, &narrow]).is_none());
-    }
-
-    #[test]
-    fn rejects_bad_shapes() {
-        assert!(Q8Matrix::from_q8_0_bytes(&[0u8; 34], 1, 31).is_none());
-        assert!(Q8Matrix::from_q8_0_bytes(&[0u8; 33], 1, 32).is_none());
     }
 }

@@ -3,14 +3,13 @@
 use crate::error::Result;
 use crate::kernels::kquant::KQuant;
 use crate::kernels::nibble::{NibbleMatrix, NibbleType};
-use crate::kernels::q8::Q8Matrix;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use std::sync::{Arc, OnceLock};
 
 /// A weight matrix `[out, in]` applied to row-major activations `[m, in]`: the engine's own
-/// kernels for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights on CPU, candle's
-/// `QMatMul` otherwise (other types, CUDA).
+/// kernels for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights on x86_64 CPUs,
+/// candle's `QMatMul` otherwise (other types, other targets, CUDA).
 pub struct Linear {
     kernel: Kernel,
     pub n_in: usize,
@@ -20,14 +19,19 @@ pub struct Linear {
 
 enum Kernel {
     Candle(QMatMul),
-    Q8(Q8Matrix),
     Nibble(NibbleMatrix),
 }
 
-/// `LLAMA_CPP_EX_KERNELS=candle` keeps candle's kernels everywhere (for comparisons).
+/// Whether products run on the engine's own kernels: on x86_64 (their SIMD paths, or the
+/// portable one under `LLAMA_CPP_EX_SIMD=scalar`), unless `LLAMA_CPP_EX_KERNELS=candle` asks
+/// for candle's (comparisons). Other targets use candle's, which have NEON paths where ours
+/// would be scalar.
 pub(crate) fn own_kernels_enabled() -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
-    *ENABLED.get_or_init(|| std::env::var("LLAMA_CPP_EX_KERNELS").map_or(true, |v| v != "candle"))
+    *ENABLED.get_or_init(|| {
+        cfg!(target_arch = "x86_64")
+            && std::env::var("LLAMA_CPP_EX_KERNELS").map_or(true, |v| v != "candle")
+    })
 }
 
 /// `v` resized to `n` values (zeroed), without reallocating once its capacity is enough.
@@ -107,9 +111,7 @@ impl Linear {
         let nibble = |kind| in_parts(&|b, rows| NibbleMatrix::from_bytes(kind, b, rows, n_in));
         let k_quant = |kind| in_parts(&|b, rows| NibbleMatrix::from_k_quant(kind, b, rows, n_in));
         let kernel = match dtype {
-            // the interleaved kernel runs Q8_0 only with VNNI (maddubs would saturate)
-            GgmlDType::Q8_0 if crate::kernels::has_vnni() => nibble(NibbleType::Q8_0),
-            GgmlDType::Q8_0 => Q8Matrix::from_q8_0_bytes(bytes, n_out, n_in).map(Kernel::Q8),
+            GgmlDType::Q8_0 => nibble(NibbleType::Q8_0),
             GgmlDType::Q4_0 => nibble(NibbleType::Q4_0),
             GgmlDType::Q4_1 => nibble(NibbleType::Q4_1),
             GgmlDType::Q5_0 => nibble(NibbleType::Q5_0),
@@ -145,7 +147,6 @@ impl Linear {
     /// `out = x · Wᵀ` (`[m, n_out]`), reusing `out`'s allocation on the engine's kernels.
     pub fn forward_into(&self, x: &[f32], m: usize, out: &mut Vec<f32>) -> Result<()> {
         match &self.kernel {
-            Kernel::Q8(w) => w.matmul(x, m, sized(out, m * self.n_out)),
             Kernel::Nibble(w) => w.matmul(x, m, sized(out, m * self.n_out)),
             Kernel::Candle(w) => {
                 let t = Tensor::from_slice(x, (m, self.n_in), &Device::Cpu)?;
@@ -167,25 +168,16 @@ pub enum FusedLinear {
 impl FusedLinear {
     pub fn new(parts: Vec<Linear>) -> Self {
         let widths: Vec<usize> = parts.iter().map(|p| p.n_out).collect();
-        let q8: Vec<&Q8Matrix> = parts
-            .iter()
-            .filter_map(|p| match &p.kernel {
-                Kernel::Q8(m) => Some(m),
-                _ => None,
-            })
-            .collect();
-        let q4: Vec<&NibbleMatrix> = parts
+        let own: Vec<&NibbleMatrix> = parts
             .iter()
             .filter_map(|p| match &p.kernel {
                 Kernel::Nibble(m) => Some(m),
                 _ => None,
             })
             .collect();
-        let stacked = if q8.len() == parts.len() {
-            Q8Matrix::concat(&q8).map(|m| (m.n_in, m.n_out, GgmlDType::Q8_0, Kernel::Q8(m)))
-        } else if q4.len() == parts.len() {
+        let stacked = if own.len() == parts.len() {
             let dtype = parts[0].dtype;
-            NibbleMatrix::concat(&q4).map(|m| (m.n_in, m.n_out, dtype, Kernel::Nibble(m)))
+            NibbleMatrix::concat(&own).map(|m| (m.n_in, m.n_out, dtype, Kernel::Nibble(m)))
         } else {
             None
         };

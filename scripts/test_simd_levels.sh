@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs the engine's kernel, parity and allocation tests once per SIMD level below the best one
+# this CPU has (the full suite already ran at the best level), so every kernel path is
+# exercised wherever the suite runs. Levels: avx512 (AVX512-VNNI), avx2, scalar.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+levels=()
+if [[ $flags =~ (avx512_vnni|avx512vnni) ]] && [[ $flags =~ avx512vl ]]; then levels+=(avx2); fi
+if [[ $flags =~ avx2 ]]; then levels+=(scalar); fi
+for level in "${levels[@]}"; do
+  echo "==> engine kernel, parity and allocation tests with LLAMA_CPP_EX_SIMD=$level"
+  LLAMA_CPP_EX_SIMD=$level cargo test --release --manifest-path native/Cargo.toml \
+    -p llama_cpp_ex_engine --lib kernels
+  LLAMA_CPP_EX_SIMD=$level cargo test --release --manifest-path native/Cargo.toml \
+    -p llama_cpp_ex_engine --test kernels --test llama_parity --test gemma3_parity \
+    --test allocations
+done
