@@ -3,7 +3,7 @@
 //! chosen by architecture when the file carries none.
 
 use crate::error::{EngineError, Result};
-use minijinja::{context, Environment, Error, ErrorKind, Value};
+use minijinja::{Environment, Error, ErrorKind, Value};
 
 /// llama.cpp's built-in Gemma format: system text merged into the first user turn,
 /// "assistant" spelled "model", contents trimmed.
@@ -34,14 +34,25 @@ pub fn builtin_template(arch: &str) -> &'static str {
 }
 
 pub struct ChatRequest<'a> {
-    pub messages: &'a [(String, String)],
+    /// Messages as JSON objects: `role` and `content` (a string, `null`, or structured parts)
+    /// plus any other fields a template reads (`tool_calls`, `name`, `tool_call_id`, ...).
+    pub messages: &'a [serde_json::Value],
     pub add_generation_prompt: bool,
     pub enable_thinking: bool,
     pub bos_token: &'a str,
     pub eos_token: &'a str,
-    /// Extra template variables (`chat_template_kwargs`), as JSON values.
+    /// Extra template variables (`chat_template_kwargs`), as JSON values. They may set
+    /// `enable_thinking`, not the variables the renderer owns ([`RESERVED_VARIABLES`]).
     pub kwargs: &'a [(String, serde_json::Value)],
 }
+
+/// Template variables that `chat_template_kwargs` cannot replace.
+pub const RESERVED_VARIABLES: &[&str] = &[
+    "messages",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
 
 fn raise_exception(msg: String) -> std::result::Result<String, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, msg))
@@ -122,55 +133,242 @@ fn json_value(v: &serde_json::Value) -> Value {
         },
         serde_json::Value::String(s) => Value::from(s.as_str()),
         serde_json::Value::Array(a) => Value::from(a.iter().map(json_value).collect::<Vec<_>>()),
-        serde_json::Value::Object(o) => {
-            Value::from_iter(o.iter().map(|(k, v)| (k.clone(), json_value(v))))
-        }
+        serde_json::Value::Object(o) => Value::from_object(JsonObject(
+            o.iter()
+                .map(|(k, v)| (Value::from(k.as_str()), json_value(v)))
+                .collect(),
+        )),
     }
 }
 
-/// Renders `template` for `req`.
+/// A JSON object as a template map that keeps its keys in document order (tool schemas are
+/// printed with `tojson` in the order they were given).
+#[derive(Debug)]
+struct JsonObject(Vec<(Value, Value)>);
+
+impl minijinja::value::Object for JsonObject {
+    fn repr(self: &std::sync::Arc<Self>) -> minijinja::value::ObjectRepr {
+        minijinja::value::ObjectRepr::Map
+    }
+
+    fn get_value(self: &std::sync::Arc<Self>, key: &Value) -> Option<Value> {
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    }
+
+    fn enumerate(self: &std::sync::Arc<Self>) -> minijinja::value::Enumerator {
+        minijinja::value::Enumerator::Values(self.0.iter().map(|(k, _)| k.clone()).collect())
+    }
+}
+
+/// Renders `template` for `req` within [`crate::limits::Limits`]: minijinja fuel bounds the
+/// work and the data a render may create (about one fuel per instruction and per 64 bytes),
+/// the prompt may not exceed `template_output_bytes`, values printed or serialised may not nest
+/// deeper than `template_value_depth`, and the few Python string methods whose output size
+/// depends on their arguments are charged before they allocate. The render runs on a thread
+/// with a large stack ([`crate::stack`]): the nesting a render can build is bounded by its
+/// fuel, and minijinja walks nested values recursively.
 pub fn apply_template(template: &str, req: &ChatRequest) -> Result<String> {
+    let limits = crate::limits::limits();
+    if let Some((k, _)) = req
+        .kwargs
+        .iter()
+        .find(|(k, _)| RESERVED_VARIABLES.contains(&k.as_str()))
+    {
+        return Err(EngineError::Template(format!(
+            "chat_template_kwargs cannot set {k}"
+        )));
+    }
+    crate::stack::on_deep_stack(|| render(template, req, &limits)).map_err(EngineError::Template)?
+}
+
+fn render(template: &str, req: &ChatRequest, limits: &crate::limits::Limits) -> Result<String> {
     let fail = |e: Error| EngineError::Template(format!("{e:#}"));
+    let depth = limits.template_value_depth;
     let mut env = Environment::new();
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_fuel(Some(limits.template_fuel));
+    env.set_unknown_method_callback(guarded_methods);
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
+    env.add_filter(
+        "tojson",
+        move |value: &Value, indent: Option<Value>, kwargs: minijinja::value::Kwargs| {
+            check_depth(value, depth)?;
+            minijinja::filters::tojson(value, indent, kwargs)
+        },
+    );
+    env.set_formatter(move |out, state, value| {
+        check_depth(value, depth)?;
+        minijinja::escape_formatter(out, state, value)
+    });
     env.add_template("chat", template).map_err(fail)?;
-    let messages: Vec<Value> = req
-        .messages
-        .iter()
-        .map(|(role, content)| context! { role => role, content => content })
-        .collect();
+    let messages: Vec<Value> = req.messages.iter().map(json_value).collect();
     let mut vars: std::collections::BTreeMap<String, Value> = std::collections::BTreeMap::new();
+    vars.insert("enable_thinking".into(), Value::from(req.enable_thinking));
     for (k, v) in req.kwargs {
         vars.insert(k.clone(), json_value(v));
     }
-    let base = context! {
-        messages => messages,
-        add_generation_prompt => req.add_generation_prompt,
-        enable_thinking => req.enable_thinking,
-        bos_token => req.bos_token,
-        eos_token => req.eos_token,
+    vars.insert("messages".into(), Value::from(messages));
+    vars.insert(
+        "add_generation_prompt".into(),
+        Value::from(req.add_generation_prompt),
+    );
+    vars.insert("bos_token".into(), Value::from(req.bos_token));
+    vars.insert("eos_token".into(), Value::from(req.eos_token));
+    let mut out = CappedWriter {
+        buf: Vec::new(),
+        cap: limits.template_output_bytes,
     };
-    let ctx = context! { ..Value::from(vars), ..base };
     env.get_template("chat")
-        .and_then(|t| t.render(ctx))
-        .map_err(fail)
+        .and_then(|t| t.render_captured_to(Value::from(vars), &mut out).map(drop))
+        .map_err(|e| {
+            if out.buf.len() >= out.cap {
+                EngineError::Template(format!(
+                    "the rendered prompt exceeds {} bytes (limit template_output_bytes)",
+                    out.cap
+                ))
+            } else {
+                fail(e)
+            }
+        })?;
+    String::from_utf8(out.buf)
+        .map_err(|_| EngineError::Template("the rendered prompt is not valid UTF-8".into()))
+}
+
+/// Collects rendered output, failing once it would exceed `cap` bytes.
+struct CappedWriter {
+    buf: Vec<u8>,
+    cap: usize,
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + data.len() > self.cap {
+            self.buf.resize(self.cap, 0);
+            return Err(std::io::Error::other("output limit"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Fails when `value` nests deeper than `max` (sequences and maps), walking it without
+/// recursion.
+fn check_depth(value: &Value, max: usize) -> std::result::Result<(), Error> {
+    use minijinja::value::ValueKind;
+    let mut stack = vec![(value.clone(), 0usize)];
+    while let Some((v, d)) = stack.pop() {
+        if d > max {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("value nested deeper than {max} levels (limit template_value_depth)"),
+            ));
+        }
+        match v.kind() {
+            ValueKind::Seq | ValueKind::Iterable => {
+                if let Ok(items) = v.try_iter() {
+                    stack.extend(items.map(|x| (x, d + 1)));
+                }
+            }
+            ValueKind::Map => {
+                if let Ok(keys) = v.try_iter() {
+                    for k in keys {
+                        if let Ok(item) = v.get_item(&k) {
+                            stack.push((item, d + 1));
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Python string methods (minijinja-contrib's `pycompat`), with the output of `replace`,
+/// `join` and `format` paid for in fuel before it is built: their size is a product of their
+/// arguments' sizes (a separator joined between many items, a replacement for many matches, a
+/// field width), which fuel charged for the arguments alone would not bound.
+fn guarded_methods(
+    state: &mut minijinja::State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> std::result::Result<Value, Error> {
+    if let Some(s) = value.as_str() {
+        let arg = |i: usize| args.get(i).and_then(Value::as_str);
+        let bytes: Option<u64> = match method {
+            "replace" => match (arg(0), arg(1)) {
+                (Some(old), Some(new)) => {
+                    let n = if old.is_empty() {
+                        s.chars().count() + 1
+                    } else {
+                        s.matches(old).count()
+                    };
+                    Some(s.len() as u64 + n as u64 * new.len() as u64)
+                }
+                _ => None,
+            },
+            "join" => args.first().and_then(|items| items.len()).map(|n| {
+                let items: u64 = args[0]
+                    .try_iter()
+                    .map(|it| it.map(|x| x.to_string().len() as u64).sum())
+                    .unwrap_or(0);
+                items + n as u64 * s.len() as u64
+            }),
+            "format" => Some(s.len() as u64 + format_widths(s)),
+            _ => None,
+        };
+        if let Some(bytes) = bytes {
+            state.consume_fuel(bytes / 64 + 1)?;
+        }
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
+/// The sum of the numbers in `{...}` replacement fields of a `str.format` string (widths and
+/// precisions, an upper bound of the padding they can ask for).
+fn format_widths(s: &str) -> u64 {
+    let mut total = 0u64;
+    let mut in_field = false;
+    let mut number = 0u64;
+    for c in s.chars() {
+        match c {
+            '{' => in_field = true,
+            '}' => in_field = false,
+            _ if in_field => {
+                if let Some(d) = c.to_digit(10) {
+                    number = number.saturating_mul(10).saturating_add(d as u64);
+                    continue;
+                }
+            }
+            _ => {}
+        }
+        total = total.saturating_add(number);
+        number = 0;
+    }
+    total.saturating_add(number)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn msgs(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    fn msgs(pairs: &[(&str, &str)]) -> Vec<serde_json::Value> {
         pairs
             .iter()
-            .map(|(r, c)| (r.to_string(), c.to_string()))
+            .map(|(r, c)| serde_json::json!({"role": r, "content": c}))
             .collect()
     }
 
     fn req<'a>(
-        m: &'a [(String, String)],
+        m: &'a [serde_json::Value],
         kwargs: &'a [(String, serde_json::Value)],
     ) -> ChatRequest<'a> {
         ChatRequest {
@@ -211,6 +409,67 @@ mod tests {
         let err = apply_template(t, &req(&m, &[])).unwrap_err().to_string();
         assert!(err.contains("first must be user"), "{err}");
         assert!(apply_template("{% for %}", &req(&m, &[])).is_err());
+    }
+
+    /// Renders a template with no messages' influence; the error text when it fails.
+    fn render_err(t: &str) -> String {
+        let m = msgs(&[("user", "hi")]);
+        apply_template(t, &req(&m, &[])).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn hostile_templates_fail_within_their_limits() {
+        // a deeply nested value serialised or printed
+        let nest = "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}";
+        let e = render_err(&format!("{nest}{{{{ ns.x|tojson|length }}}}"));
+        assert!(e.contains("template_value_depth"), "{e}");
+        let e = render_err(&format!("{nest}{{{{ ns.x }}}}"));
+        assert!(e.contains("template_value_depth"), "{e}");
+        // doubling a string 40 times, huge widths, nested loops: out of fuel
+        let e = render_err("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}");
+        assert!(e.contains("fuel"), "{e}");
+        for t in [
+            "{{ '%09999999999d'|format(1) }}",
+            "{{ ('%0999999999d'|format(1))|length }}",
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x",
+            "{{ ('a' * 100000).replace('a', 'b' * 100000)|length }}",
+            "{{ ('b' * 1000000).join(range(100000))|length }}",
+            "{{ '{:>999999999}'.format(1)|length }}",
+        ] {
+            let e = render_err(t);
+            assert!(e.contains("fuel"), "{t}: {e}");
+        }
+        // output past the prompt limit
+        let limits = crate::limits::limits();
+        let big = "x".repeat(limits.template_output_bytes + 10);
+        let m = msgs(&[("user", &big)]);
+        let e = apply_template("{{ messages[0].content }}", &req(&m, &[]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("template_output_bytes"), "{e}");
+    }
+
+    #[test]
+    fn kwargs_cannot_replace_the_messages() {
+        let m = msgs(&[("user", "hi")]);
+        let kw = vec![("messages".to_string(), serde_json::json!([]))];
+        let e = apply_template("{{ messages|length }}", &req(&m, &kw)).unwrap_err();
+        assert!(e.to_string().contains("cannot set messages"), "{e}");
+        // enable_thinking may be set through kwargs, as in llama.cpp
+        let kw = vec![("enable_thinking".to_string(), serde_json::json!(false))];
+        let t = "{% if enable_thinking %}on{% else %}off{% endif %}";
+        assert_eq!(apply_template(t, &req(&m, &kw)).unwrap(), "off");
+    }
+
+    #[test]
+    fn structured_content_and_extra_fields_reach_the_template() {
+        let m = vec![serde_json::json!({
+            "role": "assistant",
+            "content": [{"type": "text", "text": "part"}],
+            "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]
+        })];
+        let t = "{{ messages[0].content[0].text }} {{ messages[0].tool_calls[0].function.name }}";
+        assert_eq!(apply_template(t, &req(&m, &[])).unwrap(), "part f");
     }
 
     #[test]

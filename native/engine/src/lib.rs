@@ -12,9 +12,11 @@ pub mod gguf;
 pub mod grammar;
 pub mod kernels;
 pub mod kv;
+pub mod limits;
 pub mod model;
 pub mod pool;
 pub mod sampler;
+pub mod stack;
 pub mod tokenizer;
 
 pub use batch::Batch;

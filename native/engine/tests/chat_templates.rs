@@ -26,14 +26,14 @@ fn check(file: &str, user_open: &str, user_close: &str) {
         let text = case["prompt_text"].as_str().unwrap();
         let user = between(text, user_open, user_close);
         let system = "You are a helpful assistant.";
-        let messages: Vec<(String, String)> = if case["name"] == "chat_system_haiku" {
+        let messages: Vec<serde_json::Value> = if case["name"] == "chat_system_haiku" {
             let user = user.rsplit("\n\n").next().unwrap();
             vec![
-                ("system".into(), system.into()),
-                ("user".into(), user.into()),
+                serde_json::json!({"role": "system", "content": system}),
+                serde_json::json!({"role": "user", "content": user}),
             ]
         } else {
-            vec![("user".into(), user.into())]
+            vec![serde_json::json!({"role": "user", "content": user})]
         };
         let req = ChatRequest {
             messages: &messages,

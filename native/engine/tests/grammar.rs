@@ -14,7 +14,7 @@ fn chat_prompt(model: &Model, user: &str) -> Vec<u32> {
         .chat_template
         .clone()
         .unwrap_or_else(|| builtin_template(&model.config.arch).to_string());
-    let messages = vec![("user".to_string(), user.to_string())];
+    let messages = vec![serde_json::json!({"role": "user", "content": user})];
     let req = ChatRequest {
         messages: &messages,
         add_generation_prompt: true,

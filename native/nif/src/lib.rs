@@ -383,6 +383,10 @@ fn chat_apply_template<'a>(
         };
         let bos = text(model.tokenizer.bos);
         let eos = text(model.tokenizer.eos);
+        let messages: Vec<serde_json::Value> = messages
+            .into_iter()
+            .map(|(role, content)| serde_json::json!({"role": role, "content": content}))
+            .collect();
         let req = llama_cpp_ex_engine::chat::ChatRequest {
             messages: &messages,
             add_generation_prompt: add_assistant,

@@ -17,6 +17,10 @@ const MAX_CHAR: u32 = 0x10FFFF;
 const MAX_ROUNDS: usize = 256;
 /// Longest regex emitted for one lexeme (inlining regular rules can grow it).
 pub const MAX_LEXEME_REGEX: usize = 16 * 1024;
+/// Deepest chain of rules inlined into one lexeme: deeper regular parts stay parser rules
+/// (a long chain of rules would otherwise become one regex nested as deep as the chain, past
+/// what llguidance's regex parser accepts and deep enough to exhaust a thread's stack here).
+pub const MAX_INLINE_DEPTH: usize = 16;
 
 /// A set of code points as sorted, disjoint, non-adjacent inclusive ranges.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -303,20 +307,70 @@ impl<'g> Analysis<'g> {
         }
     }
 
+    /// A rule is regular when it only uses terminals and regular rules, without recursion:
+    /// one depth-first walk of the reference graph (no recursion here: a chain of thousands
+    /// of rules must not exhaust the stack), where reaching a rule still being walked means a
+    /// cycle.
     fn fix_regular(&mut self) {
-        // A rule is regular when it only uses terminals and regular rules, without recursion:
-        // start from "all regular" is wrong for recursion, so grow from terminal-only rules.
-        for _ in 0..self.grammar.rules.len() + 1 {
-            let mut changed = false;
-            for i in 0..self.grammar.rules.len() {
-                if !self.regular[i] && self.is_regular(&self.grammar.rules[i].1) {
-                    self.regular[i] = true;
-                    changed = true;
+        #[derive(Clone, Copy, PartialEq)]
+        enum Mark {
+            New,
+            Open,
+            Done,
+        }
+        let n = self.grammar.rules.len();
+        let refs: Vec<Vec<usize>> = self
+            .grammar
+            .rules
+            .iter()
+            .map(|(_, body)| {
+                let mut out = Vec::new();
+                self.collect_refs(body, &mut out);
+                out
+            })
+            .collect();
+        let mut mark = vec![Mark::New; n];
+        let mut regular = vec![true; n];
+        for start in 0..n {
+            if mark[start] != Mark::New {
+                continue;
+            }
+            mark[start] = Mark::Open;
+            let mut stack = vec![(start, 0usize)];
+            while let Some(&mut (rule, ref mut next)) = stack.last_mut() {
+                if let Some(&child) = refs[rule].get(*next) {
+                    *next += 1;
+                    match mark[child] {
+                        Mark::New => {
+                            mark[child] = Mark::Open;
+                            stack.push((child, 0));
+                        }
+                        // a cycle: every rule on the walk from `child` to here recurses
+                        Mark::Open => {
+                            for &(r, _) in stack.iter().skip_while(|(r, _)| *r != child) {
+                                regular[r] = false;
+                            }
+                        }
+                        Mark::Done => regular[rule] &= regular[child],
+                    }
+                } else {
+                    mark[rule] = Mark::Done;
+                    stack.pop();
+                    if let Some(&(parent, _)) = stack.last() {
+                        regular[parent] &= regular[rule];
+                    }
                 }
             }
-            if !changed {
-                break;
-            }
+        }
+        self.regular = regular;
+    }
+
+    fn collect_refs(&self, e: &Expr, out: &mut Vec<usize>) {
+        match e {
+            Expr::Alt(v) | Expr::Seq(v) => v.iter().for_each(|x| self.collect_refs(x, out)),
+            Expr::Repeat { inner, .. } => self.collect_refs(inner, out),
+            Expr::Ref(r) => out.push(self.rule(r)),
+            _ => {}
         }
     }
 
@@ -334,10 +388,10 @@ impl<'g> Analysis<'g> {
     /// not fit in [`MAX_LEXEME_REGEX`].
     pub fn regex(&self, e: &Expr) -> Option<String> {
         let mut out = String::new();
-        self.regex_into(e, &mut out).then_some(out)
+        self.regex_into(e, &mut out, 0).then_some(out)
     }
 
-    fn regex_into(&self, e: &Expr, out: &mut String) -> bool {
+    fn regex_into(&self, e: &Expr, out: &mut String, inlined: usize) -> bool {
         if out.len() > MAX_LEXEME_REGEX {
             return false;
         }
@@ -348,7 +402,7 @@ impl<'g> Analysis<'g> {
                     if i > 0 {
                         out.push('|');
                     }
-                    if !self.regex_into(x, out) {
+                    if !self.regex_into(x, out, inlined) {
                         return false;
                     }
                 }
@@ -357,7 +411,7 @@ impl<'g> Analysis<'g> {
             Expr::Seq(v) => {
                 out.push_str("(?:");
                 for x in v {
-                    if !self.regex_into(x, out) {
+                    if !self.regex_into(x, out, inlined) {
                         return false;
                     }
                 }
@@ -391,13 +445,13 @@ impl<'g> Analysis<'g> {
             Expr::Any => out.push_str("(?s:.)"),
             Expr::Ref(r) => {
                 let body = &self.grammar.rules[self.rule(r)].1;
-                if !self.regex_into(body, out) {
+                if inlined == MAX_INLINE_DEPTH || !self.regex_into(body, out, inlined + 1) {
                     return false;
                 }
             }
             Expr::Repeat { inner, min, max } => {
                 out.push_str("(?:");
-                if !self.regex_into(inner, out) {
+                if !self.regex_into(inner, out, inlined) {
                     return false;
                 }
                 out.push(')');

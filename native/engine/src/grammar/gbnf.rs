@@ -6,7 +6,8 @@
 //! cut off a parse that GBNF would accept); all structure lives in parser rules.
 
 use super::analysis::{char_regex, quantifier, Analysis};
-use super::{GrammarError, MAX_GRAMMAR_BYTES, MAX_NESTING};
+use super::GrammarError;
+use crate::limits::Limits;
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -49,6 +50,7 @@ fn err(msg: impl Into<String>) -> GrammarError {
 struct Parser<'a> {
     src: &'a [char],
     pos: usize,
+    limits: Limits,
 }
 
 fn is_name_char(c: char) -> bool {
@@ -136,6 +138,12 @@ impl<'a> Parser<'a> {
             if let Some(existing) = rules.iter_mut().find(|(n, _)| *n == name) {
                 existing.1 = body;
             } else {
+                if rules.len() == self.limits.grammar_rules {
+                    return Err(err(format!(
+                        "grammar has more than {} rules (limit grammar_rules)",
+                        self.limits.grammar_rules
+                    )));
+                }
                 rules.push((name, body));
             }
             self.skip_space();
@@ -165,7 +173,7 @@ impl<'a> Parser<'a> {
                 break;
             }
             let atom = self.atom(depth)?;
-            let item = self.postfix(atom)?;
+            let item = self.postfix(atom, depth)?;
             items.push(item);
         }
         Ok(if items.len() == 1 {
@@ -234,11 +242,7 @@ impl<'a> Parser<'a> {
                 Ok(Expr::Any)
             }
             Some('(') => {
-                if depth + 1 > MAX_NESTING {
-                    return Err(err(format!(
-                        "grammar nesting deeper than {MAX_NESTING} levels"
-                    )));
-                }
+                self.check_nesting(depth + 1)?;
                 self.pos += 1;
                 let inner = self.alternatives(depth + 1)?;
                 self.skip_space();
@@ -255,7 +259,19 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn postfix(&mut self, mut atom: Expr) -> Result<Expr, GrammarError> {
+    fn check_nesting(&self, depth: usize) -> Result<(), GrammarError> {
+        if depth > self.limits.grammar_nesting {
+            return Err(err(format!(
+                "grammar nesting deeper than {} levels (limit grammar_nesting)",
+                self.limits.grammar_nesting
+            )));
+        }
+        Ok(())
+    }
+
+    /// Repetition operators after `atom`; each nests the expression one level deeper (every
+    /// later pass over the grammar recurses through them).
+    fn postfix(&mut self, mut atom: Expr, mut depth: usize) -> Result<Expr, GrammarError> {
         loop {
             let (min, max) = match self.peek() {
                 Some('*') => {
@@ -298,6 +314,8 @@ impl<'a> Parser<'a> {
                 }
                 _ => return Ok(atom),
             };
+            depth += 1;
+            self.check_nesting(depth)?;
             atom = Expr::Repeat {
                 inner: Box::new(atom),
                 min,
@@ -362,15 +380,18 @@ impl<'a> Parser<'a> {
 
 /// Parses GBNF text and checks it: size, nesting, undefined rules and the root rule.
 pub fn parse(text: &str, root: &str) -> Result<Grammar, GrammarError> {
-    if text.len() > MAX_GRAMMAR_BYTES {
+    let limits = crate::limits::limits();
+    if text.len() > limits.grammar_bytes {
         return Err(err(format!(
-            "grammar larger than {MAX_GRAMMAR_BYTES} bytes"
+            "grammar larger than {} bytes (limit grammar_bytes)",
+            limits.grammar_bytes
         )));
     }
     let chars: Vec<char> = text.chars().collect();
     let grammar = Parser {
         src: &chars,
         pos: 0,
+        limits,
     }
     .grammar()?;
     let names: HashMap<&str, ()> = grammar
@@ -600,7 +621,10 @@ mod tests {
 
     #[test]
     fn size_limit() {
-        let big = format!("root ::= \"{}\"", "a".repeat(MAX_GRAMMAR_BYTES));
+        let big = format!(
+            "root ::= \"{}\"",
+            "a".repeat(crate::limits::DEFAULT_LIMITS.grammar_bytes)
+        );
         assert!(parse(&big, "root").unwrap_err().0.contains("larger"));
     }
 

@@ -8,7 +8,8 @@
 //! date/time/date-time/uuid, anyOf/oneOf, allOf of objects, $ref into $defs/definitions.
 //! Numeric minimum ≥ 0 removes the minus sign; other numeric bounds are not expressed.
 
-use super::{GrammarError, MAX_GRAMMAR_BYTES, MAX_NESTING};
+use super::GrammarError;
+use crate::limits::Limits;
 use serde_json::{Map, Value};
 use std::collections::HashMap;
 
@@ -66,6 +67,9 @@ fn primitive_deps(name: &str) -> &'static [&'static str] {
 }
 
 struct Converter<'a> {
+    limits: Limits,
+    /// Subschemas visited so far.
+    nodes: usize,
     root: &'a Value,
     rules: Vec<(String, String)>,
     by_body: HashMap<String, String>,
@@ -158,8 +162,15 @@ impl<'a> Converter<'a> {
 
     /// Returns a GBNF expression matching `schema` (a rule name or an inline expression).
     fn visit(&mut self, schema: &Value, name: &str, depth: usize) -> Result<String, GrammarError> {
-        if depth > MAX_NESTING {
+        if depth > self.limits.grammar_nesting {
             return Err(err("schema nested too deeply"));
+        }
+        self.nodes += 1;
+        if self.nodes > self.limits.schema_nodes {
+            return Err(err(format!(
+                "schema too large: more than {} subschemas (limit schema_nodes)",
+                self.limits.schema_nodes
+            )));
         }
         let obj = match schema {
             Value::Bool(true) => return Ok(self.add_primitive("value")),
@@ -421,6 +432,22 @@ impl<'a> Converter<'a> {
             .map(|r| r.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
         let additional = obj.get("additionalProperties");
+        if let Some(p) = props {
+            let optional = p.keys().filter(|k| !required.contains(&k.as_str())).count();
+            if p.len() > self.limits.schema_properties {
+                return Err(err(format!(
+                    "schema too large: an object with {} properties (limit schema_properties: {})",
+                    p.len(),
+                    self.limits.schema_properties
+                )));
+            }
+            if optional > self.limits.schema_optional_properties {
+                return Err(err(format!(
+                    "schema too large: an object with {optional} optional properties (limit schema_optional_properties: {})",
+                    self.limits.schema_optional_properties
+                )));
+            }
+        }
         let Some(props) = props.filter(|p| !p.is_empty()) else {
             return match additional {
                 Some(s @ Value::Object(_)) => {
@@ -501,18 +528,21 @@ impl<T> Pipe for T {}
 
 /// Converts a JSON Schema (as JSON text) into GBNF whose start rule is `root`.
 pub fn to_gbnf(schema_json: &str) -> Result<String, GrammarError> {
-    if schema_json.len() > MAX_GRAMMAR_BYTES {
+    let limits = crate::limits::limits();
+    if schema_json.len() > limits.grammar_bytes {
         return Err(err("schema too large"));
     }
-    if text_depth(schema_json) > 2 * MAX_NESTING + 2 {
+    if text_depth(schema_json) > 2 * limits.grammar_nesting + 2 {
         return Err(err("schema nested too deeply"));
     }
     let schema: Value = serde_json::from_str(schema_json)
         .map_err(|e| err(format!("Unrecognized schema: not JSON: {e}")))?;
-    if json_depth(&schema) > MAX_NESTING {
+    if json_depth(&schema) > limits.grammar_nesting {
         return Err(err("schema nested too deeply"));
     }
     let mut c = Converter {
+        limits,
+        nodes: 0,
         root: &schema,
         rules: Vec::new(),
         by_body: HashMap::new(),
@@ -530,7 +560,7 @@ pub fn to_gbnf(schema_json: &str) -> Result<String, GrammarError> {
     for (n, b) in &c.rules {
         out.push_str(&format!("{n} ::= {b}\n"));
     }
-    if out.len() > MAX_GRAMMAR_BYTES {
+    if out.len() > limits.grammar_bytes {
         return Err(err("schema too large"));
     }
     Ok(out)
@@ -595,7 +625,7 @@ pub fn regex_to_gbnf(pattern: &str) -> Result<String, GrammarError> {
 }
 
 fn regex_alt(c: &[char], pos: &mut usize, depth: usize) -> Result<String, GrammarError> {
-    if depth > MAX_NESTING {
+    if depth > crate::limits::limits().grammar_nesting {
         return Err(err("schema nested too deeply"));
     }
     let mut alts = vec![regex_seq(c, pos, depth)?];
@@ -821,7 +851,10 @@ mod tests {
             deep = format!(r#"{{"type":"object","properties":{{"a":{deep}}}}}"#);
         }
         assert_eq!(to_gbnf(&deep).unwrap_err().0, "schema nested too deeply");
-        let big = format!(r#"{{"enum":["{}"]}}"#, "a".repeat(MAX_GRAMMAR_BYTES));
+        let big = format!(
+            r#"{{"enum":["{}"]}}"#,
+            "a".repeat(crate::limits::DEFAULT_LIMITS.grammar_bytes)
+        );
         assert_eq!(to_gbnf(&big).unwrap_err().0, "schema too large");
     }
 }

@@ -14,10 +14,6 @@ use llguidance::toktrie::{self, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use std::sync::Arc;
 
-/// Largest grammar (or schema) text accepted, in bytes.
-pub const MAX_GRAMMAR_BYTES: usize = 1 << 20;
-/// Deepest parenthesis (or schema) nesting accepted.
-pub const MAX_NESTING: usize = 64;
 /// Grammar text starting with this is llguidance Lark, passed through (llama.cpp's rule).
 pub const LLGUIDANCE_PREFIX: &str = "%llguidance";
 
@@ -50,21 +46,29 @@ impl GrammarSpec {
     pub fn to_llguidance(&self) -> Result<TopLevelGrammar, GrammarError> {
         match self {
             GrammarSpec::Gbnf { text, root } => {
-                if text.len() > MAX_GRAMMAR_BYTES {
+                let limits = crate::limits::limits();
+                if text.len() > limits.grammar_bytes {
                     return Err(GrammarError(format!(
-                        "grammar larger than {MAX_GRAMMAR_BYTES} bytes"
+                        "grammar larger than {} bytes (limit grammar_bytes)",
+                        limits.grammar_bytes
                     )));
                 }
                 if text.trim_start().starts_with(LLGUIDANCE_PREFIX) {
+                    // llguidance parses Lark recursively: bound its nesting first
+                    if lark_nesting(text) > limits.grammar_nesting {
+                        return Err(GrammarError(format!(
+                            "grammar nesting deeper than {} levels (limit grammar_nesting)",
+                            limits.grammar_nesting
+                        )));
+                    }
                     return Ok(TopLevelGrammar::from_lark(text.clone()));
                 }
                 let g = gbnf::parse(text, root)?;
                 Ok(TopLevelGrammar::from_lark(gbnf::to_lark(&g, root)))
             }
             GrammarSpec::JsonSchema(json) => {
-                if json.len() > MAX_GRAMMAR_BYTES {
-                    return Err(GrammarError("schema too large".into()));
-                }
+                // the converter's checks (size, nesting, property counts) first
+                json_schema::to_gbnf(json)?;
                 let mut schema: serde_json::Value = serde_json::from_str(json)
                     .map_err(|e| GrammarError(format!("schema is not JSON: {e}")))?;
                 with_layout(&mut schema)?;
@@ -84,6 +88,35 @@ pub fn json_schema_grammar(schema_json: &str) -> Result<String, GrammarError> {
         .map_err(|e| GrammarError(format!("Unrecognized schema: not JSON: {e}")))?;
     with_layout(&mut schema)?;
     Ok(format!("{LLGUIDANCE_PREFIX} {{}}\nstart: %json {schema}\n"))
+}
+
+/// Bracket nesting of Lark text outside its string literals and regexes.
+fn lark_nesting(text: &str) -> usize {
+    let (mut depth, mut max) = (0usize, 0usize);
+    let mut quote: Option<char> = None;
+    let mut escaped = false;
+    for c in text.chars() {
+        if let Some(q) = quote {
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == q {
+                quote = None;
+            }
+            continue;
+        }
+        match c {
+            '"' | '/' => quote = Some(c),
+            '(' | '[' | '{' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            ')' | ']' | '}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
 }
 
 fn with_layout(schema: &mut serde_json::Value) -> Result<(), GrammarError> {
@@ -185,8 +218,14 @@ impl GrammarFactory {
         })
     }
 
-    /// Compiles `spec` into a fresh constraint; errors are grammar errors.
+    /// Compiles `spec` into a fresh constraint; errors are grammar errors. Runs on a thread
+    /// with a large stack ([`crate::stack`]): llguidance recurses per required property of a
+    /// JSON object and per level of a grammar, within the bounds of [`crate::limits`].
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Constraint, GrammarError> {
+        crate::stack::on_deep_stack(|| self.compile_here(spec)).map_err(GrammarError)?
+    }
+
+    fn compile_here(&self, spec: &GrammarSpec) -> Result<Constraint, GrammarError> {
         let grammar = spec.to_llguidance()?;
         let parser = self
             .factory
