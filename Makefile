@@ -28,12 +28,17 @@ else
 endif
 
 .PHONY: native clean test models setup demo
+# The NIF, and the helper that renders chat templates in a process of its own.
 native:
 	@CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) build --release --quiet \
 	  --manifest-path native/Cargo.toml -p llama_cpp_ex_nif $(FEATURES)
+	@CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) build --release --quiet \
+	  --manifest-path native/Cargo.toml -p llama_cpp_ex_engine --bin llama_cpp_ex_render
 	@mkdir -p $(PRIV_DIR)
 	@cp -f $(CARGO_TARGET_DIR)/release/libllama_cpp_ex_nif.$(LIB_EXT) $(PRIV_DIR)/llama_cpp_ex_nif.so.tmp
 	@mv -f $(PRIV_DIR)/llama_cpp_ex_nif.so.tmp $(PRIV_DIR)/llama_cpp_ex_nif.so
+	@cp -f $(CARGO_TARGET_DIR)/release/llama_cpp_ex_render $(PRIV_DIR)/llama_cpp_ex_render.tmp
+	@mv -f $(PRIV_DIR)/llama_cpp_ex_render.tmp $(PRIV_DIR)/llama_cpp_ex_render
 
 models:
 	python3 scripts/fetch_models.py

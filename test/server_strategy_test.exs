@@ -1,7 +1,7 @@
 defmodule LlamaCppEx.Server.StrategyTest do
   use ExUnit.Case, async: true
 
-  alias LlamaCppEx.Server.Slots
+  alias LlamaCppEx.Server.{Plan, Request, Slot, Slots}
 
   alias LlamaCppEx.Server.Strategy.{
     Balanced,
@@ -12,42 +12,43 @@ defmodule LlamaCppEx.Server.StrategyTest do
     ThroughputFirst
   }
 
-  defp slot(fields) do
-    base = %{
-      state: :idle,
-      prompt_tokens: [],
-      prompt_tokens_tuple: {},
-      n_prompt_tokens: 0,
-      prefill_pos: 0,
-      pos: 0,
-      pending_token: nil,
-      pending_eog: false,
-      batch_idx: -1,
-      generated_token_ids: [],
-      t_start: 0,
-      cached_tokens: [],
-      t_last_used: 0
+  defp request(t_start) do
+    %Request{
+      tokens: [],
+      max_tokens: 1,
+      opts: [],
+      t_start: t_start,
+      sampler: %LlamaCppEx.Sampler{ref: make_ref()}
     }
-
-    Map.merge(base, Map.new(fields))
   end
 
   defp prefilling(n, t_start \\ 0) do
     tokens = Enum.to_list(1000..(1000 + n - 1))
 
-    slot(
+    %Slot{
       state: :prefilling,
-      prompt_tokens: tokens,
-      prompt_tokens_tuple: List.to_tuple(tokens),
-      n_prompt_tokens: n,
-      t_start: t_start
-    )
+      request: request(t_start),
+      prompt: List.to_tuple(tokens),
+      n_prompt: n
+    }
   end
 
   defp generating(token, pos),
-    do: slot(state: :generating, pending_token: token, pos: pos, n_prompt_tokens: pos)
+    do: %Slot{state: :generating, request: request(0), pending: token, pos: pos, n_prompt: pos}
 
-  defp seqs({entries, _}), do: Enum.map(entries, &elem(&1, 2))
+  # What the server does with a strategy's plan: check it, then build the step's entries.
+  defp build(strategy, slots, budget, chunk_size, opts) do
+    plan =
+      slots
+      |> strategy.build_batch(budget, chunk_size, opts)
+      |> Plan.validate!(slots, budget, chunk_size, strategy)
+
+    {entries, updated, _samplers, _counts} = Plan.to_step(plan, slots)
+    {entries, updated}
+  end
+
+  defp seqs(strategy, slots, budget, chunk_size \\ 512, opts \\ []),
+    do: strategy |> build(slots, budget, chunk_size, opts) |> elem(0) |> Enum.map(&elem(&1, 2))
 
   test "the distinguishing batch orders" do
     slots = %{
@@ -58,53 +59,51 @@ defmodule LlamaCppEx.Server.StrategyTest do
       4 => generating(14, 5)
     }
 
-    assert seqs(DecodeMaximal.build_batch(slots, 4, 512, [])) == [1, 2, 3, 4]
-    assert seqs(Balanced.build_batch(slots, 4, 512, [])) == [1, 2, 0, 0]
-    assert seqs(PrefillPriority.build_batch(slots, 4, 512, [])) == [0, 0, 0, 0]
+    assert seqs(DecodeMaximal, slots, 4) == [1, 2, 3, 4]
+    assert seqs(Balanced, slots, 4) == [1, 2, 0, 0]
+    assert seqs(PrefillPriority, slots, 4) == [0, 0, 0, 0]
   end
 
   test "decode-first and prefill-first orders with one slot each" do
     slots = %{0 => prefilling(5), 1 => generating(12, 2)}
-    {entries, updated} = DecodeMaximal.build_batch(slots, 100, 512, [])
+    {entries, updated} = build(DecodeMaximal, slots, 100, 512, [])
     assert Enum.map(entries, &elem(&1, 2)) == [1, 0, 0, 0, 0, 0]
     assert hd(entries) == {12, 2, 1, true}
-    assert updated[1].batch_idx == 0
-    assert updated[1].generated_token_ids == [12]
-    assert updated[0].batch_idx == 5
+    assert updated[1].fed == [12] and updated[1].pending == nil
     assert updated[0].prefill_pos == 5
     assert List.last(entries) == {1004, 4, 0, true}
 
-    {entries, _} = PrefillPriority.build_batch(slots, 100, 512, [])
+    {entries, _} = build(PrefillPriority, slots, 100, 512, [])
     assert Enum.map(entries, &elem(&1, 2)) == [0, 0, 0, 0, 0, 1]
     assert List.last(entries) == {12, 2, 1, true}
   end
 
   test "chunks respect chunk_size and only the completing chunk asks for logits" do
     slots = %{0 => prefilling(10)}
-    {entries, s} = DecodeMaximal.build_batch(slots, 100, 4, [])
+    {entries, s} = build(DecodeMaximal, slots, 100, 4, [])
     assert length(entries) == 4
     refute Enum.any?(entries, &elem(&1, 3))
-    assert s[0].prefill_pos == 4 and s[0].batch_idx == -1
-    {entries, s} = DecodeMaximal.build_batch(%{0 => %{s[0] | prefill_pos: 8}}, 100, 4, [])
+    assert s[0].prefill_pos == 4
+    {entries, s} = build(DecodeMaximal, %{0 => %{s[0] | prefill_pos: 8}}, 100, 4, [])
     assert [{_, 8, 0, false}, {_, 9, 0, true}] = entries
-    assert s[0].batch_idx == 1
+    assert s[0].prefill_pos == 10
   end
 
   test "a zero budget adds nothing" do
     slots = %{1 => generating(3, 1)}
-    assert {[], ^slots} = DecodeMaximal.build_batch(slots, 0, 512, [])
+    assert {[], ^slots} = build(DecodeMaximal, slots, 0, 512, [])
   end
 
   test "Fair rotates which slot decodes first" do
     slots = %{0 => generating(10, 1), 1 => generating(11, 1), 2 => generating(12, 1)}
-    assert seqs(Fair.build_batch(slots, 2, 512, tick: 0)) == [0, 1]
-    assert seqs(Fair.build_batch(slots, 2, 512, tick: 1)) == [1, 2]
-    assert seqs(Fair.build_batch(slots, 2, 512, tick: 2)) == [2, 0]
+    assert seqs(Fair, slots, 2, 512, tick: 0) == [0, 1]
+    assert seqs(Fair, slots, 2, 512, tick: 1) == [1, 2]
+    assert seqs(Fair, slots, 2, 512, tick: 2) == [2, 0]
   end
 
   test "LatencyFirst prefills the youngest request first" do
     slots = %{0 => prefilling(3, 100), 1 => prefilling(3, 200), 2 => generating(9, 4)}
-    assert seqs(LatencyFirst.build_batch(slots, 4, 512, [])) == [1, 1, 1, 0]
+    assert seqs(LatencyFirst, slots, 4) == [1, 1, 1, 0]
   end
 
   test "ThroughputFirst serves the longest sequences first" do
@@ -115,15 +114,41 @@ defmodule LlamaCppEx.Server.StrategyTest do
       3 => prefilling(6)
     }
 
-    assert seqs(ThroughputFirst.build_batch(slots, 5, 512, [])) == [1, 0, 3, 3, 3]
+    assert seqs(ThroughputFirst, slots, 5) == [1, 0, 3, 3, 3]
+  end
+
+  defmodule Broken do
+    def build_batch(_slots, _budget, _chunk, opts), do: Keyword.fetch!(opts, :plan)
+  end
+
+  test "a malformed plan raises an error naming the strategy and what it returned" do
+    slots = %{0 => prefilling(5), 1 => generating(12, 2)}
+
+    for {plan, why} <- [
+          {:nope, "not a list"},
+          {[{:decode, 0}], "no token to decode"},
+          {[{:decode, 1}, {:decode, 1}], "appears twice"},
+          {[{:prefill, 0, 6}], "does not fit"},
+          {[{:prefill, 7, 1}], "no slot 7"},
+          {[{:prefill, 0, 5}, {:decode, 1}], "exceed the budget"},
+          {[:other], "unknown item"}
+        ] do
+      err =
+        assert_raise ArgumentError, fn ->
+          build(Broken, slots, 5, 512, plan: plan)
+        end
+
+      assert err.message =~ "LlamaCppEx.Server.StrategyTest.Broken.build_batch/4"
+      assert err.message =~ why
+    end
   end
 
   test "slot selection helpers" do
     assert Slots.common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
 
     idle = [
-      {0, slot(cached_tokens: [1, 2, 3, 4], t_last_used: 5)},
-      {1, slot(cached_tokens: [9], t_last_used: 1)}
+      {0, %Slot{cached: [1, 2, 3, 4], t_last_used: 5}},
+      {1, %Slot{cached: [9], t_last_used: 1}}
     ]
 
     assert Slots.pick_cached_slot(idle, [1, 2, 3, 4, 5, 6]) == {0, 4}
@@ -135,13 +160,7 @@ defmodule LlamaCppEx.Server.StrategyTest do
     assert Slots.session_slot_if_idle(%{{nil, "a"} => 1}, {nil, "a"}, idle) == 1
     assert Slots.session_slot_if_idle(%{{nil, "a"} => 1}, {"tenant", "a"}, idle) == nil
 
-    gen = %{
-      state: :generating,
-      prompt_tokens: [1, 2, 3],
-      n_prompt_tokens: 3,
-      generated_token_ids: [5, 4],
-      pos: 5
-    }
+    gen = %Slot{state: :generating, prompt: {1, 2, 3}, n_prompt: 3, fed: [5, 4], pos: 5}
 
     assert Slots.donor_prefix_match(gen, [1, 2, 3, 4, 5, 6]) == 5
     assert Slots.donor_prefix_match(gen, [1, 2, 9]) == 2
@@ -149,7 +168,7 @@ defmodule LlamaCppEx.Server.StrategyTest do
     refute Slots.prefix_usable?(808, 299, 512)
     assert Slots.prefix_usable?(100_000, 5, 0)
 
-    pre = %{state: :prefilling, prompt_tokens: [1, 2, 3, 4], prefill_pos: 2}
+    pre = %Slot{state: :prefilling, prompt: {1, 2, 3, 4}, prefill_pos: 2}
     assert Slots.donor_prefix_match(pre, [1, 2, 3, 4]) == 2
   end
 end

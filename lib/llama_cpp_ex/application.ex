@@ -4,7 +4,13 @@ defmodule LlamaCppEx.Application do
 
   @impl true
   def start(_type, _args) do
-    children = [{Registry, keys: :unique, name: LlamaCppEx.Registry}]
+    LlamaCppEx.Limits.apply_config()
+
+    children = [
+      {Registry, keys: :unique, name: LlamaCppEx.Registry},
+      LlamaCppEx.Chat.Renderer
+    ]
+
     Supervisor.start_link(children, strategy: :one_for_one, name: LlamaCppEx.Supervisor)
   end
 end

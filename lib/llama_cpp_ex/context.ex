@@ -12,6 +12,22 @@ defmodule LlamaCppEx.Context do
       {:ok, sampler} = LlamaCppEx.Sampler.create(model, temp: 0.0)
       {:ok, tokens} = LlamaCppEx.Tokenizer.encode(model, "The capital of France is")
       {:ok, text} = LlamaCppEx.Context.generate(ctx, sampler, tokens, max_tokens: 8)
+
+  ## Options that do nothing here, and options that are refused
+
+  Accepted for compatibility with `llama_cpp_ex` and without effect on this engine:
+  `:flash_attn` (attention is always the engine's blocked kernel), `:offload_kqv` and
+  `:op_offload` (no GPU), `:no_perf`, `:swa_full` (sliding-window layers keep what they can
+  still attend to, and prefix reuse across requests is decided by the server), `:kv_unified`
+  (a context's cache is always shared by its sequences), `:pooling_type` without
+  `:embeddings`.
+
+  Refused with `{:error, reason}` because honouring them would change results or memory in a
+  way this engine does not implement: KV types other than `:f16` and `:f32`, different
+  `:type_k` and `:type_v`, RoPE and YaRN overrides (`:rope_scaling_type` other than
+  `:unspecified`, non-zero `:rope_freq_base` / `:rope_freq_scale`, `:yarn_*` other than
+  their "from the model" defaults), `attention_type: :non_causal`, `embeddings: true` (use
+  `LlamaCppEx.embed/3`), `ctx_type: :mtp` and `:n_rs_seq` other than 0.
   """
 
   alias LlamaCppEx.{Model, NIF, Options, Sampler}
@@ -52,7 +68,9 @@ defmodule LlamaCppEx.Context do
     :kv_unified,
     :n_rs_seq
   ]
-  @kv_types [:f32, :f16, :q4_0, :q4_1, :q5_0, :q5_1, :q8_0, :bf16]
+  @llama_kv_types [:f32, :f16, :q4_0, :q4_1, :q5_0, :q5_1, :q8_0, :bf16]
+  @kv_types [:f16, :f32]
+  @max_ctx 4_194_304
 
   @doc "Options that tune a context without changing what it computes."
   @spec tuning_option_keys() :: [atom()]
@@ -76,65 +94,144 @@ defmodule LlamaCppEx.Context do
 
   ## Options
 
-    * `:n_ctx` - KV cache size in tokens, shared by all sequences. Default 2048.
+    * `:n_ctx` - KV cache size in tokens, shared by all sequences; no sequence grows past it.
+      Default 2048.
     * `:n_batch` - the most tokens one `decode/2` or batch may hold. Default `n_ctx`.
     * `:n_ubatch` - tokens per forward pass; larger batches are split. Default 512.
     * `:n_threads` - threads a one-token forward pass (decoding) of this context uses: the
-      calling thread plus workers of the engine's pool, which sleep when idle. Default
-      `default_threads/0`.
+      calling thread plus workers of the engine's pool, which sleep when idle. At most twice
+      the machine's cores. Default `default_threads/0`.
     * `:n_threads_batch` - the same for passes over several tokens (prompt processing,
       batches of sequences). Default `:n_threads`.
     * `:n_seq_max` - number of sequences. Default 1.
-    * `:type_k` / `:type_v` - KV precision, `:f16` (default) or `:f32`; other llama.cpp types
-      are accepted and stored as f16.
-    * every other llama.cpp context option (`:flash_attn`, `:offload_kqv`, rope and yarn
-      overrides, ...) is accepted for compatibility and has no effect on this engine.
+    * `:type_k` / `:type_v` - KV precision, `:f16` (default) or `:f32`.
+    * the options listed under "Options that do nothing here".
 
-  Returns `{:error, message}` for sizes that are not positive or exceed the engine's bounds.
+  Returns `{:error, message}` for values of the wrong type, out of range, or refused (see
+  above).
   """
   @spec create(Model.t(), keyword()) :: {:ok, t()} | {:error, String.t()}
   def create(%Model{ref: mref} = model, opts \\ []) do
     Options.validate!(opts, @tuning_keys ++ @structural_keys, "LlamaCppEx.Context.create/2")
     n_ctx = Keyword.get(opts, :n_ctx, 2048)
-    n_batch = Keyword.get(opts, :n_batch, n_ctx)
-    n_ubatch = Keyword.get(opts, :n_ubatch, 512)
-    n_threads = Keyword.get(opts, :n_threads) || default_threads()
-    n_threads_batch = Keyword.get(opts, :n_threads_batch) || n_threads
-    n_seq_max = Keyword.get(opts, :n_seq_max, 1)
-    type_k = Keyword.get(opts, :type_k, :f16)
 
-    with :ok <- check_int(:n_ctx, n_ctx),
-         :ok <- check_int(:n_batch, n_batch),
-         :ok <- check_int(:n_ubatch, n_ubatch),
-         :ok <- check_int(:n_threads, n_threads),
-         :ok <- check_int(:n_threads_batch, n_threads_batch),
-         :ok <- check_int(:n_seq_max, n_seq_max),
-         :ok <- check_kv_type(type_k),
-         {:ok, ref} <-
-           NIF.context_create(
-             mref,
-             n_ctx,
-             n_batch,
-             n_ubatch,
-             n_threads,
-             n_threads_batch,
-             n_seq_max,
-             kv(type_k)
-           ) do
-      {:ok, %__MODULE__{ref: ref, model: model}}
+    with :ok <- check_sizes(opts),
+         :ok <- check_refused(opts),
+         {:ok, kv_type} <- kv_type(opts) do
+      n_threads = Keyword.get(opts, :n_threads) || default_threads()
+
+      native = %{
+        n_ctx: n_ctx,
+        n_batch: Keyword.get(opts, :n_batch) || n_ctx,
+        n_ubatch: Keyword.get(opts, :n_ubatch, 512),
+        n_threads: n_threads,
+        n_threads_batch: Keyword.get(opts, :n_threads_batch) || n_threads,
+        n_seq_max: Keyword.get(opts, :n_seq_max, 1),
+        kv_type: kv_type
+      }
+
+      case NIF.context_create(mref, native) do
+        {:ok, ref} -> {:ok, %__MODULE__{ref: ref, model: model}}
+        {:error, msg} -> {:error, "failed to create context: #{msg}"}
+      end
+    end
+    |> case do
+      {:error, msg} = error when is_binary(msg) ->
+        if String.starts_with?(msg, "failed to create context"),
+          do: error,
+          else: {:error, "failed to create context: #{msg}"}
+
+      other ->
+        other
     end
   end
 
-  defp kv(:f32), do: :f32
-  defp kv(_), do: :f16
+  @positive {:int, 1, @max_ctx}
 
-  defp check_int(_key, v) when is_integer(v) and v > 0, do: :ok
+  defp check_sizes(opts) do
+    Options.check_all(opts,
+      n_ctx: @positive,
+      n_batch: {:int, 1, @max_ctx},
+      n_ubatch: {:int, 1, @max_ctx},
+      n_threads: {:int, 1, 1024},
+      n_threads_batch: {:int, 1, 1024},
+      n_seq_max: {:int, 1, 4096},
+      flash_attn: {:in, [:auto, :enabled, :disabled, true, false]},
+      offload_kqv: :boolean,
+      op_offload: :boolean,
+      no_perf: :boolean,
+      swa_full: :boolean,
+      kv_unified: :boolean,
+      embeddings: :boolean,
+      pooling_type: {:in, [:unspecified, :none, :mean, :cls, :last, :rank]},
+      ctx_type: {:in, [:default, :mtp]},
+      attention_type: {:in, [:unspecified, :causal, :non_causal]},
+      rope_scaling_type: {:in, [:unspecified, :none, :linear, :yarn, :longrope]},
+      n_rs_seq: {:int, 0, 4096}
+    )
+  end
 
-  defp check_int(key, v),
-    do: {:error, "failed to create context: #{key} must be a positive integer, got #{inspect(v)}"}
+  # option => the value that means "as the model says"; anything else is refused
+  @model_defaults [
+    rope_scaling_type: :unspecified,
+    rope_freq_base: 0.0,
+    rope_freq_scale: 0.0,
+    yarn_ext_factor: -1.0,
+    yarn_attn_factor: -1.0,
+    yarn_beta_fast: -1.0,
+    yarn_beta_slow: -1.0,
+    yarn_orig_ctx: 0,
+    embeddings: false,
+    ctx_type: :default,
+    n_rs_seq: 0
+  ]
 
-  defp check_kv_type(t) when t in @kv_types, do: :ok
-  defp check_kv_type(t), do: {:error, "failed to create context: unknown KV type #{inspect(t)}"}
+  defp check_refused(opts) do
+    refused =
+      Enum.find(@model_defaults, fn {key, default} ->
+        case Keyword.fetch(opts, key) do
+          {:ok, v} -> v != default and not (is_number(v) and is_number(default) and v == default)
+          :error -> false
+        end
+      end)
+
+    cond do
+      refused ->
+        {key, default} = refused
+
+        {:error,
+         "option #{inspect(key)} is not supported by this engine " <>
+           "(only #{inspect(default)}, its default), got #{inspect(opts[key])}"}
+
+      Keyword.get(opts, :attention_type) == :non_causal ->
+        {:error, "option :attention_type :non_causal is not supported (use LlamaCppEx.embed/3)"}
+
+      true ->
+        :ok
+    end
+  end
+
+  defp kv_type(opts) do
+    type_k = Keyword.get(opts, :type_k, :f16)
+    type_v = Keyword.get(opts, :type_v, type_k)
+
+    cond do
+      type_k not in @llama_kv_types or type_v not in @llama_kv_types ->
+        {:error,
+         "unknown KV cache type #{inspect(if type_k in @llama_kv_types, do: type_v, else: type_k)} (expected one of #{inspect(@llama_kv_types)})"}
+
+      type_k not in @kv_types or type_v not in @kv_types ->
+        bad = if type_k in @kv_types, do: type_v, else: type_k
+        {:error, "unsupported KV cache type #{inspect(bad)} (supported: :f16, :f32)"}
+
+      type_k != type_v ->
+        {:error,
+         "type_k and type_v must be the same (got #{inspect(type_k)} and #{inspect(type_v)})"}
+
+      true ->
+        {:ok, type_k}
+    end
+  end
 
   @doc "KV cache size in tokens."
   @spec n_ctx(t()) :: pos_integer()
@@ -154,19 +251,12 @@ defmodule LlamaCppEx.Context do
 
   @doc """
   Appends `tokens` to sequence 0 and evaluates them; logits are kept for the last token.
+  `{:error, "context full ..."}` when the sequence would grow past `:n_ctx`.
   """
   @spec decode(t(), [integer()]) :: :ok | {:error, String.t()}
-  def decode(%__MODULE__{ref: ref}, tokens) when is_list(tokens) do
+  def decode(%__MODULE__{ref: ref}, tokens) do
     with :ok <- LlamaCppEx.Tokenizer.check_ids(tokens) do
-      decode_checked(ref, tokens)
-    end
-  end
-
-  defp decode_checked(ref, tokens) do
-    case NIF.decode(ref, tokens) do
-      :ok -> :ok
-      {:error, msg} when is_binary(msg) -> {:error, msg}
-      {:error, other} -> {:error, inspect(other)}
+      NIF.decode(ref, tokens)
     end
   end
 
@@ -180,19 +270,12 @@ defmodule LlamaCppEx.Context do
   def generate(%__MODULE__{ref: ref}, %Sampler{ref: sref}, tokens, opts \\ []) do
     Options.validate!(opts, [:max_tokens, :cancel], "LlamaCppEx.Context.generate/4")
     max_tokens = Keyword.get(opts, :max_tokens, 256)
-    cancel = Keyword.get_lazy(opts, :cancel, &NIF.cancel_flag_new/0)
 
-    cond do
-      not is_integer(max_tokens) or max_tokens <= 0 ->
-        {:error, "max_tokens must be a positive integer, got #{inspect(max_tokens)}"}
-
-      tokens == [] ->
-        {:error, "prompt cannot be empty"}
-
-      true ->
-        with :ok <- LlamaCppEx.Tokenizer.check_ids(tokens) do
-          NIF.generate(ref, sref, tokens, max_tokens, cancel)
-        end
+    with :ok <- Options.check(:max_tokens, max_tokens, {:int, 1, 2 ** 32}),
+         :ok <- LlamaCppEx.Tokenizer.check_ids(tokens),
+         :ok <- if(tokens == [], do: {:error, "prompt cannot be empty"}, else: :ok) do
+      cancel = Keyword.get_lazy(opts, :cancel, &NIF.cancel_flag_new/0)
+      NIF.generate(ref, sref, tokens, max_tokens, cancel)
     end
   end
 
@@ -202,13 +285,18 @@ defmodule LlamaCppEx.Context do
   """
   @spec top_logprobs(t(), integer(), non_neg_integer()) ::
           {:ok, [{non_neg_integer(), float()}]} | {:error, String.t()}
-  def top_logprobs(%__MODULE__{ref: ref}, idx \\ -1, n) when is_integer(n) and n >= 0 do
-    NIF.get_top_logprobs(ref, idx, n)
+  def top_logprobs(%__MODULE__{ref: ref}, idx \\ -1, n) do
+    with :ok <- Options.check(:idx, idx, {:int, -1, 2 ** 32}),
+         :ok <- Options.check(:n, n, {:int, 0, 2 ** 32}) do
+      NIF.get_top_logprobs(ref, idx, n)
+    end
   end
 
   @doc "The raw logits of entry `idx` of the last batch (-1 = last entry with logits)."
   @spec logits(t(), integer()) :: {:ok, [float()]} | {:error, String.t()}
-  def logits(%__MODULE__{ref: ref}, idx \\ -1), do: NIF.get_logits(ref, idx)
+  def logits(%__MODULE__{ref: ref}, idx \\ -1) do
+    with :ok <- Options.check(:idx, idx, {:int, -1, 2 ** 32}), do: NIF.get_logits(ref, idx)
+  end
 
   @doc """
   Block usage of the KV cache after an integrity audit:

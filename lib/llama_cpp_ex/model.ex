@@ -11,6 +11,16 @@ defmodule LlamaCppEx.Model do
       {:ok, model} = LlamaCppEx.Model.load("SmolLM2-135M-Instruct.Q4_1.gguf")
       LlamaCppEx.Model.desc(model)
       #=> "llama 135M Q4_1"
+
+  ## Options that do nothing here
+
+  `llama_cpp_ex`'s placement and file-access options are accepted so that code written for it
+  runs unchanged, and have no effect on this CPU engine: `:n_gpu_layers`, `:main_gpu`,
+  `:split_mode` (still validated), `:tensor_split`, `:devices` (weights stay in host memory),
+  `:use_mmap`, `:use_mlock`, `:use_direct_io` (the file is always memory-mapped and its pages
+  released once copied), `:check_tensors` (every tensor's bounds are always checked) and
+  `:load_mtp` (no MTP heads). `:rpc_servers` other than `[]` is an error: remote devices are
+  not supported.
   """
 
   alias LlamaCppEx.{NIF, Options}
@@ -53,15 +63,11 @@ defmodule LlamaCppEx.Model do
   ## Options
 
     * `:requantize` - `true` (default) re-quantizes weight types that would otherwise run on
-      scalar kernels to Q8_0 at load; Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 have the engine's own
-      kernels, so this only applies when they are disabled (`LLAMA_CPP_EX_KERNELS=candle`). `:all` converts every quantized type (K-quants and Q4_1
-      included) to Q8_0 so every product uses the Q8_0 kernel (more memory); `false` keeps
-      the file's types.
-    * `:vocab_only` - load only the tokenizer. Default `false`.
-    * `:n_gpu_layers`, `:main_gpu`, `:split_mode`, `:tensor_split`, `:use_mmap`, `:use_mlock`,
-      `:use_direct_io`, `:check_tensors`, `:load_mtp`, `:rpc_servers`, `:devices` - accepted
-      for compatibility with `llama_cpp_ex`; the CPU engine reads the file through a memory
-      map and ignores GPU placement. `:split_mode` is still validated.
+      scalar kernels to Q8_0 (only when the engine's own kernels are disabled with
+      `LLAMA_CPP_EX_KERNELS=candle`); `:all` converts every quantized type to Q8_0 (more
+      memory); `false` keeps the file's types.
+    * `:vocab_only` - load only the tokenizer and the chat template. Default `false`.
+    * the options listed under "Options that do nothing here".
 
   Returns `{:ok, model}` or `{:error, message}`; a missing file, a directory, a truncated or
   hostile file and an unsupported architecture are all errors.
@@ -71,85 +77,103 @@ defmodule LlamaCppEx.Model do
     Options.validate!(opts, option_keys(), "LlamaCppEx.Model.load/2")
     _ = encode_split_mode(Keyword.get(opts, :split_mode, :none))
 
-    cond do
-      not is_binary(path) ->
-        {:error, "failed to load model from: #{inspect(path)} (path must be a string)"}
+    with :ok <- check_path(path),
+         :ok <-
+           Options.check_all(opts,
+             vocab_only: :boolean,
+             load_mtp: :boolean,
+             requantize: {:in, [true, false, :all]}
+           ),
+         :ok <- check_rpc(Keyword.get(opts, :rpc_servers, [])),
+         {:ok, ref} <-
+           NIF.model_load(path, requantize(opts), Keyword.get(opts, :vocab_only, false)) do
+      {:ok, %__MODULE__{ref: ref, load_mtp: Keyword.get(opts, :load_mtp, false)}}
+    end
+  end
 
-      true ->
-        requantize =
-          case Keyword.get(opts, :requantize, true) do
-            :all -> :all
-            true -> :scalar
-            _ -> :off
-          end
+  defp check_path(path) do
+    if is_binary(path) and String.valid?(path) and not String.contains?(path, <<0>>),
+      do: :ok,
+      else: {:error, "failed to load model from: #{inspect(path)} (path must be a string)"}
+  end
 
-        vocab_only = Keyword.get(opts, :vocab_only, false) == true
+  defp check_rpc([]), do: :ok
+  defp check_rpc(nil), do: :ok
 
-        case NIF.model_load(path, requantize, vocab_only) do
-          {:ok, ref} ->
-            {:ok, %__MODULE__{ref: ref, load_mtp: Keyword.get(opts, :load_mtp, false)}}
+  defp check_rpc(servers),
+    do: {:error, "RPC endpoints are not supported by this engine: #{inspect(servers)}"}
 
-          {:error, _} = error ->
-            error
-        end
+  defp requantize(opts) do
+    case Keyword.get(opts, :requantize, true) do
+      :all -> :all
+      true -> :scalar
+      false -> :off
     end
   end
 
   @doc false
-  @spec encode_split_mode(atom()) :: 0..3
-  def encode_split_mode(mode) do
+  @spec encode_split_mode(term()) :: 0..3
+  def encode_split_mode(mode) when is_atom(mode) do
     case Keyword.fetch(@split_modes, mode) do
-      {:ok, code} when is_atom(mode) ->
-        code
-
-      _ ->
-        raise ArgumentError,
-              "unknown split_mode #{inspect(mode)}, expected :none, :layer, :row or :tensor"
+      {:ok, code} -> code
+      :error -> raise_split_mode(mode)
     end
   end
 
+  def encode_split_mode(mode), do: raise_split_mode(mode)
+
+  defp raise_split_mode(mode) do
+    raise ArgumentError,
+          "unknown split_mode #{inspect(mode)}, expected :none, :layer, :row or :tensor"
+  end
+
+  @doc false
+  # Hyper-parameters and vocabulary facts in one map (see native/nif/src/model.rs).
+  @spec info(t()) :: map()
+  def info(%__MODULE__{ref: ref}), do: NIF.model_info(ref)
+
   @doc "Context length the model was trained with."
   @spec n_ctx_train(t()) :: pos_integer()
-  def n_ctx_train(%__MODULE__{ref: ref}), do: NIF.model_n_ctx_train(ref)
+  def n_ctx_train(model), do: info(model).n_ctx_train
 
   @doc "Hidden size."
   @spec n_embd(t()) :: pos_integer()
-  def n_embd(%__MODULE__{ref: ref}), do: NIF.model_n_embd(ref)
+  def n_embd(model), do: info(model).n_embd
 
   @doc "Width of the model's output vectors (equals `n_embd/1` for these models)."
   @spec n_embd_out(t()) :: pos_integer()
-  def n_embd_out(%__MODULE__{ref: ref}), do: NIF.model_n_embd(ref)
+  def n_embd_out(model), do: info(model).n_embd
 
   @doc "Number of transformer blocks."
   @spec n_layer(t()) :: pos_integer()
-  def n_layer(%__MODULE__{ref: ref}), do: NIF.model_n_layer(ref)
+  def n_layer(model), do: info(model).n_layer
 
   @doc "Number of multi-token-prediction layers (always 0: no MTP head support)."
   @spec n_layer_nextn(t()) :: 0
   def n_layer_nextn(%__MODULE__{}), do: 0
 
   @doc "Number of parameters (elements of all tensors)."
-  @spec n_params(t()) :: pos_integer()
-  def n_params(%__MODULE__{ref: ref}), do: NIF.model_n_params(ref)
+  @spec n_params(t()) :: non_neg_integer()
+  def n_params(model), do: info(model).n_params
 
   @doc "Size of the weights in the file, in bytes."
   @spec size(t()) :: non_neg_integer()
-  def size(%__MODULE__{ref: ref}), do: NIF.model_size(ref)
+  def size(model), do: info(model).size
 
   @doc ~S'A short description such as `"llama 135M Q4_1"`.'
   @spec desc(t()) :: String.t()
-  def desc(%__MODULE__{ref: ref}), do: NIF.model_desc(ref)
+  def desc(model), do: info(model).desc
 
   @doc "The architecture name from the file (`\"llama\"`, `\"gemma3\"`, ...)."
   @spec architecture(t()) :: String.t()
-  def architecture(%__MODULE__{ref: ref}), do: NIF.model_architecture(ref)
+  def architecture(model), do: info(model).architecture
 
   @doc "The Jinja chat template embedded in the file, or `nil`."
   @spec chat_template(t()) :: String.t() | nil
   def chat_template(%__MODULE__{ref: ref}) do
     case NIF.model_chat_template(ref) do
-      "" -> nil
-      template -> template
+      {template, true, _, _} -> template
+      {_, false, _, _} -> nil
     end
   end
 

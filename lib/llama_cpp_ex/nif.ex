@@ -1,7 +1,7 @@
 defmodule LlamaCppEx.NIF do
   @moduledoc false
-  # Stubs for the Rust NIF (native/nif). Every function here is replaced when the library
-  # loads; the bodies only run if loading failed.
+  # Stubs for the Rust NIF (native/nif), grouped like its source files. Every function here is
+  # replaced when the library loads; the bodies only run if loading failed.
 
   @on_load :load_nif
 
@@ -12,87 +12,54 @@ defmodule LlamaCppEx.NIF do
 
   defp err, do: :erlang.nif_error(:nif_not_loaded)
 
-  def backend_init, do: err()
-  def cancel_flag_new, do: err()
-  def request_cancel(_flag), do: err()
-  def cancel_requested(_flag), do: err()
-
+  # model.rs
   def model_load(_path, _requantize, _vocab_only), do: err()
-  def model_n_ctx_train(_model), do: err()
-  def model_n_embd(_model), do: err()
-  def model_n_layer(_model), do: err()
-  def model_n_params(_model), do: err()
-  def model_size(_model), do: err()
-  def model_desc(_model), do: err()
-  def model_chat_template(_model), do: err()
-  def model_architecture(_model), do: err()
-  def model_swa_window(_model), do: err()
+  def model_info(_model), do: err()
   def model_metadata(_model), do: err()
+  def model_chat_template(_model), do: err()
 
-  def vocab_n_tokens(_model), do: err()
-  def vocab_bos(_model), do: err()
-  def vocab_eos(_model), do: err()
-  def vocab_is_eog(_model, _token), do: err()
+  # tokenizer.rs
   def tokenize(_model, _text, _add_special, _parse_special), do: err()
   def detokenize(_model, _tokens), do: err()
   def token_to_piece(_model, _token), do: err()
-  def chat_apply_template(_model, _messages, _add_assistant, _enable_thinking, _kwargs), do: err()
+  def vocab_is_eog(_model, _token), do: err()
 
-  def context_create(
-        _model,
-        _n_ctx,
-        _n_batch,
-        _n_ubatch,
-        _n_threads,
-        _n_threads_batch,
-        _n_seq_max,
-        _kv_type
-      ),
-      do: err()
-
+  # context.rs
+  def context_create(_model, _opts), do: err()
   def context_n_ctx(_ctx), do: err()
   def context_n_seq_max(_ctx), do: err()
   def context_can_seq_rm(_ctx), do: err()
-  def context_kv_usage(_ctx), do: err()
   def memory_clear(_ctx), do: err()
-  def memory_seq_rm(_ctx, _seq, _p0, _p1), do: err()
-  def memory_seq_cp(_ctx, _src, _dst, _p0, _p1), do: err()
-  def memory_seq_pos_max(_ctx, _seq), do: err()
+  def context_kv_usage(_ctx), do: err()
   def decode(_ctx, _tokens), do: err()
-  def batch_eval(_ctx, _entries), do: err()
   def get_logits(_ctx, _idx), do: err()
   def get_top_logprobs(_ctx, _idx, _n), do: err()
+  def context_step(_ctx, _step), do: err()
 
-  def sampler_init(
-        _model,
-        _seed,
-        _temp,
-        _top_k,
-        _top_p,
-        _min_p,
-        _penalty_repeat,
-        _penalty_freq,
-        _penalty_present,
-        _grammar,
-        _grammar_root,
-        _logprobs,
-        _extras
-      ),
-      do: err()
-
+  # sampler.rs
+  def sampler_defaults, do: err()
+  def sampler_init(_model, _opts), do: err()
   def grammar_validate(_model, _grammar, _root), do: err()
   def grammar_from_json_schema(_schema_json, _mode), do: err()
-
-  def sampler_reset(_sampler), do: err()
   def sampler_grammar_stats(_sampler), do: err()
+  def sampler_reset(_sampler), do: err()
   def sampler_accept(_sampler, _token), do: err()
   def sampler_sample_at(_sampler, _ctx, _idx), do: err()
 
+  # generate.rs
+  def cancel_flag_new, do: err()
+  def request_cancel(_flag), do: err()
   def generate(_ctx, _sampler, _prompt, _max_tokens, _cancel), do: err()
 
+  # engine.rs
   def engine_start(_ctx), do: err()
-  def engine_submit(_engine, _pid, _ref, _ops, _entries, _samplers, _purgeable), do: err()
+  def engine_submit(_engine, _pid, _ref, _step), do: err()
   def engine_stop(_engine), do: err()
 
-  def generate_tokens(_ctx, _sampler, _prompt, _max_tokens, _pid, _ref, _cancel), do: err()
+  # limits.rs
+  def limits_get, do: err()
+  def limits_set(_limits), do: err()
+  def kv_block_size, do: err()
+  def kv_prefix_usable(_len, _n, _window), do: err()
+  def simd_level, do: err()
 end

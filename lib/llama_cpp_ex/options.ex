@@ -3,18 +3,45 @@ defmodule LlamaCppEx.Options do
   Option validation and timeout defaults shared by every public entry point.
 
   Unknown keys raise `ArgumentError` naming the key, with a "did you mean" hint when a known
-  key is close (Jaro distance ≥ 0.78):
+  key is close (Jaro distance ≥ 0.78); the known keys follow on a line of their own:
 
       iex> LlamaCppEx.Options.validate!([temp: 0.1], [:temp, :top_k], "demo")
       [temp: 0.1]
 
       iex> LlamaCppEx.Options.validate!([temperature: 0.1], [:temp, :top_k], "demo")
-      ** (ArgumentError) demo: unknown option: :temperature (did you mean :temp?). Known options: :temp, :top_k
+      ** (ArgumentError) demo: unknown option: :temperature (did you mean :temp?)
+      Known options: :temp, :top_k
+
+  Values are checked by the module that owns them (`LlamaCppEx.Sampler`,
+  `LlamaCppEx.Context`, ...) before they reach native code: a value of the wrong type or out
+  of range is `{:error, "invalid key: value"}` (the accepted ranges are in each function's
+  documentation), never a crash.
+
+      iex> LlamaCppEx.Options.check(:top_k, 40, {:int, 0, 2_147_483_647})
+      :ok
+
+      iex> LlamaCppEx.Options.check(:top_k, 2 ** 64, {:int, 0, 2_147_483_647})
+      {:error, "invalid top_k: 18446744073709551616"}
+
+      iex> LlamaCppEx.Options.check(:temp, 2 ** 200, {:number, -1.0e30, 1.0e30})
+      {:error, "invalid temp: an integer of 61 digits"}
   """
 
   @blocking_timeout 60_000
   @stream_timeout 30_000
   @suggestion_threshold 0.78
+
+  @typedoc """
+  What `check/3` accepts: integers or numbers within bounds (inclusive), booleans,
+  binaries that are valid UTF-8, one of a list of values, or a list of one spec.
+  """
+  @type spec ::
+          {:int, integer(), integer()}
+          | {:number, number(), number()}
+          | :boolean
+          | :string
+          | {:in, [term()]}
+          | {:list, spec()}
 
   @doc "Default timeout of blocking calls (ms)."
   @spec blocking_timeout() :: pos_integer()
@@ -54,8 +81,8 @@ defmodule LlamaCppEx.Options do
       keys ->
         noun = if length(keys) == 1, do: "unknown option:", else: "unknown options:"
         listed = Enum.map_join(keys, ", ", &describe(&1, known))
-        known_list = known |> Enum.sort() |> Enum.map_join(", ", &inspect/1)
-        raise ArgumentError, "#{label}: #{noun} #{listed}. Known options: #{known_list}"
+        known_list = known |> Enum.uniq() |> Enum.sort() |> Enum.map_join(", ", &inspect/1)
+        raise ArgumentError, "#{label}: #{noun} #{listed}\nKnown options: #{known_list}"
     end
   end
 
@@ -75,4 +102,44 @@ defmodule LlamaCppEx.Options do
         inspect(key)
     end
   end
+
+  @doc """
+  `:ok` when `value` satisfies `spec`, else `{:error, "invalid key: value"}`.
+  """
+  @spec check(atom(), term(), spec()) :: :ok | {:error, String.t()}
+  def check(key, value, spec) do
+    if valid?(value, spec), do: :ok, else: {:error, "invalid #{key}: #{shown(value)}"}
+  end
+
+  # a huge integer by its size, anything else inspected briefly
+  defp shown(v) when is_integer(v) and abs(v) > 1_000_000_000_000_000_000_000_000_000_000,
+    do: "an integer of #{v |> abs() |> Integer.to_string() |> byte_size()} digits"
+
+  defp shown(v), do: inspect(v, limit: 10, printable_limit: 80)
+
+  @doc """
+  Checks every `{key, spec}` whose key is present in `opts`; the first failure.
+  """
+  @spec check_all(keyword(), [{atom(), spec()}]) :: :ok | {:error, String.t()}
+  def check_all(opts, specs) do
+    Enum.reduce_while(specs, :ok, fn {key, spec}, :ok ->
+      case Keyword.fetch(opts, key) do
+        {:ok, value} ->
+          case check(key, value, spec) do
+            :ok -> {:cont, :ok}
+            error -> {:halt, error}
+          end
+
+        :error ->
+          {:cont, :ok}
+      end
+    end)
+  end
+
+  defp valid?(v, {:int, lo, hi}), do: is_integer(v) and v >= lo and v <= hi
+  defp valid?(v, {:number, lo, hi}), do: is_number(v) and v >= lo and v <= hi
+  defp valid?(v, :boolean), do: is_boolean(v)
+  defp valid?(v, :string), do: is_binary(v) and String.valid?(v)
+  defp valid?(v, {:in, values}), do: v in values
+  defp valid?(v, {:list, spec}), do: is_list(v) and Enum.all?(v, &valid?(&1, spec))
 end

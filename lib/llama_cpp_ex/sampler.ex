@@ -7,6 +7,10 @@ defmodule LlamaCppEx.Sampler do
   argmax after bias, grammar, penalties and DRY. `mirostat: 1 | 2` replaces the truncation
   stages with temperature → Mirostat, as llama.cpp's common sampler does.
 
+  When logit bias and grammar together leave no token at some step, the sampler returns the
+  end-of-generation token: the request ends (`finish_reason: "stop"`) rather than ignore them.
+  A `:logit_bias` that bans every token of the vocabulary is refused at creation.
+
   ## Example
 
       {:ok, sampler} = LlamaCppEx.Sampler.create(model, temp: 0.7, top_p: 0.9, seed: 42)
@@ -35,27 +39,59 @@ defmodule LlamaCppEx.Sampler do
 
   @logprob_keys [:logprobs, :top_logprobs]
 
-  # Samplers beyond the contract's list, with llama.cpp's defaults.
-  @extra_defaults [
-    penalty_last_n: 64,
-    min_keep: 0,
-    typical_p: 1.0,
-    top_n_sigma: -1.0,
-    xtc_probability: 0.0,
-    xtc_threshold: 0.1,
-    dry_multiplier: 0.0,
-    dry_base: 1.75,
-    dry_allowed_length: 2,
-    dry_penalty_last_n: -1,
-    dry_sequence_breakers: ["\n", ":", "\"", "*"],
-    mirostat: 0,
-    mirostat_tau: 5.0,
-    mirostat_eta: 0.1,
-    dynatemp_range: 0.0,
-    dynatemp_exponent: 1.0,
-    logit_bias: %{}
+  @extra_keys [
+    :penalty_last_n,
+    :min_keep,
+    :typical_p,
+    :top_n_sigma,
+    :xtc_probability,
+    :xtc_threshold,
+    :dry_multiplier,
+    :dry_base,
+    :dry_allowed_length,
+    :dry_penalty_last_n,
+    :dry_sequence_breakers,
+    :mirostat,
+    :mirostat_tau,
+    :mirostat_eta,
+    :dynatemp_range,
+    :dynatemp_exponent,
+    :logit_bias
   ]
-  @extra_keys Keyword.keys(@extra_defaults)
+
+  @max_top_logprobs 20
+  @i32 {:int, -2_147_483_648, 2_147_483_647}
+  @float {:number, -1.0e30, 1.0e30}
+
+  @specs [
+    seed: {:int, 0, 18_446_744_073_709_551_615},
+    temp: @float,
+    top_k: @i32,
+    top_p: @float,
+    min_p: @float,
+    penalty_repeat: @float,
+    penalty_freq: @float,
+    penalty_present: @float,
+    penalty_last_n: {:int, -1, 2_147_483_647},
+    min_keep: {:int, 0, 2_147_483_647},
+    typical_p: @float,
+    top_n_sigma: @float,
+    xtc_probability: @float,
+    xtc_threshold: @float,
+    dry_multiplier: @float,
+    dry_base: @float,
+    dry_allowed_length: @i32,
+    dry_penalty_last_n: {:int, -1, 2_147_483_647},
+    dry_sequence_breakers: {:list, :string},
+    mirostat: {:in, [0, 1, 2]},
+    mirostat_tau: @float,
+    mirostat_eta: @float,
+    dynatemp_range: @float,
+    dynatemp_exponent: @float,
+    grammar_root: :string,
+    logprobs: :boolean,
+    top_logprobs: {:int, 0, @max_top_logprobs}
+  ]
 
   @doc "Sampling option keys."
   @spec option_keys() :: [atom()]
@@ -72,6 +108,30 @@ defmodule LlamaCppEx.Sampler do
   @spec extra_keys() :: [atom()]
   def extra_keys, do: @extra_keys
 
+  @doc false
+  # Every key `create/2` accepts.
+  def all_keys, do: @keys ++ @logprob_keys ++ @extra_keys
+
+  @doc """
+  The defaults of every sampling option but `:seed` (random) and `:grammar` (none), as the
+  engine defines them.
+
+      iex> LlamaCppEx.Sampler.defaults().top_k
+      40
+  """
+  @spec defaults() :: map()
+  def defaults do
+    case :persistent_term.get({__MODULE__, :defaults}, nil) do
+      nil ->
+        d = NIF.sampler_defaults()
+        :persistent_term.put({__MODULE__, :defaults}, d)
+        d
+
+      d ->
+        d
+    end
+  end
+
   @doc """
   Checks the `:grammar` (with `:grammar_root`) in `opts` against the model's vocabulary.
   A `nil` or `""` grammar is `:ok`.
@@ -87,14 +147,15 @@ defmodule LlamaCppEx.Sampler do
       g when g in [nil, ""] ->
         :ok
 
-      g when is_binary(g) ->
-        case NIF.grammar_validate(ref, g, Keyword.get(opts, :grammar_root) || "root") do
-          :ok -> :ok
+      g ->
+        with :ok <- Options.check(:grammar, g, :string),
+             :ok <-
+               Options.check(:grammar_root, Keyword.get(opts, :grammar_root) || "root", :string),
+             :ok <- NIF.grammar_validate(ref, g, Keyword.get(opts, :grammar_root) || "root") do
+          :ok
+        else
           {:error, _} -> {:error, :invalid_grammar}
         end
-
-      _ ->
-        {:error, :invalid_grammar}
     end
   end
 
@@ -103,15 +164,16 @@ defmodule LlamaCppEx.Sampler do
 
   ## Options
 
-    * `:seed` - RNG seed. Default: random.
+    * `:seed` - RNG seed (0..2^64-1). Default: random.
     * `:temp` - temperature; `0.0` is greedy. Default 0.8.
     * `:top_k` - keep the k most likely tokens; 0 disables. Default 40.
     * `:top_p` - nucleus threshold; 1.0 disables. Default 0.95.
     * `:min_p` - drop tokens below `min_p × p(max)`; 0.0 disables. Default 0.05.
     * `:penalty_repeat` (1.0), `:penalty_freq` (0.0), `:penalty_present` (0.0) - over the
-      last 64 tokens.
+      last `:penalty_last_n` tokens.
     * `:grammar`, `:grammar_root` - a GBNF grammar (see `LlamaCppEx.Grammar`) and its start
-      rule (default `"root"`). An invalid grammar returns `{:error, :invalid_grammar}`.
+      rule (default `"root"`). A grammar that does not compile returns
+      `{:error, :invalid_grammar}`.
     * `:penalty_last_n` - history the penalties see; 0 disables, -1 = all. Default 64.
     * `:min_keep` - fewest candidates top-p, min-p, typical and XTC may leave. Default 0.
     * `:typical_p` - locally typical sampling; 1.0 disables. Default 1.0.
@@ -127,116 +189,108 @@ defmodule LlamaCppEx.Sampler do
     * `:logprobs` - report the log-probability of each sampled token (from the raw logits,
       before any sampling stage). Default `false`.
     * `:top_logprobs` - with `:logprobs`, also report the 0..20 most likely alternatives.
+
+  Numbers are checked here (`{:error, "invalid key: value"}` for a wrong type or a value out
+  of range), the rest (a temperature that is not finite, a penalty that is not positive,
+  token ids outside the vocabulary) by the engine.
   """
   @spec create(Model.t(), keyword()) :: {:ok, t()} | {:error, term()}
   def create(%Model{ref: mref} = model, opts \\ []) do
-    Options.validate!(opts, @keys ++ @logprob_keys ++ @extra_keys, "LlamaCppEx.Sampler.create/2")
-    seed = Keyword.get_lazy(opts, :seed, fn -> :rand.uniform(1_000_000_000) end)
+    Options.validate!(opts, all_keys(), "LlamaCppEx.Sampler.create/2")
 
-    with :ok <- check(:seed, seed, &(is_integer(&1) and &1 >= 0)),
-         :ok <- check(:top_k, Keyword.get(opts, :top_k, 40), &is_integer/1),
-         {:ok, logprobs} <- logprobs(opts),
-         :ok <- check_numbers(opts),
-         {:ok, extras} <- extras(opts) do
-      case NIF.sampler_init(
-             mref,
-             seed,
-             float(opts, :temp, 0.8),
-             Keyword.get(opts, :top_k, 40),
-             float(opts, :top_p, 0.95),
-             float(opts, :min_p, 0.05),
-             float(opts, :penalty_repeat, 1.0),
-             float(opts, :penalty_freq, 0.0),
-             float(opts, :penalty_present, 0.0),
-             Keyword.get(opts, :grammar) || "",
-             Keyword.get(opts, :grammar_root) || "root",
-             logprobs,
-             extras
-           ) do
+    with {:ok, native} <- native_opts(opts) do
+      case NIF.sampler_init(mref, native) do
         {:ok, ref} -> {:ok, %__MODULE__{ref: ref, model: model}}
         {:error, _} = error -> error
       end
     end
   end
 
-  @max_top_logprobs 20
+  @doc false
+  # The validated, complete option map the NIF takes.
+  @spec native_opts(keyword()) :: {:ok, map()} | {:error, String.t()}
+  def native_opts(opts) do
+    with :ok <- Options.check_all(opts, @specs),
+         {:ok, grammar} <- grammar(Keyword.get(opts, :grammar)),
+         {:ok, bias, ban} <- logit_bias(Keyword.get(opts, :logit_bias, %{})) do
+      d = defaults()
+      float = fn key -> Keyword.get(opts, key, Map.fetch!(d, key)) * 1.0 end
+      value = fn key -> Keyword.get(opts, key, Map.fetch!(d, key)) end
+      top = Keyword.get(opts, :top_logprobs, 0)
 
-  @extra_ints [:penalty_last_n, :min_keep, :dry_allowed_length, :dry_penalty_last_n]
-
-  defp extras(opts) do
-    Enum.reduce_while(@extra_defaults, {:ok, %{}}, fn {key, default}, {:ok, acc} ->
-      case extra(key, Keyword.get(opts, key, default)) do
-        {:ok, v} -> {:cont, {:ok, Map.put(acc, key, v)}}
-        :error -> {:halt, {:error, "invalid #{key}: #{inspect(Keyword.get(opts, key))}"}}
-      end
-    end)
+      {:ok,
+       %{
+         seed: Keyword.get(opts, :seed),
+         temp: float.(:temp),
+         top_k: value.(:top_k),
+         top_p: float.(:top_p),
+         min_p: float.(:min_p),
+         penalty_repeat: float.(:penalty_repeat),
+         penalty_freq: float.(:penalty_freq),
+         penalty_present: float.(:penalty_present),
+         penalty_last_n: value.(:penalty_last_n),
+         min_keep: value.(:min_keep),
+         typical_p: float.(:typical_p),
+         top_n_sigma: float.(:top_n_sigma),
+         xtc_probability: float.(:xtc_probability),
+         xtc_threshold: float.(:xtc_threshold),
+         dry_multiplier: float.(:dry_multiplier),
+         dry_base: float.(:dry_base),
+         dry_allowed_length: value.(:dry_allowed_length),
+         dry_penalty_last_n: value.(:dry_penalty_last_n),
+         dry_sequence_breakers: value.(:dry_sequence_breakers),
+         mirostat: value.(:mirostat),
+         mirostat_tau: float.(:mirostat_tau),
+         mirostat_eta: float.(:mirostat_eta),
+         dynatemp_range: float.(:dynatemp_range),
+         dynatemp_exponent: float.(:dynatemp_exponent),
+         logit_bias: bias,
+         logit_ban: ban,
+         logprobs: if(Keyword.get(opts, :logprobs, false) == true or top > 0, do: top, else: nil),
+         grammar: grammar,
+         grammar_root: Keyword.get(opts, :grammar_root) || "root"
+       }}
+    end
   end
 
-  defp extra(:mirostat, v) when v in [0, 1, 2], do: {:ok, v}
-  defp extra(:mirostat, _), do: :error
-  defp extra(key, v) when key in @extra_ints and is_integer(v), do: {:ok, v}
-  defp extra(key, _) when key in @extra_ints, do: :error
+  defp grammar(g) when g in [nil, ""], do: {:ok, nil}
 
-  defp extra(:dry_sequence_breakers, v) when is_list(v) do
-    if Enum.all?(v, &is_binary/1), do: {:ok, v}, else: :error
+  defp grammar(g) do
+    case Options.check(:grammar, g, :string) do
+      :ok -> {:ok, g}
+      {:error, _} -> {:error, :invalid_grammar}
+    end
   end
 
-  defp extra(:dry_sequence_breakers, _), do: :error
+  @id {:int, 0, 4_294_967_295}
 
-  defp extra(:logit_bias, v) when is_map(v) or is_list(v) do
-    Enum.reduce_while(v, {:ok, []}, fn
-      {id, bias}, {:ok, acc} when is_integer(id) and is_number(bias) ->
-        {:cont, {:ok, [{id, bias * 1.0} | acc]}}
+  defp logit_bias(v) when is_map(v) or is_list(v) do
+    Enum.reduce_while(v, {:ok, [], []}, fn
+      {id, ban}, {:ok, bias, bans} when ban in [:neg_infinity, false] ->
+        case Options.check(:logit_bias, id, @id) do
+          :ok -> {:cont, {:ok, bias, [id | bans]}}
+          error -> {:halt, error}
+        end
 
-      {id, ban}, {:ok, acc} when is_integer(id) and ban in [:neg_infinity, false] ->
-        {:cont, {:ok, [{id, -1.0e30} | acc]}}
+      {id, b}, {:ok, bias, bans} ->
+        with :ok <- Options.check(:logit_bias, id, @id),
+             :ok <- Options.check(:logit_bias, b, @float) do
+          {:cont, {:ok, [{id, b * 1.0} | bias], bans}}
+        else
+          error -> {:halt, error}
+        end
 
-      _, _ ->
-        {:halt, :error}
+      other, _ ->
+        {:halt, {:error, "invalid logit_bias: #{inspect(other)}"}}
     end)
     |> case do
-      {:ok, list} -> {:ok, Enum.reverse(list)}
-      :error -> :error
+      {:ok, bias, bans} -> {:ok, Enum.reverse(bias), Enum.reverse(bans)}
+      error -> error
     end
   end
 
-  defp extra(:logit_bias, _), do: :error
-  defp extra(_key, v) when is_number(v), do: {:ok, v * 1.0}
-  defp extra(_key, _), do: :error
-
-  defp logprobs(opts) do
-    top = Keyword.get(opts, :top_logprobs, 0)
-
-    cond do
-      not (is_integer(top) and top >= 0 and top <= @max_top_logprobs) ->
-        {:error,
-         "top_logprobs must be an integer in 0..#{@max_top_logprobs}, got #{inspect(top)}"}
-
-      Keyword.get(opts, :logprobs, false) == true or top > 0 ->
-        {:ok, top}
-
-      true ->
-        {:ok, -1}
-    end
-  end
-
-  @float_keys [:temp, :top_p, :min_p, :penalty_repeat, :penalty_freq, :penalty_present]
-
-  defp check_numbers(opts) do
-    Enum.reduce_while(@float_keys, :ok, fn key, :ok ->
-      case Keyword.fetch(opts, key) do
-        {:ok, v} when is_number(v) -> {:cont, :ok}
-        {:ok, v} -> {:halt, {:error, "#{key} must be a number, got #{inspect(v)}"}}
-        :error -> {:cont, :ok}
-      end
-    end)
-  end
-
-  defp check(key, value, pred) do
-    if pred.(value), do: :ok, else: {:error, "invalid #{key}: #{inspect(value)}"}
-  end
-
-  defp float(opts, key, default), do: opts |> Keyword.get(key, default) |> Kernel.*(1.0)
+  defp logit_bias(other),
+    do: {:error, "invalid logit_bias: #{inspect(other)}"}
 
   @doc """
   What the grammar cost this sampler. A greedy step first picks without the grammar and keeps
@@ -270,11 +324,16 @@ defmodule LlamaCppEx.Sampler do
   @spec reset(t()) :: :ok
   def reset(%__MODULE__{ref: ref}), do: NIF.sampler_reset(ref)
 
-  @doc "Records `token` in the penalty history and advances the grammar past it."
+  @doc """
+  Records `token` in the penalty history and advances the grammar past it. Raises
+  `ArgumentError` for an id outside the vocabulary.
+  """
   @spec accept(t(), non_neg_integer()) :: :ok
-  def accept(%__MODULE__{ref: ref}, token) when is_integer(token) do
-    case NIF.sampler_accept(ref, token) do
-      :ok -> :ok
+  def accept(%__MODULE__{ref: ref}, token) do
+    with :ok <- Options.check(:token, token, @id),
+         :ok <- NIF.sampler_accept(ref, token) do
+      :ok
+    else
       {:error, msg} -> raise ArgumentError, msg
     end
   end
@@ -289,8 +348,10 @@ defmodule LlamaCppEx.Sampler do
   @doc "Like `sample/2` for entry `idx` of the last batch (-1 = last entry with logits)."
   @spec sample_at(t(), Context.t(), integer()) :: non_neg_integer()
   def sample_at(%__MODULE__{ref: ref}, %Context{ref: cref}, idx) do
-    case NIF.sampler_sample_at(ref, cref, idx) do
-      {:ok, token} -> token
+    with :ok <- Options.check(:idx, idx, {:int, -1, 4_294_967_295}),
+         {:ok, token} <- NIF.sampler_sample_at(ref, cref, idx) do
+      token
+    else
       {:error, msg} -> raise ArgumentError, "invalid_index: #{msg}"
     end
   end

@@ -24,15 +24,16 @@ defmodule LlamaCppEx.Tokenizer do
   def encode(%Model{ref: ref}, text, opts \\ []) do
     Options.validate!(opts, [:add_special, :parse_special], "LlamaCppEx.Tokenizer.encode/3")
 
-    if is_binary(text) do
+    with :ok <- Options.check_all(opts, add_special: :boolean, parse_special: :boolean),
+         true <-
+           is_binary(text) ||
+             {:error, "tokenize failed: text must be a binary, got #{inspect(text)}"} do
       NIF.tokenize(
         ref,
         text,
         Keyword.get(opts, :add_special, true),
         Keyword.get(opts, :parse_special, true)
       )
-    else
-      {:error, "tokenize failed: text must be a binary, got #{inspect(text)}"}
     end
   end
 
@@ -42,7 +43,7 @@ defmodule LlamaCppEx.Tokenizer do
   stop mid-character.
   """
   @spec decode(Model.t(), [integer()]) :: {:ok, binary()} | {:error, String.t()}
-  def decode(%Model{ref: ref}, tokens) when is_list(tokens) do
+  def decode(%Model{ref: ref}, tokens) do
     with :ok <- check_ids(tokens), do: NIF.detokenize(ref, tokens)
   end
 
@@ -51,36 +52,42 @@ defmodule LlamaCppEx.Tokenizer do
   @doc false
   # Rejects terms the NIF could not decode as 64-bit integers, with a readable message; range
   # checks against the vocabulary happen natively.
-  @spec check_ids([term()]) :: :ok | {:error, String.t()}
-  def check_ids(tokens) do
+  @spec check_ids(term()) :: :ok | {:error, String.t()}
+  def check_ids(tokens) when is_list(tokens) do
     case Enum.find(tokens, &(not is_integer(&1) or &1 < 0 or &1 > @max_id)) do
       nil -> :ok
       bad -> {:error, "invalid token id #{inspect(bad)}"}
     end
   end
 
+  def check_ids(other), do: {:error, "token ids must be a list, got #{inspect(other)}"}
+
   @doc "The bytes token `token` renders as. Raises `ArgumentError` for an invalid id."
   @spec token_to_piece(Model.t(), integer()) :: binary()
-  def token_to_piece(%Model{ref: ref}, token) when is_integer(token) do
-    case NIF.token_to_piece(ref, token) do
-      {:ok, piece} -> piece
+  def token_to_piece(%Model{ref: ref}, token) do
+    with :ok <- check_ids([token]),
+         {:ok, piece} <- NIF.token_to_piece(ref, token) do
+      piece
+    else
       {:error, msg} -> raise ArgumentError, msg
     end
   end
 
   @doc "Vocabulary size."
   @spec vocab_size(Model.t()) :: pos_integer()
-  def vocab_size(%Model{ref: ref}), do: NIF.vocab_n_tokens(ref)
+  def vocab_size(model), do: Model.info(model).n_vocab
 
   @doc "Beginning-of-sequence token id (-1 when the model has none)."
   @spec bos_token(Model.t()) :: integer()
-  def bos_token(%Model{ref: ref}), do: NIF.vocab_bos(ref)
+  def bos_token(model), do: Model.info(model).bos
 
   @doc "End-of-sequence token id (-1 when the model has none)."
   @spec eos_token(Model.t()) :: integer()
-  def eos_token(%Model{ref: ref}), do: NIF.vocab_eos(ref)
+  def eos_token(model), do: Model.info(model).eos
 
   @doc "Whether `token` ends generation (EOS, EOT, `<|im_end|>`, `<end_of_turn>`, ...)."
   @spec eog?(Model.t(), integer()) :: boolean()
-  def eog?(%Model{ref: ref}, token) when is_integer(token), do: NIF.vocab_is_eog(ref, token)
+  def eog?(%Model{ref: ref}, token) when is_integer(token) do
+    check_ids([token]) == :ok and NIF.vocab_is_eog(ref, token)
+  end
 end

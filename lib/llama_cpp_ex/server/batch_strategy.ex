@@ -2,10 +2,18 @@ defmodule LlamaCppEx.Server.BatchStrategy do
   @moduledoc """
   How a `LlamaCppEx.Server` fills the token budget of one forward pass.
 
-  Each tick the server calls `c:build_batch/4` with its slots, the budget (`:n_batch`), the
-  per-slot prefill cap (`:chunk_size`) and `[model_ref: ..., queue_depth: n]`. The strategy
-  returns the batch entries `{token_id, pos, seq_id, logits?}` in forward order and the slots
-  updated to reflect what was fed (use the helpers in `LlamaCppEx.Server.Strategy.Batch`).
+  Each tick the server calls `c:build_batch/4` with its slots (`%{seq_id =>
+  %LlamaCppEx.Server.Slot{}}`), the budget (`:n_batch`), the per-slot prefill cap
+  (`:chunk_size`) and `[queue_depth: n, tick: t]`. The strategy returns a plan, in forward
+  order: `{:decode, seq_id}` for a generating slot's next token, `{:prefill, seq_id, n}` for
+  the next `n` prompt tokens of a prefilling slot. The server checks the plan (a malformed one
+  raises an `ArgumentError` naming the strategy and what it returned), then builds the batch:
+  strategies decide, they never edit slots.
+
+  Slot fields a strategy may read: `state` (`:idle | :prefilling | :generating`), `pos`,
+  `n_prompt`, `prefill_pos`, `pending` (a generating slot is ready to decode when it is set)
+  and `request.t_start`. `LlamaCppEx.Server.Strategy.Batch` has the helpers the built-in
+  strategies share.
 
   Built-in strategies:
 
@@ -22,13 +30,13 @@ defmodule LlamaCppEx.Server.BatchStrategy do
   `PrefillPriority` when `opts[:queue_depth] > 4`.
   """
 
-  @type slot :: map()
-  @type entry :: {non_neg_integer(), non_neg_integer(), non_neg_integer(), boolean()}
+  @type plan_item ::
+          {:decode, non_neg_integer()} | {:prefill, non_neg_integer(), pos_integer()}
 
   @callback build_batch(
-              slots :: %{non_neg_integer() => slot()},
+              slots :: %{non_neg_integer() => LlamaCppEx.Server.Slot.t()},
               budget :: pos_integer(),
               chunk_size :: pos_integer(),
               opts :: keyword()
-            ) :: {[entry()], %{non_neg_integer() => slot()}}
+            ) :: [plan_item()]
 end

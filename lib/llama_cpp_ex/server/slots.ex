@@ -2,6 +2,9 @@ defmodule LlamaCppEx.Server.Slots do
   @moduledoc false
   # Pure slot-selection helpers: prefix matching, affinity and LRU choice.
 
+  alias LlamaCppEx.NIF
+  alias LlamaCppEx.Server.Slot
+
   @doc "Length of the common prefix of two token lists."
   @spec common_prefix_length([integer()], [integer()]) :: non_neg_integer()
   def common_prefix_length(a, b), do: lcp(a, b, 0)
@@ -10,7 +13,7 @@ defmodule LlamaCppEx.Server.Slots do
   defp lcp(_, _, n), do: n
 
   @doc "The seq_id last used with `key` if that slot is idle."
-  @spec session_slot_if_idle(map(), term(), [{non_neg_integer(), map()}]) ::
+  @spec session_slot_if_idle(map(), term(), [{non_neg_integer(), Slot.t()}]) ::
           non_neg_integer() | nil
   def session_slot_if_idle(_sessions, nil, _idle), do: nil
 
@@ -28,7 +31,7 @@ defmodule LlamaCppEx.Server.Slots do
   when that prefix is more than 10% of the prompt; otherwise `{lru_seq_id, 0}`. `nil` when
   there are no idle slots.
   """
-  @spec pick_cached_slot([{non_neg_integer(), map()}], [integer()]) ::
+  @spec pick_cached_slot([{non_neg_integer(), Slot.t()}], [integer()]) ::
           {non_neg_integer(), non_neg_integer()} | nil
   def pick_cached_slot([], _tokens), do: nil
 
@@ -39,14 +42,14 @@ defmodule LlamaCppEx.Server.Slots do
 
     {seq, best} =
       idle_slots
-      |> Enum.map(fn {seq, slot} -> {seq, common_prefix_length(slot.cached_tokens, tokens)} end)
+      |> Enum.map(fn {seq, slot} -> {seq, common_prefix_length(slot.cached, tokens)} end)
       |> Enum.max_by(fn {seq, l} -> {l, -seq} end)
 
     if best * 10 > n, do: {seq, best}, else: {pick_lru_slot(idle_slots), 0}
   end
 
   @doc "The idle slot used least recently."
-  @spec pick_lru_slot([{non_neg_integer(), map()}]) :: non_neg_integer() | nil
+  @spec pick_lru_slot([{non_neg_integer(), Slot.t()}]) :: non_neg_integer() | nil
   def pick_lru_slot([]), do: nil
 
   def pick_lru_slot(idle_slots) do
@@ -59,52 +62,31 @@ defmodule LlamaCppEx.Server.Slots do
   cached tokens, prefilling slots the prompt tokens fed so far, generating slots the prompt
   plus the generated tokens fed so far.
   """
-  @spec donor_prefix_match(map(), [integer()]) :: non_neg_integer()
-  def donor_prefix_match(%{state: :idle, cached_tokens: cached}, tokens),
+  @spec donor_prefix_match(Slot.t(), [integer()]) :: non_neg_integer()
+  def donor_prefix_match(%Slot{state: :idle, cached: cached}, tokens),
     do: common_prefix_length(cached, tokens)
 
-  def donor_prefix_match(%{state: :prefilling} = slot, tokens),
-    do: min(common_prefix_length(slot.prompt_tokens, tokens), slot.prefill_pos)
+  def donor_prefix_match(%Slot{state: :prefilling} = slot, tokens),
+    do: min(common_prefix_length(Tuple.to_list(slot.prompt), tokens), slot.prefill_pos)
 
-  def donor_prefix_match(%{state: :generating} = slot, tokens) do
-    n_prompt = slot.n_prompt_tokens
-    lcp = common_prefix_length(slot.prompt_tokens, tokens)
+  def donor_prefix_match(%Slot{state: :generating} = slot, tokens) do
+    n_prompt = slot.n_prompt
+    lcp = common_prefix_length(Tuple.to_list(slot.prompt), tokens)
 
     if lcp < n_prompt do
       lcp
     else
       rest = Enum.drop(tokens, n_prompt)
-      fed = Enum.reverse(slot.generated_token_ids)
-      min(n_prompt + common_prefix_length(fed, rest), slot.pos)
+      min(n_prompt + common_prefix_length(Enum.reverse(slot.fed), rest), Slot.fed_length(slot))
     end
   end
 
-  @kv_block_size 16
-
   @doc """
-  Whether the first `n` tokens of a sequence currently holding `len` tokens can be continued
-  on a model whose sliding-window layers (window `window`, 0 = none) dropped old blocks. The
-  same rule as the engine's `KvCache::prefix_usable`.
+  Whether the first `n` tokens of a sequence holding `len` tokens can be continued on a model
+  whose sliding-window layers (window `window`, 0 = none) dropped old blocks: the engine's
+  rule (`llama_cpp_ex_engine::kv::window_keeps_prefix`).
   """
   @spec prefix_usable?(non_neg_integer(), non_neg_integer(), non_neg_integer()) :: boolean()
   def prefix_usable?(_len, _n, 0), do: true
-
-  def prefix_usable?(len, n, window) do
-    # the token at position n attends from n + 1 - window
-    div(max(len - window, 0), @kv_block_size) <= div(max(n + 1 - window, 0), @kv_block_size)
-  end
-
-  @doc "Number of tokens currently held in the slot's KV sequence."
-  @spec fed_length(map()) :: non_neg_integer()
-  def fed_length(%{state: :idle, cached_tokens: cached}), do: length(cached)
-  def fed_length(%{state: :prefilling, prefill_pos: p}), do: p
-  def fed_length(%{state: :generating} = s), do: s.n_prompt_tokens + length(s.generated_token_ids)
-
-  @doc "Tokens currently held in the slot's KV sequence."
-  @spec fed_tokens(map()) :: [integer()]
-  def fed_tokens(%{state: :idle, cached_tokens: cached}), do: cached
-  def fed_tokens(%{state: :prefilling} = s), do: Enum.take(s.prompt_tokens, s.prefill_pos)
-
-  def fed_tokens(%{state: :generating} = s),
-    do: s.prompt_tokens ++ Enum.reverse(s.generated_token_ids)
+  def prefix_usable?(len, n, window), do: NIF.kv_prefix_usable(len, n, window)
 end

@@ -194,13 +194,22 @@ fn render(template: &str, req: &ChatRequest, limits: &crate::limits::Limits) -> 
     env.add_function("strftime_now", strftime_now);
     env.add_filter(
         "tojson",
-        move |value: &Value, indent: Option<Value>, kwargs: minijinja::value::Kwargs| {
-            check_depth(value, depth)?;
+        move |state: &minijinja::State,
+              value: &Value,
+              indent: Option<Value>,
+              kwargs: minijinja::value::Kwargs| {
+            walk_value(state, value, depth)?;
             minijinja::filters::tojson(value, indent, kwargs)
         },
     );
+    env.add_filter("string", move |state: &minijinja::State, value: &Value| {
+        walk_value(state, value, depth)?;
+        minijinja::filters::string(state, value)
+    });
+    // Debug formatting indents every level (quadratic output); chat templates do not use it
+    env.remove_filter("pprint");
     env.set_formatter(move |out, state, value| {
-        check_depth(value, depth)?;
+        walk_value(state, value, depth)?;
         minijinja::escape_formatter(out, state, value)
     });
     env.add_template("chat", template).map_err(fail)?;
@@ -258,34 +267,57 @@ impl std::io::Write for CappedWriter {
     }
 }
 
-/// Fails when `value` nests deeper than `max` (sequences and maps), walking it without
-/// recursion.
-fn check_depth(value: &Value, max: usize) -> std::result::Result<(), Error> {
+/// Walks `value` before it is printed or serialised (which minijinja does recursively and
+/// only charges for afterwards): fails when it nests deeper than `max`, and charges one fuel
+/// per item plus one per 64 bytes of every string in it, so a huge (lazily repeated) list
+/// runs out of fuel here instead of being turned into gigabytes of text. No recursion: a stack
+/// of iterators, at most `max` deep.
+fn walk_value(
+    state: &minijinja::State,
+    value: &Value,
+    max: usize,
+) -> std::result::Result<(), Error> {
     use minijinja::value::ValueKind;
-    let mut stack = vec![(value.clone(), 0usize)];
-    while let Some((v, d)) = stack.pop() {
-        if d > max {
-            return Err(Error::new(
-                ErrorKind::InvalidOperation,
-                format!("value nested deeper than {max} levels (limit template_value_depth)"),
-            ));
+    let too_deep = || {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("value nested deeper than {max} levels (limit template_value_depth)"),
+        )
+    };
+    let mut stack: Vec<(Value, minijinja::value::ValueIter)> = Vec::new();
+    let visit = |v: Value, stack: &mut Vec<(Value, minijinja::value::ValueIter)>| {
+        if let Some(s) = v.as_str() {
+            state.consume_fuel(1 + s.len() as u64 / 64)?;
+        } else {
+            state.consume_fuel(1)?;
         }
-        match v.kind() {
-            ValueKind::Seq | ValueKind::Iterable => {
-                if let Ok(items) = v.try_iter() {
-                    stack.extend(items.map(|x| (x, d + 1)));
-                }
+        if matches!(
+            v.kind(),
+            ValueKind::Seq | ValueKind::Iterable | ValueKind::Map
+        ) {
+            if stack.len() == max {
+                return Err(too_deep());
             }
-            ValueKind::Map => {
-                if let Ok(keys) = v.try_iter() {
-                    for k in keys {
-                        if let Ok(item) = v.get_item(&k) {
-                            stack.push((item, d + 1));
-                        }
-                    }
-                }
+            if let Ok(items) = v.try_iter() {
+                stack.push((v, items));
             }
-            _ => {}
+        }
+        Ok(())
+    };
+    visit(value.clone(), &mut stack)?;
+    while let Some((container, items)) = stack.last_mut() {
+        match items.next() {
+            None => {
+                stack.pop();
+            }
+            Some(item) => {
+                let child = if container.kind() == ValueKind::Map {
+                    container.get_item(&item).unwrap_or_default()
+                } else {
+                    item
+                };
+                visit(child, &mut stack)?;
+            }
         }
     }
     Ok(())

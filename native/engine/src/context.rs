@@ -83,6 +83,17 @@ impl Context {
                 params.n_seq_max
             )));
         }
+        let max_threads = crate::pool::max_threads();
+        for (name, n) in [
+            ("n_threads", params.n_threads),
+            ("n_threads_batch", params.n_threads_batch),
+        ] {
+            if n == 0 || n > max_threads {
+                return Err(EngineError::InvalidArgument(format!(
+                    "{name} must be in 1..={max_threads} (twice this machine's cores), got {n}"
+                )));
+            }
+        }
         model.architecture()?;
         let c = &model.config;
         let kv = KvCache::new(
@@ -130,6 +141,9 @@ impl Context {
         for i in 0..n {
             self.model.tokenizer.check_id(batch.tokens[i] as i64)?;
             let s = self.kv.check_seq(batch.seq[i] as i64)?;
+            if batch.pos[i] >= self.params.n_ctx {
+                return Err(EngineError::ContextFull { seq: s });
+            }
             let expected = next[s].unwrap_or_else(|| self.kv.seq_len(s));
             if batch.pos[i] != expected {
                 return Err(EngineError::InvalidArgument(format!(
@@ -314,6 +328,18 @@ impl Context {
     }
 }
 
+/// `batch` without the entries of `seqs`.
+fn without(batch: &Batch, seqs: &[usize]) -> Batch {
+    if seqs.is_empty() {
+        return batch.clone();
+    }
+    let mut out = Batch::with_capacity(batch.len());
+    for i in (0..batch.len()).filter(|&i| !seqs.contains(&batch.seq[i])) {
+        out.push(batch.tokens[i], batch.pos[i], batch.seq[i], batch.logits[i]);
+    }
+    out
+}
+
 /// `(seq, first position, end position)` of every sequence in a (validated) batch.
 fn seq_ranges(batch: &Batch) -> Vec<(usize, usize, usize)> {
     let mut ranges = Vec::new();
@@ -365,10 +391,19 @@ impl Context {
         samplers: &mut [(usize, &mut Sampler)],
         purgeable: &[usize],
     ) -> Result<EvalOutcome> {
-        self.validate(batch)?;
         let mut outcome = EvalOutcome::default();
-        let mut purge = purgeable.iter().copied().filter(|s| !batch.seq.contains(s));
-        let mut batch = batch.clone();
+        // a sequence that would grow past n_ctx fails alone, whatever else is free
+        let n_ctx = self.params.n_ctx;
+        outcome.failed = seq_ranges(batch)
+            .into_iter()
+            .filter(|&(_, _, end)| end > n_ctx)
+            .map(|(s, _, _)| s)
+            .collect();
+        let mut batch = without(batch, &outcome.failed);
+        self.validate(&batch)?;
+        let in_batch = |s: &usize| batch.seq.contains(s);
+        let purge_order: Vec<usize> = purgeable.iter().copied().filter(|s| !in_batch(s)).collect();
+        let mut purge = purge_order.into_iter();
         loop {
             if batch.is_empty() {
                 return Ok(outcome);
@@ -383,14 +418,7 @@ impl Context {
                         continue;
                     }
                     outcome.failed.push(seq);
-                    let keep: Vec<usize> =
-                        (0..batch.len()).filter(|&i| batch.seq[i] != seq).collect();
-                    batch = Batch {
-                        tokens: keep.iter().map(|&i| batch.tokens[i]).collect(),
-                        pos: keep.iter().map(|&i| batch.pos[i]).collect(),
-                        seq: keep.iter().map(|&i| batch.seq[i]).collect(),
-                        logits: keep.iter().map(|&i| batch.logits[i]).collect(),
-                    };
+                    batch = without(&batch, &[seq]);
                 }
             }
         }

@@ -33,6 +33,20 @@ pub enum EngineError {
     Template(String),
     #[error("cancelled")]
     Cancelled,
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl EngineError {
+    /// The error for a caught panic, with its message.
+    pub fn internal(payload: Box<dyn std::any::Any + Send>) -> Self {
+        let msg = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "unknown panic".into());
+        EngineError::Internal(msg)
+    }
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

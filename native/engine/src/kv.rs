@@ -15,6 +15,21 @@ pub const KV_BLOCK_SIZE: usize = 16;
 
 const NO_BLOCK: u32 = u32::MAX;
 
+/// Whether a sequence that held `len` positions under a sliding window `window` (which drops
+/// whole blocks that fell out of it) still holds what position `n` attends to, so its first
+/// `n` positions can be continued. The Server's prefix matching asks the same question
+/// through the NIF.
+pub fn window_keeps_prefix(len: usize, n: usize, window: Option<usize>) -> bool {
+    match window {
+        None => true,
+        Some(w) => {
+            let dropped_blocks = len.saturating_sub(w) / KV_BLOCK_SIZE;
+            // the token at position n attends from n + 1 - w
+            dropped_blocks <= (n + 1).saturating_sub(w) / KV_BLOCK_SIZE
+        }
+    }
+}
+
 /// Storage precision of cached keys and values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvType {
@@ -372,17 +387,11 @@ impl KvCache {
     }
 
     /// Whether the first `n` positions of `seq` can be continued: every sliding-window group
-    /// still holds the blocks the next token attends to. The same rule lives in
-    /// `LlamaCppEx.Server.Slots.prefix_usable?/4`.
+    /// still holds the blocks the next token attends to.
     pub fn prefix_usable(&self, seq: usize, n: usize) -> bool {
-        self.groups.iter().all(|g| match g.window {
-            None => true,
-            Some(w) => {
-                let dropped_blocks = self.lens[seq].saturating_sub(w) / KV_BLOCK_SIZE;
-                // the token at position n attends from n + 1 - w
-                dropped_blocks <= (n + 1).saturating_sub(w) / KV_BLOCK_SIZE
-            }
-        })
+        self.groups
+            .iter()
+            .all(|g| window_keeps_prefix(self.lens[seq], n, g.window))
     }
 
     pub fn seq_clear(&mut self, seq: usize) {

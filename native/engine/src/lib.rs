@@ -17,6 +17,7 @@ pub mod model;
 pub mod pool;
 pub mod sampler;
 pub mod stack;
+pub mod step;
 pub mod tokenizer;
 
 pub use batch::Batch;
@@ -24,23 +25,8 @@ pub use context::{Context, ContextParams, StopReason};
 pub use error::{EngineError, Result};
 pub use model::{LoadOptions, Model, Requantize};
 pub use sampler::{Sampler, SamplerParams};
+pub use step::{EngineThread, KvOp, SharedSampler, Step, StepOutcome};
 pub use tokenizer::{TokenId, Tokenizer};
-
-/// Sets the number of threads of candle's own pool, which only runs the products the engine
-/// has no kernel for (other weight types, CUDA). It only takes effect before candle's first
-/// parallel operation in the process (candle sizes its pool once); returns whether it did.
-/// The engine's own kernels use [`pool`], sized per call by each context's `n_threads`.
-pub fn set_worker_threads(n: usize) -> bool {
-    static SET: std::sync::Once = std::sync::Once::new();
-    let mut applied = false;
-    SET.call_once(|| {
-        if std::env::var_os("CANDLE_NUM_THREADS").is_none() && n > 0 {
-            std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
-            applied = true;
-        }
-    });
-    applied
-}
 
 /// Largest allocation glibc's malloc serves from its heap instead of a fresh mapping (the
 /// most `M_MMAP_THRESHOLD` accepts on 64-bit targets).

@@ -16,8 +16,9 @@
 use std::any::Any;
 use std::cell::{Cell, UnsafeCell};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, TryLockError};
+use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 /// How long an idle worker polls for the next call before it sleeps.
@@ -38,6 +39,12 @@ thread_local! {
 /// available parallelism.
 pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The most threads a context may ask for: twice the machine's cores. More only time-slice
+/// the same cores (a 2-token generate with 32 threads on 2 cores ran for minutes).
+pub fn max_threads() -> usize {
+    (2 * default_threads()).min(MAX_WORKERS + 1)
 }
 
 /// Runs `f` with parallel work from this thread limited to `n` threads (the caller and
@@ -61,57 +68,78 @@ fn current_threads() -> usize {
     }
 }
 
+/// Counters of the pool, for diagnostics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolStats {
+    pub workers: usize,
+    /// Times a worker stopped waiting: once per call it takes part in, plus calls it noticed
+    /// while spinning after its last one.
+    pub wakeups: usize,
+}
+
+/// The pool's counters.
+pub fn stats() -> PoolStats {
+    let p = pool();
+    PoolStats {
+        workers: p.call.lock().map(|w| w.len()).unwrap_or(0),
+        wakeups: p.shared.wakeups.load(Ordering::Relaxed),
+    }
+}
+
 /// The job workers run: a type-erased `&dyn Fn()` valid until every active worker is done.
 #[derive(Clone, Copy)]
 struct Job {
     call: unsafe fn(*const ()),
     data: *const (),
-    /// Workers `0..active` take part.
-    active: usize,
 }
 
+/// Bits of [`Shared::state`] holding the number of workers a call uses; the epoch is above.
+const ACTIVE_BITS: u32 = 16;
+
 struct Shared {
-    /// Bumped once per call; workers run the job of each value they see.
-    epoch: AtomicUsize,
+    /// `(epoch << ACTIVE_BITS) | active`: bumped once per call, with the number of workers
+    /// (`0..active`) that take part, so a worker learns whether a call is its own without
+    /// reading the job.
+    state: AtomicU64,
     job: UnsafeCell<Job>,
     /// Active workers that have not finished the current job.
     pending: AtomicUsize,
-    sleeping: AtomicUsize,
-    lock: Mutex<()>,
-    wake: Condvar,
+    /// Per worker: parked, waiting for an unpark.
+    asleep: Vec<AtomicBool>,
+    /// Times a worker stopped waiting (see [`stats`]).
+    wakeups: AtomicUsize,
     panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
 // SAFETY: `job` is written only by the thread holding the pool's call lock, before it bumps
-// `epoch` (release), and read by workers after they observe that epoch (acquire) and before
-// they decrement `pending`; the writer waits for `pending` to reach zero before writing again.
+// `state` (release), and read only by the workers that call counts as active, after they
+// observe that state (acquire) and before they decrement `pending`; the writer waits for
+// `pending` to reach zero before writing again.
 unsafe impl Sync for Shared {}
 // SAFETY: the raw pointer in `job` is only dereferenced under the protocol above.
 unsafe impl Send for Shared {}
 
 struct Pool {
     shared: Arc<Shared>,
-    /// Held for the duration of a call; holds the number of workers started.
-    call: Mutex<usize>,
+    /// Held for the duration of a call; holds the workers started so far.
+    call: Mutex<Vec<Thread>>,
 }
 
 fn pool() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
     POOL.get_or_init(|| Pool {
         shared: Arc::new(Shared {
-            epoch: AtomicUsize::new(0),
+            state: AtomicU64::new(0),
             job: UnsafeCell::new(Job {
                 call: noop,
                 data: std::ptr::null(),
-                active: 0,
             }),
             pending: AtomicUsize::new(0),
-            sleeping: AtomicUsize::new(0),
-            lock: Mutex::new(()),
-            wake: Condvar::new(),
+            asleep: (0..MAX_WORKERS).map(|_| AtomicBool::new(false)).collect(),
+            wakeups: AtomicUsize::new(0),
             panic: Mutex::new(None),
         }),
-        call: Mutex::new(0),
+        call: Mutex::new(Vec::new()),
     })
 }
 
@@ -122,16 +150,21 @@ unsafe fn call_erased<F: Fn()>(data: *const ()) {
     unsafe { (*(data as *const F))() }
 }
 
-/// A worker's life: `seen` is the epoch before the first call it is meant to run.
-fn worker(shared: Arc<Shared>, id: usize, mut seen: usize) {
+/// A worker's life: `seen` is the state before the first call it is meant to run.
+fn worker(shared: Arc<Shared>, id: usize, mut seen: u64) {
+    let mut spin = true;
     loop {
-        seen = wait_for_call(&shared, seen);
-        // SAFETY: see `Shared`: the job of this epoch stays valid until `pending` is zero,
-        // which needs this worker's decrement below.
-        let job = unsafe { *shared.job.get() };
-        if id >= job.active {
+        seen = wait_for_call(&shared, id, seen, spin);
+        shared.wakeups.fetch_add(1, Ordering::Relaxed);
+        // a call this worker is not part of: straight back to sleep (no spinning), so the
+        // workers one context with many threads started cost nothing to later calls
+        spin = id < (seen & ((1 << ACTIVE_BITS) - 1)) as usize;
+        if !spin {
             continue;
         }
+        // SAFETY: see `Shared`: this worker is active for this state, so the job stays
+        // valid until its decrement of `pending` below.
+        let job = unsafe { *shared.job.get() };
         if let Err(payload) = catch_unwind(AssertUnwindSafe(|| unsafe { (job.call)(job.data) })) {
             let mut slot = shared.panic.lock().unwrap_or_else(|e| e.into_inner());
             slot.get_or_insert(payload);
@@ -140,65 +173,70 @@ fn worker(shared: Arc<Shared>, id: usize, mut seen: usize) {
     }
 }
 
-/// Waits until `epoch` differs from `seen`, spinning for [`SPIN`] first.
-fn wait_for_call(shared: &Shared, seen: usize) -> usize {
-    let start = Instant::now();
-    let mut polls = 0u32;
-    loop {
-        let epoch = shared.epoch.load(Ordering::Acquire);
-        if epoch != seen {
-            return epoch;
+/// Waits until the state differs from `seen`, spinning for [`SPIN`] first when `spin`, then
+/// parked until a call that uses this worker unparks it.
+fn wait_for_call(shared: &Shared, id: usize, seen: u64, spin: bool) -> u64 {
+    if spin {
+        let start = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            let state = shared.state.load(Ordering::Acquire);
+            if state != seen {
+                return state;
+            }
+            polls += 1;
+            if polls.is_multiple_of(SPINS_PER_CLOCK_READ) && start.elapsed() >= SPIN {
+                break;
+            }
+            std::hint::spin_loop();
         }
-        polls += 1;
-        if polls.is_multiple_of(SPINS_PER_CLOCK_READ) && start.elapsed() >= SPIN {
-            break;
-        }
-        std::hint::spin_loop();
     }
-    let mut guard = shared.lock.lock().unwrap_or_else(|e| e.into_inner());
-    // announced before the last check: a caller that bumps the epoch after that check sees
-    // `sleeping > 0` and notifies under the lock, which this thread only releases in `wait`
-    shared.sleeping.fetch_add(1, Ordering::SeqCst);
     loop {
-        let epoch = shared.epoch.load(Ordering::SeqCst);
-        if epoch != seen {
-            shared.sleeping.fetch_sub(1, Ordering::SeqCst);
-            return epoch;
+        // announced before the check: a caller that publishes after it sees the flag and
+        // unparks this thread (an unpark before the park makes the park return at once)
+        shared.asleep[id].store(true, Ordering::SeqCst);
+        let state = shared.state.load(Ordering::SeqCst);
+        if state != seen && id < (state & ((1 << ACTIVE_BITS) - 1)) as usize {
+            shared.asleep[id].store(false, Ordering::SeqCst);
+            return state;
         }
-        guard = shared.wake.wait(guard).unwrap_or_else(|e| e.into_inner());
+        std::thread::park();
     }
 }
 
 /// Runs `f` on the caller and `helpers` workers, returning when all have finished.
-fn run_on_workers<F: Fn() + Sync>(p: &Pool, started: &mut usize, helpers: usize, f: &F) {
+fn run_on_workers<F: Fn() + Sync>(p: &Pool, started: &mut Vec<Thread>, helpers: usize, f: &F) {
     let shared = &p.shared;
     // stable while the call lock is held
-    let before = shared.epoch.load(Ordering::Acquire);
-    while *started < helpers {
-        let (shared, id) = (shared.clone(), *started);
+    let before = shared.state.load(Ordering::Acquire);
+    while started.len() < helpers {
+        let (shared, id) = (shared.clone(), started.len());
         let spawned = std::thread::Builder::new()
             .name(format!("llama-engine-{id}"))
             .spawn(move || worker(shared, id, before));
-        if spawned.is_err() {
-            break;
+        match spawned {
+            Ok(handle) => started.push(handle.thread().clone()),
+            Err(_) => break,
         }
-        *started += 1;
     }
-    let helpers = helpers.min(*started);
+    let helpers = helpers.min(started.len());
     // SAFETY: the call lock is held and the previous job's `pending` reached zero, so no
     // worker reads `job` now; `f` outlives this function, which waits for every helper.
     unsafe {
         *shared.job.get() = Job {
             call: call_erased::<F>,
             data: f as *const F as *const (),
-            active: helpers,
         };
     }
     shared.pending.store(helpers, Ordering::Release);
-    shared.epoch.fetch_add(1, Ordering::SeqCst);
-    if shared.sleeping.load(Ordering::SeqCst) > 0 {
-        let _guard = shared.lock.lock().unwrap_or_else(|e| e.into_inner());
-        shared.wake.notify_all();
+    let epoch = (before >> ACTIVE_BITS) + 1;
+    shared
+        .state
+        .store((epoch << ACTIVE_BITS) | helpers as u64, Ordering::SeqCst);
+    for (id, thread) in started.iter().enumerate().take(helpers) {
+        if shared.asleep[id].swap(false, Ordering::SeqCst) {
+            thread.unpark();
+        }
     }
     let own = catch_unwind(AssertUnwindSafe(f));
     let mut polls = 0u32;

@@ -199,6 +199,47 @@ impl SamplerParams {
     }
 }
 
+/// Everything one request's sampler is built from (see `Model::sampler`).
+#[derive(Debug, Clone)]
+pub struct SamplerSpec {
+    pub params: SamplerParams,
+    /// `None`: a seed drawn from the OS's randomness.
+    pub seed: Option<u64>,
+    pub grammar: Option<crate::grammar::GrammarSpec>,
+    /// Strings whose tokens end a DRY repetition.
+    pub dry_sequence_breakers: Vec<String>,
+}
+
+/// Why a sampler could not be built.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SamplerError {
+    /// A parameter out of range.
+    Invalid(String),
+    /// The grammar (or JSON Schema) does not compile.
+    Grammar(crate::grammar::GrammarError),
+}
+
+impl std::fmt::Display for SamplerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SamplerError::Invalid(m) => f.write_str(m),
+            SamplerError::Grammar(e) => write!(f, "invalid grammar: {e}"),
+        }
+    }
+}
+
+/// A seed from the OS's randomness (through the standard library's hash keys).
+pub fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
 /// Tokens that end a DRY repetition: those whose text contains a breaker string.
 pub fn dry_breaker_tokens(tokenizer: &Tokenizer, breakers: &[String]) -> HashSet<TokenId> {
     let mut out = HashSet::new();
@@ -273,6 +314,8 @@ pub struct Sampler {
     /// Whether sampled steps may check only the best candidates against the grammar (see
     /// `pick_top_k_allowed`); off only to compare against the full-mask path in tests.
     pub lazy_grammar: bool,
+    /// Returned when logit bias and grammar leave no candidate (generation then ends).
+    end_token: Option<TokenId>,
 }
 
 /// How many of the best candidates a sampled step with `top_k` checks against the grammar
@@ -309,7 +352,15 @@ impl Sampler {
             dry_breakers: Arc::new(HashSet::new()),
             grammar_stats: GrammarStats::default(),
             lazy_grammar: true,
+            end_token: None,
         }
+    }
+
+    /// The token to return when logit bias and grammar together leave no candidate: the
+    /// vocabulary's end-of-generation token, so the request ends instead of ignoring them.
+    pub fn with_end_token(mut self, token: TokenId) -> Self {
+        self.end_token = Some(token);
+        self
     }
 
     /// Constrains every sampled token to `grammar`.
@@ -507,7 +558,11 @@ impl Sampler {
         if self.grammar.is_some() || !p.logit_bias.is_empty() {
             cand.retain(|c| c.1 > f32::NEG_INFINITY);
             if cand.is_empty() {
-                // Everything was banned: fall back to the raw row rather than fail.
+                if let Some(end) = self.end_token {
+                    self.candidates = cand;
+                    return end;
+                }
+                // no end token to fall back to (bare engine use): the unmasked row
                 cand.extend(raw.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
             }
         }
@@ -931,6 +986,16 @@ mod tests {
             min_p: 0.0,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_row_with_every_token_banned_ends_generation() {
+        let mut p = SamplerParams::greedy();
+        p.logit_bias = vec![(0, f32::NEG_INFINITY), (1, f32::NEG_INFINITY)];
+        let mut s = Sampler::new(p.clone()).with_end_token(7);
+        assert_eq!(s.sample(&[1.0, 2.0]), 7);
+        let mut s = Sampler::new(SamplerParams { temp: 0.9, ..p }).with_end_token(7);
+        assert_eq!(s.sample(&[1.0, 2.0]), 7);
     }
 
     #[test]

@@ -1,95 +1,59 @@
 defmodule LlamaCppEx.Server.Strategy.Batch do
   @moduledoc """
-  Helpers shared by batch strategies. Entries are accumulated in reverse and returned in
-  forward order by `finish/2`.
+  Helpers shared by batch strategies. A plan is built in reverse with `decode/4` and
+  `prefill/5` (each returns the plan so far and the budget left) and returned in forward order
+  by `finish/1`.
   """
+
+  alias LlamaCppEx.Server.Slot
+
+  @type acc :: {[LlamaCppEx.Server.BatchStrategy.plan_item()], integer()}
+
+  @doc "An empty plan with `budget` tokens."
+  @spec start(integer()) :: acc()
+  def start(budget), do: {[], budget}
 
   @doc """
-  Adds one decode entry `{pending_token, pos, seq_id, true}` per `:generating` slot with a
-  pending token, in the order of `order` (ascending seq_id by default), one budget unit each.
+  One `{:decode, seq}` per generating slot with a pending token, in `order` (ascending seq_id
+  by default), one budget unit each.
   """
-  @spec add_decode_tokens(map(), list(), non_neg_integer(), integer(), [non_neg_integer()] | nil) ::
-          {list(), non_neg_integer(), map(), integer()}
-  def add_decode_tokens(slots, entries, n_entries, budget, order \\ nil)
+  @spec decode(acc(), map(), [non_neg_integer()] | nil) :: acc()
+  def decode({plan, budget}, slots, order \\ nil) do
+    Enum.reduce(order || Enum.sort(Map.keys(slots)), {plan, budget}, fn seq, {plan, b} ->
+      case Map.fetch!(slots, seq) do
+        %Slot{state: :generating, pending: p} when p != nil and b > 0 ->
+          {[{:decode, seq} | plan], b - 1}
 
-  def add_decode_tokens(slots, entries, n_entries, budget, _order) when budget <= 0,
-    do: {entries, n_entries, slots, budget}
-
-  def add_decode_tokens(slots, entries, n_entries, budget, order) do
-    order = order || slots |> Map.keys() |> Enum.sort()
-
-    Enum.reduce(order, {entries, n_entries, slots, budget}, fn seq, {es, n, ss, b} ->
-      slot = Map.fetch!(ss, seq)
-
-      if b > 0 and slot.state == :generating and slot.pending_token != nil and
-           not slot.pending_eog do
-        entry = {slot.pending_token, slot.pos, seq, true}
-
-        slot = %{
-          slot
-          | batch_idx: n,
-            generated_token_ids: [slot.pending_token | slot.generated_token_ids],
-            pending_token: nil
-        }
-
-        {[entry | es], n + 1, Map.put(ss, seq, slot), b - 1}
-      else
-        {es, n, ss, b}
+        _ ->
+          {plan, b}
       end
     end)
   end
 
   @doc """
-  Adds prefill chunks for `:prefilling` slots (in `order`, ascending seq_id by default): up
-  to `min(budget, chunk_size, remaining prompt)` tokens each; only the last token of the chunk
-  that completes the prompt asks for logits.
+  One `{:prefill, seq, n}` per prefilling slot (in `order`, ascending seq_id by default), with
+  `n = min(budget left, chunk_size, prompt tokens left)`.
   """
-  @spec add_prefill_chunks(
-          map(),
-          list(),
-          non_neg_integer(),
-          integer(),
-          pos_integer(),
-          [non_neg_integer()] | nil
-        ) ::
-          {list(), non_neg_integer(), map(), integer()}
-  def add_prefill_chunks(slots, entries, n_entries, budget, chunk_size, order \\ nil) do
-    order = order || slots |> Map.keys() |> Enum.sort()
+  @spec prefill(acc(), map(), pos_integer(), [non_neg_integer()] | nil) :: acc()
+  def prefill({plan, budget}, slots, chunk_size, order \\ nil) do
+    Enum.reduce(order || Enum.sort(Map.keys(slots)), {plan, budget}, fn seq, {plan, b} ->
+      case Map.fetch!(slots, seq) do
+        %Slot{state: :prefilling} = s when b > 0 and s.n_prompt > s.prefill_pos ->
+          n = Enum.min([b, chunk_size, s.n_prompt - s.prefill_pos])
+          {[{:prefill, seq, n} | plan], b - n}
 
-    Enum.reduce(order, {entries, n_entries, slots, budget}, fn seq, {es, n, ss, b} ->
-      slot = Map.fetch!(ss, seq)
-      remaining = slot.n_prompt_tokens - slot.prefill_pos
-
-      if b > 0 and slot.state == :prefilling and remaining > 0 do
-        len = Enum.min([b, chunk_size, remaining])
-        completes = len == remaining
-
-        {es, n} =
-          Enum.reduce(0..(len - 1), {es, n}, fn i, {es, n} ->
-            p = slot.prefill_pos + i
-            logits = completes and i == len - 1
-            {[{elem(slot.prompt_tokens_tuple, p), p, seq, logits} | es], n + 1}
-          end)
-
-        slot = %{
-          slot
-          | prefill_pos: slot.prefill_pos + len,
-            batch_idx: if(completes, do: n - 1, else: -1)
-        }
-
-        {es, n, Map.put(ss, seq, slot), b - len}
-      else
-        {es, n, ss, b}
+        _ ->
+          {plan, b}
       end
     end)
   end
 
-  @doc "Returns the entries in forward order with the slots."
-  @spec finish({list(), non_neg_integer(), map(), integer()}) :: {list(), map()}
-  def finish({entries, _n, slots, _budget}), do: {Enum.reverse(entries), slots}
+  @doc "The plan in forward order."
+  @spec finish(acc()) :: [LlamaCppEx.Server.BatchStrategy.plan_item()]
+  def finish({plan, _budget}), do: Enum.reverse(plan)
 
-  @doc "Seq ids of slots in `state`, sorted by `key_fun` (ascending)."
-  @spec order(map(), atom(), (map() -> term())) :: [non_neg_integer()]
+  @doc "Seq ids of slots in `state`, sorted by `key_fun` (ascending), then seq_id."
+  @spec order(map(), Slot.state(), (Slot.t() -> term())) :: [non_neg_integer()]
   def order(slots, state, key_fun) do
     slots
     |> Enum.filter(fn {_, s} -> s.state == state end)

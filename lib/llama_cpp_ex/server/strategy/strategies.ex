@@ -5,8 +5,10 @@ defmodule LlamaCppEx.Server.Strategy.DecodeMaximal do
 
   @impl true
   def build_batch(slots, budget, chunk_size, _opts) do
-    {e, n, s, b} = Batch.add_decode_tokens(slots, [], 0, budget)
-    Batch.finish(Batch.add_prefill_chunks(s, e, n, b, chunk_size))
+    Batch.start(budget)
+    |> Batch.decode(slots)
+    |> Batch.prefill(slots, chunk_size)
+    |> Batch.finish()
   end
 end
 
@@ -17,8 +19,10 @@ defmodule LlamaCppEx.Server.Strategy.PrefillPriority do
 
   @impl true
   def build_batch(slots, budget, chunk_size, _opts) do
-    {e, n, s, b} = Batch.add_prefill_chunks(slots, [], 0, budget, chunk_size)
-    Batch.finish(Batch.add_decode_tokens(s, e, n, b))
+    Batch.start(budget)
+    |> Batch.prefill(slots, chunk_size)
+    |> Batch.decode(slots)
+    |> Batch.finish()
   end
 end
 
@@ -34,10 +38,11 @@ defmodule LlamaCppEx.Server.Strategy.Balanced do
   def build_batch(slots, budget, chunk_size, _opts) do
     n_generating = Enum.count(slots, fn {_, s} -> s.state == :generating end)
     decode_budget = min(div(budget, 2), n_generating)
-    {e, n, s, left} = Batch.add_decode_tokens(slots, [], 0, decode_budget)
-    prefill_budget = budget - decode_budget + left
-    {e, n, s, _} = Batch.add_prefill_chunks(s, e, n, prefill_budget, chunk_size)
-    Batch.finish({e, n, s, 0})
+    {plan, left} = Batch.decode(Batch.start(decode_budget), slots)
+
+    {plan, budget - decode_budget + left}
+    |> Batch.prefill(slots, chunk_size)
+    |> Batch.finish()
   end
 end
 
@@ -54,24 +59,30 @@ defmodule LlamaCppEx.Server.Strategy.Fair do
     ids = slots |> Map.keys() |> Enum.sort()
     start = rem(Keyword.get(opts, :tick, 0), max(length(ids), 1))
     {a, b} = Enum.split(ids, start)
-    {e, n, s, left} = Batch.add_decode_tokens(slots, [], 0, budget, b ++ a)
-    Batch.finish(Batch.add_prefill_chunks(s, e, n, left, chunk_size))
+
+    Batch.start(budget)
+    |> Batch.decode(slots, b ++ a)
+    |> Batch.prefill(slots, chunk_size)
+    |> Batch.finish()
   end
 end
 
 defmodule LlamaCppEx.Server.Strategy.LatencyFirst do
   @moduledoc """
-  Prefill first, youngest requests (latest `t_start`) first, so new requests reach their
-  first token soonest; then decode.
+  Prefill first, youngest requests (latest start) first, so new requests reach their first
+  token soonest; then decode.
   """
   @behaviour LlamaCppEx.Server.BatchStrategy
   alias LlamaCppEx.Server.Strategy.Batch
 
   @impl true
   def build_batch(slots, budget, chunk_size, _opts) do
-    order = Batch.order(slots, :prefilling, &(-(&1.t_start || 0)))
-    {e, n, s, b} = Batch.add_prefill_chunks(slots, [], 0, budget, chunk_size, order)
-    Batch.finish(Batch.add_decode_tokens(s, e, n, b))
+    order = Batch.order(slots, :prefilling, &(-(&1.request.t_start || 0)))
+
+    Batch.start(budget)
+    |> Batch.prefill(slots, chunk_size, order)
+    |> Batch.decode(slots)
+    |> Batch.finish()
   end
 end
 
@@ -86,8 +97,11 @@ defmodule LlamaCppEx.Server.Strategy.ThroughputFirst do
   @impl true
   def build_batch(slots, budget, chunk_size, _opts) do
     decode_order = Batch.order(slots, :generating, &(-&1.pos))
-    prefill_order = Batch.order(slots, :prefilling, &(-&1.n_prompt_tokens))
-    {e, n, s, b} = Batch.add_decode_tokens(slots, [], 0, budget, decode_order)
-    Batch.finish(Batch.add_prefill_chunks(s, e, n, b, chunk_size, prefill_order))
+    prefill_order = Batch.order(slots, :prefilling, &(-&1.n_prompt))
+
+    Batch.start(budget)
+    |> Batch.decode(slots, decode_order)
+    |> Batch.prefill(slots, chunk_size, prefill_order)
+    |> Batch.finish()
   end
 end

@@ -93,6 +93,58 @@ impl CharSet {
     }
 }
 
+/// Whether `root` can derive some finite string: a rule like `root ::= root` (or a schema
+/// like `{"$ref": "#"}`) matches nothing and would only ever let end-of-generation through.
+/// The classic worklist over the rule graph, linear in the grammar's size.
+pub fn derives_something(g: &Grammar, root: &str) -> bool {
+    let n = g.rules.len();
+    let index: HashMap<&str, usize> = g
+        .rules
+        .iter()
+        .enumerate()
+        .map(|(i, (name, _))| (name.as_str(), i))
+        .collect();
+    let mut users: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (i, (_, body)) in g.rules.iter().enumerate() {
+        let mut refs = Vec::new();
+        collect_ref_names(body, &mut refs);
+        for r in refs {
+            if let Some(&j) = index.get(r) {
+                users[j].push(i);
+            }
+        }
+    }
+    let mut productive = vec![false; n];
+    let mut work: Vec<usize> = (0..n).collect();
+    while let Some(i) = work.pop() {
+        if productive[i] || !expr_productive(&g.rules[i].1, &index, &productive) {
+            continue;
+        }
+        productive[i] = true;
+        work.extend(users[i].iter().copied().filter(|&u| !productive[u]));
+    }
+    index.get(root).is_some_and(|&r| productive[r])
+}
+
+fn collect_ref_names<'g>(e: &'g Expr, out: &mut Vec<&'g str>) {
+    match e {
+        Expr::Alt(v) | Expr::Seq(v) => v.iter().for_each(|x| collect_ref_names(x, out)),
+        Expr::Repeat { inner, .. } => collect_ref_names(inner, out),
+        Expr::Ref(r) => out.push(r),
+        _ => {}
+    }
+}
+
+fn expr_productive(e: &Expr, index: &HashMap<&str, usize>, productive: &[bool]) -> bool {
+    match e {
+        Expr::Alt(v) => v.iter().any(|x| expr_productive(x, index, productive)),
+        Expr::Seq(v) => v.iter().all(|x| expr_productive(x, index, productive)),
+        Expr::Repeat { inner, min, .. } => *min == 0 || expr_productive(inner, index, productive),
+        Expr::Ref(r) => index.get(r.as_str()).is_some_and(|&i| productive[i]),
+        Expr::Literal(_) | Expr::Class { .. } | Expr::Any => true,
+    }
+}
+
 /// FIRST/FOLLOW facts about one grammar.
 pub struct Analysis<'g> {
     grammar: &'g Grammar,
@@ -496,6 +548,17 @@ mod tests {
         assert!(n.intersects(&CharSet::single('A')));
         assert_eq!(n.complement(), CharSet(vec![(97, 122)]));
         assert_eq!(CharSet::all().complement(), CharSet::default());
+    }
+
+    #[test]
+    fn grammars_that_match_nothing_are_found() {
+        let derives = |g: &str| derives_something(&parse(g, "root").unwrap(), "root");
+        assert!(!derives("root ::= root"));
+        assert!(!derives("root ::= \"a\" root"));
+        assert!(!derives("root ::= x\nx ::= \"b\" x | root"));
+        assert!(derives("root ::= \"a\" root | \"b\""));
+        assert!(derives("root ::= root*"));
+        assert!(derives("root ::= x\nx ::= \"b\" x?"));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 pub mod analysis;
 pub mod gbnf;
 pub mod json_schema;
+pub mod lark;
 
 use crate::tokenizer::{TokenId, TokenType, Tokenizer};
 use llguidance::api::TopLevelGrammar;
@@ -64,11 +65,15 @@ impl GrammarSpec {
                     return Ok(TopLevelGrammar::from_lark(text.clone()));
                 }
                 let g = gbnf::parse(text, root)?;
-                Ok(TopLevelGrammar::from_lark(gbnf::to_lark(&g, root)))
+                if !analysis::derives_something(&g, root) {
+                    return Err(GrammarError(format!(
+                        "the grammar matches nothing: rule '{root}' never ends"
+                    )));
+                }
+                Ok(TopLevelGrammar::from_lark(lark::to_lark(&g, root)))
             }
             GrammarSpec::JsonSchema(json) => {
-                // the converter's checks (size, nesting, property counts) first
-                json_schema::to_gbnf(json)?;
+                check_schema(json)?;
                 let mut schema: serde_json::Value = serde_json::from_str(json)
                     .map_err(|e| GrammarError(format!("schema is not JSON: {e}")))?;
                 with_layout(&mut schema)?;
@@ -83,11 +88,23 @@ impl GrammarSpec {
 /// converter so unsupported or broken schemas fail with the same errors as
 /// `Grammar.from_json_schema/1`.
 pub fn json_schema_grammar(schema_json: &str) -> Result<String, GrammarError> {
-    json_schema::to_gbnf(schema_json)?;
+    check_schema(schema_json)?;
     let mut schema: serde_json::Value = serde_json::from_str(schema_json)
         .map_err(|e| GrammarError(format!("Unrecognized schema: not JSON: {e}")))?;
     with_layout(&mut schema)?;
     Ok(format!("{LLGUIDANCE_PREFIX} {{}}\nstart: %json {schema}\n"))
+}
+
+/// The checks of the GBNF converter (size, nesting, property counts, unresolved `$ref`s) and
+/// of its output (a schema that matches nothing), so that llguidance's compiler and
+/// `Grammar.from_json_schema/1` reject the same schemas.
+fn check_schema(schema_json: &str) -> Result<(), GrammarError> {
+    let gbnf = json_schema::to_gbnf(schema_json)?;
+    let g = gbnf::parse(&gbnf, "root")?;
+    if !analysis::derives_something(&g, "root") {
+        return Err(GrammarError("the schema matches nothing".into()));
+    }
+    Ok(())
 }
 
 /// Bracket nesting of Lark text outside its string literals and regexes.
@@ -119,7 +136,65 @@ fn lark_nesting(text: &str) -> usize {
     max
 }
 
+/// Keywords whose value is one subschema, a map of subschemas, or a list of subschemas.
+const SCHEMA_KEYWORDS: &[&str] = &[
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+    "additionalProperties",
+    "unevaluatedItems",
+];
+const SCHEMA_MAP_KEYWORDS: &[&str] = &[
+    "properties",
+    "patternProperties",
+    "$defs",
+    "definitions",
+    "dependentSchemas",
+];
+const SCHEMA_LIST_KEYWORDS: &[&str] = &["allOf", "anyOf", "oneOf", "prefixItems"];
+
+/// llama.cpp's rule, on every route: an object schema that lists `properties` and says
+/// nothing about others allows no others (`additionalProperties: false`). llguidance would
+/// allow them. Walks the subschemas by keyword (a property may itself be named
+/// "properties"), without recursion; the schema's depth was checked by the converter.
+fn close_objects(schema: &mut serde_json::Value) {
+    let mut stack = vec![schema];
+    while let Some(node) = stack.pop() {
+        let Some(obj) = node.as_object_mut() else {
+            continue;
+        };
+        if obj.contains_key("properties") && !obj.contains_key("additionalProperties") {
+            obj.insert(
+                "additionalProperties".into(),
+                serde_json::Value::Bool(false),
+            );
+        }
+        for (key, value) in obj.iter_mut() {
+            if SCHEMA_KEYWORDS.contains(&key.as_str()) {
+                match value {
+                    serde_json::Value::Array(items) => stack.extend(items.iter_mut()),
+                    other => stack.push(other),
+                }
+            } else if SCHEMA_MAP_KEYWORDS.contains(&key.as_str()) {
+                if let Some(map) = value.as_object_mut() {
+                    stack.extend(map.values_mut());
+                }
+            } else if SCHEMA_LIST_KEYWORDS.contains(&key.as_str()) {
+                if let Some(items) = value.as_array_mut() {
+                    stack.extend(items.iter_mut());
+                }
+            }
+        }
+    }
+}
+
 fn with_layout(schema: &mut serde_json::Value) -> Result<(), GrammarError> {
+    close_objects(schema);
     if let Some(obj) = schema.as_object_mut() {
         if !obj.contains_key("x-guidance") {
             let layout: serde_json::Value =
@@ -340,5 +415,46 @@ impl Constraint {
 
     pub fn reset(&mut self) {
         let _ = self.matcher.reset();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn objects_without_additional_properties_are_closed() {
+        let mut schema = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "properties": {"type": "object", "properties": {"a": {"type": "string"}}},
+                "open": {"type": "object", "properties": {}, "additionalProperties": true},
+                "list": {"type": "array", "items": {"properties": {"b": {}}}}
+            },
+            "$defs": {"d": {"anyOf": [{"properties": {"c": {}}}]}}
+        });
+        close_objects(&mut schema);
+        let closed = |v: &serde_json::Value| v["additionalProperties"] == false;
+        assert!(closed(&schema));
+        // the property named "properties" is a schema, not a keyword of its parent's map
+        assert!(closed(&schema["properties"]["properties"]));
+        assert!(schema["properties"].get("additionalProperties").is_none());
+        assert_eq!(schema["properties"]["open"]["additionalProperties"], true);
+        assert!(closed(&schema["properties"]["list"]["items"]));
+        assert!(closed(&schema["$defs"]["d"]["anyOf"][0]));
+    }
+
+    #[test]
+    fn schemas_that_match_nothing_are_rejected() {
+        for schema in [
+            r##"{"$ref": "#"}"##,
+            r##"{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}"##,
+        ] {
+            let err = json_schema_grammar(schema).unwrap_err();
+            assert!(err.0.contains("matches nothing"), "{schema}: {err}");
+        }
+        // recursion with a way out is fine
+        let tree = r##"{"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]}"##;
+        json_schema_grammar(tree).unwrap();
     }
 }

@@ -9,10 +9,44 @@ use super::ops::{
     add_assign, add_rms_norm_into, gelu_tanh_mul, inv_freq, output_logits_into, rms_norm,
     rms_norm_into, sized, Embedding, Linear,
 };
-use super::{Architecture, Config, Projections, TensorLoader, Workspace};
+use super::{ArchSpec, Architecture, Config, Projections, TensorLoader, Workspace};
 use crate::batch::Batch;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
+use crate::gguf::GgufFile;
 use crate::kv::KvCache;
+
+/// Every sixth layer attends globally, the others through a sliding window.
+const SWA_PATTERN: usize = 6;
+const DEFAULT_WINDOW: u64 = 512;
+/// Rope base of the sliding-window layers when the file does not give one.
+const LOCAL_ROPE_BASE: f64 = 10_000.0;
+
+pub const SPEC: ArchSpec = ArchSpec {
+    name: "gemma3",
+    configure,
+    load: |cfg, l| Ok(Box::new(Gemma3::load(cfg, l)?)),
+};
+
+/// Sliding windows per layer and the local layers' rope base.
+fn configure(g: &GgufFile, cfg: &mut Config) -> Result<()> {
+    let window = g
+        .get_u64(&cfg.key("attention.sliding_window"))
+        .unwrap_or(DEFAULT_WINDOW);
+    if window == 0 || window > 1 << 24 {
+        return Err(EngineError::InvalidGguf(format!(
+            "bad sliding_window {window}"
+        )));
+    }
+    for (i, w) in cfg.layer_windows.iter_mut().enumerate() {
+        if (i + 1) % SWA_PATTERN != 0 {
+            *w = Some(window as usize);
+        }
+    }
+    cfg.rope_base_local = g
+        .get_f64(&cfg.key("rope.freq_base_swa"))
+        .unwrap_or(LOCAL_ROPE_BASE) as f32;
+    Ok(())
+}
 
 struct Layer {
     attn_norm: Vec<f32>,

@@ -6,10 +6,16 @@ use super::ops::{
     add_assign, add_rms_norm_into, inv_freq, output_logits_into, rms_norm_into, silu_mul, sized,
     Embedding, Linear,
 };
-use super::{Architecture, Config, Projections, TensorLoader, Workspace};
+use super::{ArchSpec, Architecture, Config, Projections, TensorLoader, Workspace};
 use crate::batch::Batch;
 use crate::error::Result;
 use crate::kv::KvCache;
+
+pub const SPEC: ArchSpec = ArchSpec {
+    name: "llama",
+    configure: |_, _| Ok(()),
+    load: |cfg, l| Ok(Box::new(Llama::load(cfg, l)?)),
+};
 
 struct Layer {
     attn_norm: Vec<f32>,

@@ -66,13 +66,22 @@ pub struct Config {
     pub layer_windows: Vec<Option<usize>>,
 }
 
-/// Architectures this engine implements.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "gemma3"];
+/// One architecture the engine implements: how it reads the hyper-parameters that are its
+/// own (after the common ones) and how it builds its forward pass.
+pub struct ArchSpec {
+    /// `general.architecture` in GGUF files.
+    pub name: &'static str,
+    pub configure: fn(&GgufFile, &mut Config) -> Result<()>,
+    pub(crate) load: fn(&Config, &TensorLoader) -> Result<Box<dyn Architecture>>,
+}
 
-/// Gemma 3: every sixth layer attends globally, the others through a sliding window.
-const GEMMA3_SWA_PATTERN: usize = 6;
-const GEMMA3_DEFAULT_WINDOW: u64 = 512;
-const GEMMA3_LOCAL_ROPE_BASE: f64 = 10_000.0;
+/// Architectures this engine implements.
+pub const ARCHITECTURES: &[&ArchSpec] = &[&llama::SPEC, &gemma3::SPEC];
+
+/// The architecture named `name`, if implemented.
+pub fn arch_spec(name: &str) -> Option<&'static ArchSpec> {
+    ARCHITECTURES.iter().copied().find(|a| a.name == name)
+}
 
 /// Upper bounds that keep hostile metadata from sizing absurd buffers.
 const MAX_EMBD: u64 = 1 << 16;
@@ -134,27 +143,7 @@ impl Config {
                 "bad rope base or norm epsilon".into(),
             ));
         }
-        let mut layer_windows = vec![None; n_layer];
-        let mut rope_base_local = rope_base;
-        if arch == "gemma3" {
-            let window = g
-                .get_u64(&key("attention.sliding_window"))
-                .unwrap_or(GEMMA3_DEFAULT_WINDOW);
-            if window == 0 || window > 1 << 24 {
-                return Err(EngineError::InvalidGguf(format!(
-                    "bad sliding_window {window}"
-                )));
-            }
-            for (i, w) in layer_windows.iter_mut().enumerate() {
-                if (i + 1) % GEMMA3_SWA_PATTERN != 0 {
-                    *w = Some(window as usize);
-                }
-            }
-            rope_base_local = g
-                .get_f64(&key("rope.freq_base_swa"))
-                .unwrap_or(GEMMA3_LOCAL_ROPE_BASE) as f32;
-        }
-        Ok(Config {
+        let mut cfg = Config {
             arch,
             n_vocab,
             n_embd,
@@ -165,11 +154,20 @@ impl Config {
             n_ff,
             n_rot,
             rope_base,
-            rope_base_local,
+            rope_base_local: rope_base,
             eps,
             n_ctx_train,
-            layer_windows,
-        })
+            layer_windows: vec![None; n_layer],
+        };
+        if let Some(spec) = arch_spec(&cfg.arch) {
+            (spec.configure)(g, &mut cfg)?;
+        }
+        Ok(cfg)
+    }
+
+    /// The GGUF metadata key `{arch}.{k}`.
+    pub fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
     }
 }
 
@@ -336,7 +334,15 @@ pub struct Model {
     pub n_params: u64,
     pub chat_template: Option<String>,
     pub metadata: Vec<(String, String)>,
+    /// DRY breaker token sets by breaker strings (a scan of the whole vocabulary each).
+    dry_breakers: std::sync::Mutex<Vec<(Vec<String>, BreakerSet)>>,
 }
+
+/// The tokens that end a DRY repetition.
+type BreakerSet = Arc<std::collections::HashSet<u32>>;
+
+/// DRY breaker sets kept per model (requests mostly use the default set).
+const DRY_BREAKER_CACHE: usize = 8;
 
 fn ftype_name(code: u64) -> &'static str {
     match code {
@@ -365,8 +371,16 @@ impl Model {
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self> {
         let gguf = GgufFile::open(path)?;
         let arch_name = gguf.get_str("general.architecture").unwrap_or("");
-        if !opts.vocab_only && !SUPPORTED_ARCHITECTURES.contains(&arch_name) {
-            return Err(EngineError::UnsupportedArchitecture(arch_name.to_string()));
+        let spec = arch_spec(arch_name);
+        if !opts.vocab_only && spec.is_none() {
+            return Err(EngineError::UnsupportedArchitecture(
+                if arch_name.is_empty() {
+                    "the file names no architecture (general.architecture is missing or empty)"
+                        .to_string()
+                } else {
+                    arch_name.to_string()
+                },
+            ));
         }
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
         let config = Config::from_gguf(&gguf, tokenizer.n_vocab())?;
@@ -374,14 +388,9 @@ impl Model {
             gguf: &gguf,
             requantize: opts.requantize,
         };
-        let arch: Option<Box<dyn Architecture>> = if opts.vocab_only {
-            None
-        } else {
-            Some(match config.arch.as_str() {
-                "llama" => Box::new(llama::Llama::load(&config, &loader)?),
-                "gemma3" => Box::new(gemma3::Gemma3::load(&config, &loader)?),
-                other => return Err(EngineError::UnsupportedArchitecture(other.to_string())),
-            })
+        let arch = match spec {
+            Some(spec) if !opts.vocab_only => Some((spec.load)(&config, &loader)?),
+            _ => None,
         };
         let size_bytes = gguf.tensors.values().map(|t| t.n_bytes as u64).sum();
         let n_params = gguf
@@ -426,7 +435,74 @@ impl Model {
             n_params,
             chat_template,
             metadata,
+            dry_breakers: std::sync::Mutex::new(Vec::new()),
         })
+    }
+
+    /// Builds one request's sampler: parameters checked, logit-bias ids checked against the
+    /// vocabulary (a bias banning every token is refused), DRY breakers resolved to tokens,
+    /// the grammar compiled, and end-of-generation as the token to return when bias and
+    /// grammar leave no candidate.
+    pub fn sampler(
+        &self,
+        spec: &crate::sampler::SamplerSpec,
+    ) -> std::result::Result<crate::sampler::Sampler, crate::sampler::SamplerError> {
+        use crate::sampler::{Sampler, SamplerError};
+        let invalid = SamplerError::Invalid;
+        let mut params = spec.params.clone();
+        params.seed = spec.seed.unwrap_or_else(crate::sampler::random_seed);
+        params.validate().map_err(invalid)?;
+        let n_vocab = self.tokenizer.n_vocab();
+        let mut banned = std::collections::HashSet::new();
+        for &(id, bias) in &params.logit_bias {
+            self.tokenizer
+                .check_id(id as i64)
+                .map_err(|e| invalid(format!("logit_bias: {e}")))?;
+            if bias == f32::NEG_INFINITY {
+                banned.insert(id);
+            }
+        }
+        if banned.len() == n_vocab {
+            return Err(invalid(
+                "logit_bias bans every token of the vocabulary".into(),
+            ));
+        }
+        let dry = params.dry_multiplier > 0.0;
+        let mut sampler = Sampler::new(params);
+        if dry {
+            sampler =
+                sampler.with_dry_breakers(self.dry_breaker_tokens(&spec.dry_sequence_breakers));
+        }
+        if let Some(end) = self
+            .tokenizer
+            .eos
+            .or_else(|| self.tokenizer.eog_tokens().first().copied())
+        {
+            sampler = sampler.with_end_token(end);
+        }
+        if let Some(grammar) = &spec.grammar {
+            let constraint = self
+                .compile_grammar(grammar)
+                .map_err(SamplerError::Grammar)?;
+            sampler = sampler.with_grammar(constraint);
+        }
+        Ok(sampler)
+    }
+
+    fn dry_breaker_tokens(&self, breakers: &[String]) -> BreakerSet {
+        let mut cache = self.dry_breakers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, set)) = cache.iter().find(|(b, _)| b.as_slice() == breakers) {
+            return set.clone();
+        }
+        let set = Arc::new(crate::sampler::dry_breaker_tokens(
+            &self.tokenizer,
+            breakers,
+        ));
+        if cache.len() == DRY_BREAKER_CACHE {
+            cache.remove(0);
+        }
+        cache.push((breakers.to_vec(), set.clone()));
+        set
     }
 
     /// The model's grammar compiler (built on first call, then shared).

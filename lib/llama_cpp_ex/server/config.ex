@@ -1,0 +1,113 @@
+defmodule LlamaCppEx.Server.Config do
+  @moduledoc false
+  # A server's start options, validated once (the errors `start_link/1` and `init/1` return
+  # are the contract's), with every default in one place.
+
+  alias LlamaCppEx.{Context, Model, Options, Sampler}
+
+  @own [
+    model_path: nil,
+    n_gpu_layers: 99,
+    requantize: true,
+    n_parallel: 4,
+    n_ctx: 8192,
+    n_batch: nil,
+    chunk_size: 512,
+    max_queue: 64,
+    cache_prompt: true,
+    kv_unified: true,
+    prompt_cache_ram_mb: 0,
+    batch_strategy: LlamaCppEx.Server.Strategy.DecodeMaximal
+  ]
+
+  defstruct Keyword.keys(@own) ++ [:sampler_defaults, :model_opts, :context_opts]
+
+  @type t :: %__MODULE__{}
+
+  @doc "Every option `LlamaCppEx.Server.start_link/1` accepts (besides `:name`)."
+  @spec keys() :: [atom()]
+  def keys do
+    Enum.uniq(
+      Keyword.keys(@own) ++
+        Sampler.option_keys() ++
+        Sampler.extra_keys() ++ Model.tuning_option_keys() ++ Context.tuning_option_keys()
+    )
+  end
+
+  @doc "Validates `opts`: `{:ok, config}` or `{:error, contract_reason}`."
+  @spec new(keyword()) :: {:ok, t()} | {:error, term()}
+  def new(opts) do
+    Options.validate!(opts, keys(), "LlamaCppEx.Server")
+    own = Keyword.merge(@own, Keyword.take(opts, Keyword.keys(@own)))
+
+    with {:ok, path} <- path(Keyword.fetch(opts, :model_path)),
+         :ok <- strategy(own[:batch_strategy]),
+         :ok <- sizes(own) do
+      n_ctx = own[:n_ctx]
+
+      config =
+        struct!(__MODULE__, own)
+        |> Map.merge(%{
+          model_path: path,
+          n_batch: own[:n_batch] || min(n_ctx, 2048),
+          sampler_defaults: Keyword.take(opts, Sampler.option_keys() ++ Sampler.extra_keys()),
+          model_opts:
+            Keyword.take(opts, Model.tuning_option_keys() ++ [:n_gpu_layers, :requantize]),
+          context_opts:
+            opts
+            |> Keyword.take(Context.tuning_option_keys())
+            |> Keyword.merge(
+              n_ctx: n_ctx,
+              n_batch: own[:n_batch] || min(n_ctx, 2048),
+              n_seq_max: own[:n_parallel]
+            )
+        })
+
+      {:ok, config}
+    end
+  end
+
+  defp path(:error), do: {:error, {:missing_option, :model_path}}
+  defp path({:ok, p}) when not is_binary(p), do: {:error, {:invalid_model_path, p}}
+
+  defp path({:ok, p}) do
+    if File.regular?(p), do: {:ok, p}, else: {:error, {:model_not_found, p}}
+  end
+
+  defp strategy(mod) when not is_atom(mod) or is_nil(mod),
+    do: {:error, {:invalid_batch_strategy, mod}}
+
+  defp strategy(mod) do
+    cond do
+      not Code.ensure_loaded?(mod) ->
+        {:error, {:invalid_batch_strategy, {:module_not_available, mod}}}
+
+      not function_exported?(mod, :build_batch, 4) ->
+        {:error, {:invalid_batch_strategy, {:build_batch_4_not_exported, mod}}}
+
+      true ->
+        :ok
+    end
+  end
+
+  defp sizes(own) do
+    with :ok <-
+           Options.check_all(Keyword.reject(own, fn {_, v} -> is_nil(v) end),
+             n_parallel: {:int, 1, 4096},
+             n_ctx: {:int, 1, 4_194_304},
+             n_batch: {:int, 1, 4_194_304},
+             chunk_size: {:int, 1, 4_194_304},
+             max_queue: {:int, 0, 1_000_000_000},
+             cache_prompt: :boolean,
+             kv_unified: :boolean,
+             prompt_cache_ram_mb: {:int, 0, 1_000_000_000}
+           ) do
+      if own[:prompt_cache_ram_mb] > 0,
+        do:
+          {:error,
+           {:unsupported_option, :prompt_cache_ram_mb,
+            "the RAM prompt cache is not implemented yet; use 0"}},
+        else: :ok
+    end
+  end
+end

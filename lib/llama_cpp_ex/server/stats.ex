@@ -1,0 +1,90 @@
+defmodule LlamaCppEx.Server.Stats do
+  @moduledoc false
+  # A server's counters, the map `get_stats/1` answers, and the measurements of its
+  # per-request telemetry events.
+
+  alias LlamaCppEx.Server.{Request, Slot}
+
+  defstruct tokens_generated: 0, requests_completed: 0, window_start: 0, window_tokens: 0
+
+  @type t :: %__MODULE__{}
+
+  @spec new() :: t()
+  def new, do: %__MODULE__{window_start: now_ms()}
+
+  @spec reset_window(t()) :: t()
+  def reset_window(stats), do: %{stats | window_start: now_ms(), window_tokens: 0}
+
+  @doc "Counts a finished request."
+  @spec request_done(t(), Request.t()) :: t()
+  def request_done(stats, request) do
+    n = request.pipeline.generated
+
+    %{
+      stats
+      | tokens_generated: stats.tokens_generated + n,
+        requests_completed: stats.requests_completed + 1,
+        window_tokens: stats.window_tokens + n
+    }
+  end
+
+  @doc "The map `LlamaCppEx.Server.get_stats/1` returns."
+  @spec snapshot(t(), map(), non_neg_integer(), map()) :: map()
+  def snapshot(stats, slots, queue_depth, config) do
+    counts = Enum.frequencies_by(slots, fn {_, s} -> s.state end)
+    window_ms = max(now_ms() - stats.window_start, 1)
+    # tokens of requests still running count toward the totals too
+    running =
+      slots
+      |> Enum.filter(fn {_, s} -> s.request end)
+      |> Enum.map(fn {_, s} -> s.request.pipeline.generated end)
+      |> Enum.sum()
+
+    %{
+      active_slots: Map.get(counts, :prefilling, 0) + Map.get(counts, :generating, 0),
+      idle_slots: Map.get(counts, :idle, 0),
+      prefilling_slots: Map.get(counts, :prefilling, 0),
+      queue_depth: queue_depth,
+      n_parallel: config.n_parallel,
+      n_batch: config.n_batch,
+      ram_cache_entries: 0,
+      ram_cache_bytes: 0,
+      tokens_generated: stats.tokens_generated + running,
+      requests_completed: stats.requests_completed,
+      window_tokens: stats.window_tokens,
+      window_ms: window_ms,
+      tokens_per_second: stats.window_tokens * 1000 / window_ms
+    }
+  end
+
+  @doc "The measurements of `request.done` and `request.exception`."
+  @spec done_measurements(Slot.t(), integer()) :: map()
+  def done_measurements(%Slot{request: r, n_prompt: n_prompt}, now) do
+    duration = max(now - (r.t_start || now), 0)
+    ttft = if r.t_first_token, do: r.t_first_token - r.t_start, else: duration
+    evaluated = n_prompt - r.n_prefix_cache
+    gen_ms = if r.t_first_token, do: now - r.t_first_token, else: 0
+    generated = r.pipeline.generated
+
+    %{
+      prompt_tokens: n_prompt,
+      generated_tokens: generated,
+      duration_ms: duration,
+      ttft_ms: ttft,
+      prompt_eval_rate: if(ttft > 0, do: evaluated * 1000 / ttft, else: 0.0),
+      generation_rate: if(gen_ms > 0, do: max(generated - 1, 0) * 1000 / gen_ms, else: 0.0),
+      prefix_cache_tokens: r.n_prefix_cache,
+      prefix_cache_ratio: if(n_prompt > 0, do: r.n_prefix_cache / n_prompt, else: 0.0)
+    }
+  end
+
+  @doc """
+  Milliseconds since the VM started: monotonic and non-negative, so a never-used slot (0)
+  always counts as least recently used.
+  """
+  @spec now_ms() :: integer()
+  def now_ms do
+    start = System.convert_time_unit(:erlang.system_info(:start_time), :native, :millisecond)
+    System.monotonic_time(:millisecond) - start
+  end
+end

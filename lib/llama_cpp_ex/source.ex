@@ -1,0 +1,152 @@
+defmodule LlamaCppEx.Source do
+  @moduledoc false
+  # One request's events (`LlamaCppEx.Pipeline.event/0`), from either route: a model's local
+  # generation (`LlamaCppEx.Local`, stepped by the caller) or a `LlamaCppEx.Server`
+  # subscription (`{ref, event}` messages). Every facade function and the Server's client
+  # functions consume requests through this module, so timeouts, cancellation and the
+  # server's death are handled once:
+  #
+  #   * `:timeout` bounds the wait for each event (a local step that took longer also counts);
+  #   * closing an unfinished server request cancels it (the slot is freed within one tick);
+  #   * a server that dies ends the request with `{:error, :server_down}` within a second.
+
+  alias LlamaCppEx.{Local, Server}
+
+  defstruct [:kind, :local, :server, :ref, :monitor, :timeout, done: false]
+
+  @type t :: %__MODULE__{}
+
+  @doc "A local generation of `tokens` on `model`."
+  @spec local(LlamaCppEx.Model.t(), [non_neg_integer()], keyword(), timeout()) ::
+          {:ok, t()} | {:error, term()}
+  def local(model, tokens, opts, timeout) do
+    with {:ok, session} <- Local.start(model, tokens, opts) do
+      {:ok, %__MODULE__{kind: :local, local: session, timeout: timeout}}
+    end
+  end
+
+  @doc "A request on `server`, subscribed from this process."
+  @spec server(GenServer.server(), [non_neg_integer()], keyword(), timeout()) ::
+          {:ok, t()} | {:error, term()}
+  def server(server, tokens, opts, timeout) do
+    ref = make_ref()
+
+    with pid when is_pid(pid) <- GenServer.whereis(server) || {:error, :noproc},
+         mref = Process.monitor(pid),
+         :ok <- subscribe(server, tokens, ref, opts, timeout, mref) do
+      {:ok, %__MODULE__{kind: :server, server: pid, ref: ref, monitor: mref, timeout: timeout}}
+    end
+  end
+
+  defp subscribe(server, tokens, ref, opts, timeout, mref) do
+    case Server.subscribe_stream_tokens(server, tokens, ref, Keyword.put(opts, :timeout, timeout)) do
+      :ok ->
+        :ok
+
+      error ->
+        Process.demonitor(mref, [:flush])
+        error
+    end
+  end
+
+  @doc """
+  The next events: `{:cont, events, src}`, or `{:done, events, src}` when the request ended
+  (the last event is `{:done, reason}` or `{:error, reason}`).
+  """
+  @spec next(t()) :: {:cont | :done, [LlamaCppEx.Pipeline.event()], t()}
+  def next(%__MODULE__{kind: :local, local: session, timeout: timeout} = src) do
+    if timeout == 0 do
+      {:done, [{:error, :timeout}], %{src | done: true}}
+    else
+      t0 = System.monotonic_time(:millisecond)
+      {status, events, session} = Local.step(session)
+      src = %{src | local: session, done: status == :done}
+
+      if status == :cont and timeout != :infinity and
+           System.monotonic_time(:millisecond) - t0 > timeout do
+        {:done, events ++ [{:error, :timeout}], %{src | done: true}}
+      else
+        {status, events, src}
+      end
+    end
+  end
+
+  def next(%__MODULE__{kind: :server, ref: ref, monitor: mref} = src) do
+    receive do
+      {^ref, {tag, _} = event} when tag in [:done, :error] ->
+        {:done, [event], %{src | done: true}}
+
+      {^ref, event} ->
+        {:cont, [event], src}
+
+      {:DOWN, ^mref, :process, _, _} ->
+        {:done, [{:error, :server_down}], %{src | done: true}}
+    after
+      src.timeout ->
+        {:done, [{:error, :timeout}], src}
+    end
+  end
+
+  @doc "Releases the request: an unfinished server request is cancelled."
+  @spec close(t()) :: :ok
+  def close(%__MODULE__{kind: :local}), do: :ok
+
+  def close(%__MODULE__{kind: :server} = src) do
+    unless src.done, do: Server.cancel(src.server, src.ref)
+    Process.demonitor(src.monitor, [:flush])
+    drain(src.ref)
+  end
+
+  defp drain(ref) do
+    receive do
+      {^ref, _} -> drain(ref)
+    after
+      0 -> :ok
+    end
+  end
+
+  @doc """
+  Runs the request to its end: `{:ok, %{text: t, logprobs: lps, reason: r,
+  completion_tokens: n}}` or `{:error, reason}`.
+  """
+  @spec collect(t()) :: {:ok, map()} | {:error, term()}
+  def collect(src), do: collect(src, [], [], 0)
+
+  defp collect(src, text, lps, n) do
+    {status, events, src} = next(src)
+
+    {text, lps, n, ending} =
+      Enum.reduce(events, {text, lps, n, nil}, fn
+        {:token, t}, {text, lps, n, e} -> {[text, t], lps, n, e}
+        {:logprob, lp}, {text, lps, n, e} -> {text, [lp | lps], n, e}
+        {:usage, %{completion_tokens: c}}, {text, lps, _, e} -> {text, lps, c, e}
+        {:done, reason}, {text, lps, n, _} -> {text, lps, n, {:done, reason}}
+        {:error, reason}, {text, lps, n, _} -> {text, lps, n, {:error, reason}}
+      end)
+
+    case {status, ending} do
+      {:done, {:done, reason}} ->
+        close(src)
+
+        {:ok,
+         %{
+           text: IO.iodata_to_binary(text),
+           logprobs: Enum.reverse(lps),
+           reason: reason,
+           completion_tokens: completion_tokens(src, n)
+         }}
+
+      {:done, {:error, reason}} ->
+        close(src)
+        {:error, reason}
+
+      _ ->
+        collect(src, text, lps, n)
+    end
+  end
+
+  defp completion_tokens(%__MODULE__{kind: :local, local: session}, _n),
+    do: Local.generated(session)
+
+  defp completion_tokens(_src, n), do: n
+end

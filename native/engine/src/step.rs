@@ -1,0 +1,210 @@
+//! One engine step: ordered KV cache edits, one batched forward pass, and one sampled token
+//! for every sequence that asked for logits. `LlamaCppEx.Server` sends one step per tick
+//! (through [`EngineThread`]), and a local generation sends one per prompt chunk or token.
+//!
+//! Every decision that depends on the cache (which prefix to share or trim) is taken by the
+//! caller between steps and shipped as [`KvOp`]s, so a step needs nothing but its own input.
+
+use crate::batch::Batch;
+use crate::context::{Context, EvalOutcome};
+use crate::error::{EngineError, Result};
+use crate::sampler::{Sampler, TokenLogprobs};
+use crate::tokenizer::TokenId;
+use crossbeam_channel::{unbounded, Sender};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+/// A sampler shared between its owner (a request) and the steps that sample with it.
+pub type SharedSampler = Arc<Mutex<Sampler>>;
+
+/// A cache edit applied before a step's batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvOp {
+    /// Keep the first `keep` positions of `seq` (when a sliding window already dropped what
+    /// position `keep` needs, the sequence is cleared instead).
+    Trim { seq: usize, keep: usize },
+    /// Make `dst` hold the first `len` positions of `src` by sharing its blocks.
+    Share { src: usize, dst: usize, len: usize },
+    /// Drop everything `seq` holds.
+    Clear { seq: usize },
+}
+
+/// A step's input.
+#[derive(Default)]
+pub struct Step {
+    pub ops: Vec<KvOp>,
+    pub batch: Batch,
+    /// The sampler of every sequence whose logits row this step samples.
+    pub samplers: Vec<(usize, SharedSampler)>,
+    /// Idle sequences whose cache may be dropped under KV pressure, first to go first.
+    pub purgeable: Vec<usize>,
+}
+
+/// The token sampled for one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampledToken {
+    pub seq: usize,
+    pub token: TokenId,
+    /// The bytes the token renders as (may end inside a UTF-8 character).
+    pub piece: Vec<u8>,
+    pub is_eog: bool,
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// A step's result.
+#[derive(Debug, Clone, Default)]
+pub struct StepOutcome {
+    pub sampled: Vec<SampledToken>,
+    /// Idle sequences whose cache was dropped to make room.
+    pub purged: Vec<usize>,
+    /// How many times the batch had to be re-planned under KV pressure.
+    pub n_splits: usize,
+    /// Sequences that could not get KV blocks even after purging; their entries were dropped.
+    pub failed: Vec<usize>,
+    /// Wall time of the step, in microseconds.
+    pub eval_us: u64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // a panic inside a step is reported as that step's error; the state it guards stays
+    // usable (a failed batch rolls its KV reservation back)
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Context {
+    /// Applies cache edits in order.
+    pub fn apply_kv_ops(&mut self, ops: &[KvOp]) -> Result<()> {
+        for op in ops {
+            match *op {
+                KvOp::Trim { seq, keep } => {
+                    let seq = self.kv.check_seq(seq as i64)?;
+                    if !self.kv.seq_rm(seq, keep, None)? {
+                        self.kv.seq_clear(seq);
+                    }
+                }
+                KvOp::Share { src, dst, len } => {
+                    let src = self.kv.check_seq(src as i64)?;
+                    let dst = self.kv.check_seq(dst as i64)?;
+                    self.kv.seq_share_prefix(src, dst, len)?;
+                }
+                KvOp::Clear { seq } => {
+                    let seq = self.kv.check_seq(seq as i64)?;
+                    self.kv.seq_clear(seq);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one step: the cache edits, then the batch (an empty batch only edits), sampling
+    /// one token per sequence in `step.samplers` from its logits row.
+    pub fn step(&mut self, step: &Step) -> Result<StepOutcome> {
+        let started = Instant::now();
+        // lock order everywhere: the context (held by the caller), then samplers
+        let mut guards: Vec<(usize, MutexGuard<'_, Sampler>)> = step
+            .samplers
+            .iter()
+            .map(|(seq, s)| (*seq, lock(s)))
+            .collect();
+        self.apply_kv_ops(&step.ops)?;
+        let mut outcome = StepOutcome::default();
+        if !step.batch.is_empty() {
+            let mut samplers: Vec<(usize, &mut Sampler)> =
+                guards.iter_mut().map(|(seq, g)| (*seq, &mut **g)).collect();
+            let EvalOutcome {
+                sampled,
+                purged,
+                n_splits,
+                failed,
+            } = self.eval_sample(&step.batch, &mut samplers, &step.purgeable)?;
+            let tokenizer = &self.model.tokenizer;
+            outcome.sampled = sampled
+                .into_iter()
+                .map(|s| SampledToken {
+                    seq: s.seq,
+                    token: s.token,
+                    piece: tokenizer
+                        .token_to_piece(s.token)
+                        .map(<[u8]>::to_vec)
+                        .unwrap_or_default(),
+                    is_eog: s.is_eog,
+                    logprobs: s.logprobs,
+                })
+                .collect();
+            outcome.purged = purged;
+            outcome.n_splits = n_splits;
+            outcome.failed = failed;
+        }
+        outcome.eval_us = started.elapsed().as_micros() as u64;
+        Ok(outcome)
+    }
+}
+
+/// How a finished step is delivered.
+pub type Reply = Box<dyn FnOnce(Result<StepOutcome>) + Send>;
+
+struct Job {
+    step: Step,
+    reply: Reply,
+}
+
+/// A thread that runs steps on one context, one after another, so whoever submits them (the
+/// Server's GenServer) never waits for a forward pass.
+pub struct EngineThread {
+    tx: Mutex<Option<Sender<Job>>>,
+}
+
+impl EngineThread {
+    /// Starts the thread; it ends when [`EngineThread::stop`] is called or this value is
+    /// dropped, after the step it is running.
+    pub fn start(ctx: Arc<Mutex<Context>>) -> Result<Self> {
+        let (tx, rx) = unbounded::<Job>();
+        std::thread::Builder::new()
+            .name("llama_cpp_ex-engine".into())
+            .spawn(move || {
+                for job in rx {
+                    let result = catch_unwind(AssertUnwindSafe(|| lock(&ctx).step(&job.step)))
+                        .unwrap_or_else(|payload| Err(EngineError::internal(payload)));
+                    (job.reply)(result);
+                }
+            })
+            .map_err(|e| EngineError::Internal(format!("cannot start the engine thread: {e}")))?;
+        Ok(EngineThread {
+            tx: Mutex::new(Some(tx)),
+        })
+    }
+
+    /// Queues a step; `reply` is called with its outcome on the engine thread.
+    pub fn submit(&self, step: Step, reply: Reply) -> Result<()> {
+        let tx = lock(&self.tx);
+        let tx = tx
+            .as_ref()
+            .ok_or_else(|| EngineError::Internal("the engine thread was stopped".into()))?;
+        tx.send(Job { step, reply })
+            .map_err(|_| EngineError::Internal("the engine thread is gone".into()))
+    }
+
+    /// Stops accepting steps; queued steps still run.
+    pub fn stop(&self) {
+        lock(&self.tx).take();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stopped_engine_refuses_steps() {
+        let (tx, _rx) = unbounded::<Job>();
+        let engine = EngineThread {
+            tx: Mutex::new(Some(tx)),
+        };
+        engine.stop();
+        let err = engine
+            .submit(Step::default(), Box::new(|_| {}))
+            .unwrap_err();
+        assert!(err.to_string().contains("stopped"), "{err}");
+    }
+}

@@ -1,0 +1,142 @@
+//! Contexts: creation, the KV cache, decode, logits, and one step for local generation.
+
+use crate::atoms;
+use crate::error::{guard, lock, message, Out, Status};
+use crate::model::ModelRes;
+use crate::step::{encode_outcome, StepTerm};
+use llama_cpp_ex_engine::kv::KvType;
+use llama_cpp_ex_engine::{Batch, Context, ContextParams};
+use rustler::{Atom, Encoder, Env, NifMap, ResourceArc, Term};
+use std::sync::{Arc, Mutex};
+
+pub struct ContextRes {
+    pub ctx: Arc<Mutex<Context>>,
+    pub model: Arc<llama_cpp_ex_engine::Model>,
+    // kept outside the mutex so these reads never wait for a running forward pass
+    n_ctx: usize,
+    n_seq_max: usize,
+}
+
+#[rustler::resource_impl]
+impl rustler::Resource for ContextRes {}
+
+/// `LlamaCppEx.Context.create/2`'s validated options.
+#[derive(NifMap)]
+struct ContextOpts {
+    n_ctx: usize,
+    n_batch: usize,
+    n_ubatch: usize,
+    n_threads: usize,
+    n_threads_batch: usize,
+    n_seq_max: usize,
+    kv_type: Atom,
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn context_create<'a>(env: Env<'a>, m: ResourceArc<ModelRes>, opts: ContextOpts) -> Term<'a> {
+    let r: Out<ResourceArc<ContextRes>> = guard(|| {
+        let kv_type = if opts.kv_type == atoms::f32() {
+            KvType::F32
+        } else if opts.kv_type == atoms::f16() {
+            KvType::F16
+        } else {
+            return Err(message("unsupported KV cache type"));
+        };
+        let params = ContextParams {
+            n_ctx: opts.n_ctx,
+            n_batch: opts.n_batch,
+            n_ubatch: opts.n_ubatch,
+            n_seq_max: opts.n_seq_max,
+            kv_type,
+            n_threads: opts.n_threads,
+            n_threads_batch: opts.n_threads_batch,
+        };
+        let ctx = Context::new(m.model.clone(), params)?;
+        Ok(ResourceArc::new(ContextRes {
+            ctx: Arc::new(Mutex::new(ctx)),
+            model: m.model.clone(),
+            n_ctx: opts.n_ctx,
+            n_seq_max: opts.n_seq_max,
+        }))
+    });
+    r.encode(env)
+}
+
+#[rustler::nif]
+fn context_n_ctx(c: ResourceArc<ContextRes>) -> usize {
+    c.n_ctx
+}
+
+#[rustler::nif]
+fn context_n_seq_max(c: ResourceArc<ContextRes>) -> usize {
+    c.n_seq_max
+}
+
+/// llama.cpp's `seq_rm` capability: a paged transformer cache removes any tail (`:part`).
+#[rustler::nif]
+fn context_can_seq_rm(_c: ResourceArc<ContextRes>) -> Atom {
+    atoms::part()
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn memory_clear(c: ResourceArc<ContextRes>) -> Atom {
+    lock(&c.ctx).kv.clear();
+    atoms::ok()
+}
+
+/// `{n_blocks, used blocks per layer group, [[{seq, blocks}]] per layer group}`.
+type KvUsageTerm = (usize, Vec<usize>, Vec<Vec<(usize, usize)>>);
+
+/// The KV cache's block usage after an integrity audit.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn context_kv_usage(c: ResourceArc<ContextRes>) -> Out<KvUsageTerm> {
+    guard(|| {
+        let ctx = lock(&c.ctx);
+        ctx.kv.audit().map_err(message)?;
+        let u = ctx.kv.usage();
+        Ok((u.n_blocks, u.used, u.owners))
+    })
+}
+
+/// Appends `tokens` to sequence 0 in forward passes of at most `n_batch` tokens.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn decode(c: ResourceArc<ContextRes>, tokens: Vec<u32>) -> Status {
+    Status(guard(|| {
+        if tokens.is_empty() {
+            return Err(message("empty token list"));
+        }
+        let mut ctx = lock(&c.ctx);
+        for chunk in tokens.chunks(ctx.params.n_batch) {
+            let pos = ctx.kv.seq_len(0);
+            ctx.decode(&Batch::for_sequence(chunk, pos, 0))?;
+        }
+        Ok(())
+    }))
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn get_logits(c: ResourceArc<ContextRes>, idx: i64) -> Out<Vec<f32>> {
+    guard(|| Ok(lock(&c.ctx).logits_ith(idx)?.to_vec()))
+}
+
+/// The `n` most likely tokens of entry `idx` of the last batch with their log-probabilities.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn get_top_logprobs(c: ResourceArc<ContextRes>, idx: i64, n: usize) -> Out<Vec<(u32, f64)>> {
+    guard(|| {
+        let ctx = lock(&c.ctx);
+        let lp = llama_cpp_ex_engine::sampler::token_logprobs(ctx.logits_ith(idx)?, 0, n);
+        Ok(lp.top.into_iter().map(|(id, l)| (id, l as f64)).collect())
+    })
+}
+
+/// Runs one step on this context now (local generation: the caller drives, one prompt chunk
+/// or one token per call, so it can stop between any two).
+#[rustler::nif(schedule = "DirtyCpu")]
+fn context_step<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, step: StepTerm) -> Out<Term<'a>> {
+    guard(|| {
+        let step = step.into_step();
+        let mut ctx = lock(&c.ctx);
+        let outcome = ctx.step(&step)?;
+        Ok(encode_outcome(env, &ctx.model, &outcome))
+    })
+}

@@ -1,0 +1,81 @@
+//! The terms of a step (`LlamaCppEx.Server` and local generation build them) and of its
+//! outcome.
+
+use crate::error::binary;
+use crate::sampler::SamplerRes;
+use llama_cpp_ex_engine::sampler::TokenLogprobs;
+use llama_cpp_ex_engine::{Batch, KvOp, Model, Step, StepOutcome};
+use rustler::{Encoder, Env, NifTaggedEnum, NifTuple, ResourceArc, Term};
+
+/// `{:trim, seq, keep}`, `{:share, src, dst, len}` or `{:clear, seq}`.
+#[derive(NifTaggedEnum)]
+pub enum KvOpTerm {
+    Trim(usize, usize),
+    Share(usize, usize, usize),
+    Clear(usize),
+}
+
+/// `{ops, [{token, pos, seq, logits?}], [{seq, sampler}], purgeable_seqs}`.
+#[derive(NifTuple)]
+pub struct StepTerm {
+    ops: Vec<KvOpTerm>,
+    entries: Vec<(u32, usize, usize, bool)>,
+    samplers: Vec<(usize, ResourceArc<SamplerRes>)>,
+    purgeable: Vec<usize>,
+}
+
+impl StepTerm {
+    pub fn into_step(self) -> Step {
+        let mut batch = Batch::with_capacity(self.entries.len());
+        for (token, pos, seq, logits) in self.entries {
+            batch.push(token, pos, seq, logits);
+        }
+        Step {
+            ops: self
+                .ops
+                .into_iter()
+                .map(|op| match op {
+                    KvOpTerm::Trim(seq, keep) => KvOp::Trim { seq, keep },
+                    KvOpTerm::Share(src, dst, len) => KvOp::Share { src, dst, len },
+                    KvOpTerm::Clear(seq) => KvOp::Clear { seq },
+                })
+                .collect(),
+            batch,
+            samplers: self
+                .samplers
+                .into_iter()
+                .map(|(seq, s)| (seq, s.sampler.clone()))
+                .collect(),
+            purgeable: self.purgeable,
+        }
+    }
+}
+
+/// `{logprob, [{id, piece, logprob}]}`.
+fn encode_logprobs<'a>(env: Env<'a>, model: &Model, lp: &TokenLogprobs) -> Term<'a> {
+    let top: Vec<Term> = lp
+        .top
+        .iter()
+        .map(|&(id, l)| {
+            let piece = model.tokenizer.token_to_piece(id).unwrap_or(&[]);
+            (id, binary(env, piece), l as f64).encode(env)
+        })
+        .collect();
+    (lp.logprob as f64, top).encode(env)
+}
+
+/// `{[{seq, token, piece, eog?, logprobs | nil}], purged, n_splits, failed, eval_us}`.
+pub fn encode_outcome<'a>(env: Env<'a>, model: &Model, o: &StepOutcome) -> Term<'a> {
+    let sampled: Vec<Term> = o
+        .sampled
+        .iter()
+        .map(|s| {
+            let lp = match &s.logprobs {
+                Some(lp) => encode_logprobs(env, model, lp),
+                None => rustler::types::atom::nil().encode(env),
+            };
+            (s.seq, s.token, binary(env, &s.piece), s.is_eog, lp).encode(env)
+        })
+        .collect();
+    (sampled, &o.purged, o.n_splits, &o.failed, o.eval_us).encode(env)
+}
