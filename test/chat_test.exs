@@ -11,7 +11,7 @@ defmodule LlamaCppEx.ChatTest do
     Tokenizer
   }
 
-  @fixtures Path.expand("../../shared/fixtures", __DIR__)
+  @fixtures Path.expand("fixtures", __DIR__)
 
   setup_all do
     %{model: TestModels.smollm2()}

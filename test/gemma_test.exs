@@ -20,7 +20,7 @@ defmodule LlamaCppEx.GemmaTest do
   end
 
   test "greedy generation follows llama.cpp on the file's own weight types", %{model: model} do
-    # raw_capital in shared/fixtures/greedy_gemma-3-270m-q4_k_m.json
+    # raw_capital in test/fixtures/greedy_gemma-3-270m-q4_k_m.json
     {:ok, text} = LlamaCppEx.generate(model, "The capital of France is", max_tokens: 8, temp: 0.0)
     assert text == " the capital of the country of France."
   end

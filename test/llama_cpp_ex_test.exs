@@ -43,7 +43,7 @@ defmodule LlamaCppExTest do
     {:ok, text} =
       LlamaCppEx.generate(model, "The capital of France is", max_tokens: 12, temp: 0.0)
 
-    # llama.cpp's first greedy tokens on this file (shared/fixtures/greedy_SmolLM2...json)
+    # llama.cpp's first greedy tokens on this file (test/fixtures/greedy_SmolLM2...json)
     assert String.starts_with?(text, " Paris.\n\nThe United States has a population")
   end
 

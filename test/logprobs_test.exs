@@ -3,7 +3,7 @@ defmodule LlamaCppEx.LogprobsTest do
 
   alias LlamaCppEx.{Context, Sampler, Server, TestModels, Tokenizer}
 
-  @fixtures Path.expand("../../shared/fixtures", __DIR__)
+  @fixtures Path.expand("fixtures", __DIR__)
 
   test "chat completion logprobs in OpenAI's shape, close to llama.cpp's" do
     {:ok, model} = LlamaCppEx.load_model(TestModels.smollm2_path(), requantize: false)

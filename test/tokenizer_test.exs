@@ -3,7 +3,7 @@ defmodule LlamaCppEx.TokenizerTest do
 
   alias LlamaCppEx.{TestModels, Tokenizer}
 
-  @fixtures Path.expand("../../shared/fixtures", __DIR__)
+  @fixtures Path.expand("fixtures", __DIR__)
 
   setup_all do
     %{model: TestModels.smollm2()}

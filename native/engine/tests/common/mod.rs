@@ -1,5 +1,5 @@
 //! Shared helpers for the engine's integration tests: locating the cached models and the
-//! llama.cpp fixtures.
+//! llama.cpp fixtures (in the repository's `test/fixtures`).
 
 #![allow(dead_code)]
 
@@ -30,11 +30,9 @@ pub fn model_path(file: &str) -> PathBuf {
     p
 }
 
+/// llama.cpp's reference outputs, kept in the repository (`test/fixtures`, see its README).
 pub fn fixtures_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("LLAMA_CPP_EX_FIXTURES") {
-        return PathBuf::from(d);
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../test/fixtures")
 }
 
 pub fn fixture(name: &str) -> serde_json::Value {

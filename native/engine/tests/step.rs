@@ -1,0 +1,228 @@
+//! The step API the Server and local generation run on, and the engine thread that runs the
+//! Server's steps: KV edits in order, one batched forward pass, per-sequence sampling.
+
+mod common;
+use common::*;
+use llama_cpp_ex_engine::sampler::SamplerSpec;
+use llama_cpp_ex_engine::{
+    Batch, Context, EngineThread, KvOp, Requantize, SamplerParams, SharedSampler, Step, StepOutcome,
+};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+fn greedy(model: &llama_cpp_ex_engine::Model) -> SharedSampler {
+    let spec = SamplerSpec {
+        params: SamplerParams::greedy(),
+        seed: Some(1),
+        grammar: None,
+        dry_sequence_breakers: Vec::new(),
+    };
+    Arc::new(Mutex::new(model.sampler(&spec).unwrap()))
+}
+
+fn prefill(tokens: &[u32], seq: usize) -> Batch {
+    Batch::for_sequence(tokens, 0, seq)
+}
+
+/// Greedy continuation of `prompt` alone on a fresh context, `n` tokens.
+fn alone(model: &Arc<llama_cpp_ex_engine::Model>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut c = ctx(model, 256, 1);
+    let sampler = greedy(model);
+    let mut out = Vec::new();
+    let mut step = Step {
+        batch: prefill(prompt, 0),
+        samplers: vec![(0, sampler.clone())],
+        ..Default::default()
+    };
+    for i in 0..n {
+        let o = c.step(&step).unwrap();
+        let t = o.sampled[0].token;
+        out.push(t);
+        step.batch = Batch::for_sequence(&[t], prompt.len() + i, 0);
+    }
+    out
+}
+
+#[test]
+fn a_step_samples_every_sequence_as_it_would_alone() {
+    let model = load(SMOLLM2, Requantize::Off);
+    let tok = &model.tokenizer;
+    let a = tok.encode("The capital of France is", true, true).unwrap();
+    let b = tok.encode("Once upon a time", true, true).unwrap();
+    let want_a = alone(&model, &a, 4);
+    let want_b = alone(&model, &b, 4);
+
+    let mut c = ctx(&model, 256, 2);
+    let (sa, sb) = (greedy(&model), greedy(&model));
+    let mut batch = prefill(&a, 0);
+    for (i, &t) in b.iter().enumerate() {
+        batch.push(t, i, 1, i + 1 == b.len());
+    }
+    let mut step = Step {
+        batch,
+        samplers: vec![(0, sa), (1, sb)],
+        ..Default::default()
+    };
+    let (mut got_a, mut got_b) = (Vec::new(), Vec::new());
+    for i in 0..4 {
+        let o = c.step(&step).unwrap();
+        assert_eq!(o.sampled.len(), 2);
+        assert!(o.purged.is_empty() && o.failed.is_empty());
+        let ta = o.sampled.iter().find(|s| s.seq == 0).unwrap().token;
+        let tb = o.sampled.iter().find(|s| s.seq == 1).unwrap().token;
+        // the piece is the token's text
+        assert_eq!(
+            o.sampled[0].piece,
+            tok.token_to_piece(o.sampled[0].token).unwrap()
+        );
+        got_a.push(ta);
+        got_b.push(tb);
+        let mut next = Batch::default();
+        next.push(ta, a.len() + i, 0, true);
+        next.push(tb, b.len() + i, 1, true);
+        step.batch = next;
+    }
+    assert_eq!(got_a, want_a);
+    assert_eq!(got_b, want_b);
+}
+
+#[test]
+fn kv_ops_apply_in_order_before_the_batch() {
+    let model = load(SMOLLM2, Requantize::Off);
+    let tok = &model.tokenizer;
+    let prompt = tok
+        .encode("The quick brown fox jumps over the lazy dog", true, true)
+        .unwrap();
+    let mut c = ctx(&model, 256, 3);
+    c.step(&Step {
+        batch: prefill(&prompt, 0),
+        ..Default::default()
+    })
+    .unwrap();
+    let n = prompt.len();
+    // share seq 0's prefix with seq 1, trim seq 1, and continue it: its next token must be the
+    // one seq 0 would produce at that point
+    let keep = n - 2;
+    let sampler = greedy(&model);
+    let out = c
+        .step(&Step {
+            ops: vec![
+                KvOp::Share {
+                    src: 0,
+                    dst: 1,
+                    len: n,
+                },
+                KvOp::Trim { seq: 1, keep },
+                KvOp::Clear { seq: 2 },
+            ],
+            batch: Batch::for_sequence(&prompt[keep..], keep, 1),
+            samplers: vec![(1, sampler)],
+            purgeable: vec![],
+        })
+        .unwrap();
+    assert_eq!(c.kv.seq_len(1), n);
+    assert_eq!(out.sampled[0].token, alone(&model, &prompt, 1)[0]);
+    c.kv.audit().unwrap();
+    // shared blocks, copied only where seq 1 wrote
+    let blocks = |s| c.kv_usage().owners[0].iter().find(|o| o.0 == s).unwrap().1;
+    assert_eq!(blocks(0), blocks(1));
+}
+
+#[test]
+fn a_sequence_past_n_ctx_fails_alone() {
+    let model = load(SMOLLM2, Requantize::Off);
+    let mut c = ctx(&model, 32, 2);
+    let long: Vec<u32> = (0..40).map(|i| 100 + i).collect();
+    let mut batch = prefill(&long, 0);
+    batch.push(7, 0, 1, true);
+    let sampler = greedy(&model);
+    let o = c
+        .step(&Step {
+            batch,
+            samplers: vec![(1, sampler)],
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(o.failed, vec![0]);
+    assert_eq!(o.sampled.len(), 1);
+    assert_eq!(c.kv.seq_len(0), 0);
+    assert_eq!(c.kv.seq_len(1), 1);
+    c.kv.audit().unwrap();
+}
+
+#[test]
+fn the_engine_thread_runs_steps_in_order_and_survives_errors() {
+    let model = load(SMOLLM2, Requantize::Off);
+    let c = Arc::new(Mutex::new(ctx(&model, 256, 1)));
+    let engine = EngineThread::start(c.clone()).unwrap();
+    let (tx, rx) = mpsc::channel::<(usize, Result<StepOutcome, String>)>();
+    let reply = |i: usize| {
+        let tx = tx.clone();
+        Box::new(move |r: llama_cpp_ex_engine::error::Result<StepOutcome>| {
+            let _ = tx.send((i, r.map_err(|e| e.to_string())));
+        }) as llama_cpp_ex_engine::step::Reply
+    };
+    let prompt = model.tokenizer.encode("Hello there", true, true).unwrap();
+    let sampler = greedy(&model);
+    engine
+        .submit(
+            Step {
+                batch: prefill(&prompt, 0),
+                samplers: vec![(0, sampler.clone())],
+                ..Default::default()
+            },
+            reply(0),
+        )
+        .unwrap();
+    // a position that does not continue the sequence: this step fails
+    engine
+        .submit(
+            Step {
+                batch: Batch::for_sequence(&[5], 99, 0),
+                ..Default::default()
+            },
+            reply(1),
+        )
+        .unwrap();
+    engine
+        .submit(
+            Step {
+                batch: Batch::for_sequence(&[5], prompt.len(), 0),
+                samplers: vec![(0, sampler)],
+                ..Default::default()
+            },
+            reply(2),
+        )
+        .unwrap();
+    let wait = || rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    let (i0, r0) = wait();
+    let (i1, r1) = wait();
+    let (i2, r2) = wait();
+    assert_eq!((i0, i1, i2), (0, 1, 2));
+    assert_eq!(r0.unwrap().sampled.len(), 1);
+    assert!(r1.unwrap_err().contains("does not continue"));
+    assert_eq!(r2.unwrap().sampled.len(), 1);
+    engine.stop();
+    assert!(engine.submit(Step::default(), Box::new(|_| {})).is_err());
+    assert_eq!(c.lock().unwrap().kv.seq_len(0), prompt.len() + 1);
+}
+
+#[test]
+fn the_context_is_usable_directly_too() {
+    // Context::step with an empty batch only edits the cache
+    let model = load(SMOLLM2, Requantize::Off);
+    let mut c: Context = ctx(&model, 64, 1);
+    c.step(&Step {
+        batch: prefill(&[1, 2, 3], 0),
+        ..Default::default()
+    })
+    .unwrap();
+    let o = c
+        .step(&Step {
+            ops: vec![KvOp::Trim { seq: 0, keep: 1 }],
+            ..Default::default()
+        })
+        .unwrap();
+    assert!(o.sampled.is_empty());
+    assert_eq!(c.kv.seq_len(0), 1);
+}
