@@ -323,6 +323,34 @@ impl Context {
         Ok((out, StopReason::MaxTokens))
     }
 
+    /// Appends `tokens` to sequence `seq` in `n_batch` chunks. All or nothing: an append
+    /// that would grow the sequence past `n_ctx` fails before any evaluation, and a chunk that
+    /// fails later (no free block) leaves the sequence as it was before the call.
+    pub fn decode_tokens(&mut self, tokens: &[u32], seq: usize) -> Result<()> {
+        if tokens.is_empty() {
+            return Err(EngineError::InvalidArgument("empty token list".into()));
+        }
+        let seq = self.kv.check_seq(seq as i64)?;
+        let start = self.kv.seq_len(seq);
+        if start + tokens.len() > self.params.n_ctx {
+            return Err(EngineError::PastContext {
+                seq,
+                held: start,
+                more: tokens.len(),
+                n_ctx: self.params.n_ctx,
+            });
+        }
+        let mut pos = start;
+        for chunk in tokens.chunks(self.params.n_batch) {
+            if let Err(e) = self.decode(&Batch::for_sequence(chunk, pos, seq)) {
+                self.kv.seq_rm(seq, start, None)?;
+                return Err(e);
+            }
+            pos += chunk.len();
+        }
+        Ok(())
+    }
+
     pub fn kv_usage(&self) -> KvUsage {
         self.kv.usage()
     }

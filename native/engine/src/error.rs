@@ -21,8 +21,15 @@ pub enum EngineError {
     InvalidSeqId { seq: i64, n_seq_max: usize },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    #[error("context full: the KV cache has no free block for sequence {seq}")]
+    #[error("context full: no room for sequence {seq} (n_ctx reached or no free KV block)")]
     ContextFull { seq: usize },
+    #[error("context full: sequence {seq} holds {held} tokens, {more} more exceed n_ctx {n_ctx}")]
+    PastContext {
+        seq: usize,
+        held: usize,
+        more: usize,
+        n_ctx: usize,
+    },
     #[error("out of memory: {0}")]
     OutOfMemory(String),
     #[error("tokenize failed: {0}")]

@@ -161,7 +161,24 @@ pub struct GgufFile {
     pub metadata: HashMap<String, Value>,
     pub tensors: HashMap<String, TensorInfo>,
     pub file_size: usize,
-    mmap: Mmap,
+    data: Storage,
+}
+
+/// The file's bytes: a read-only mapping of the file, or bytes in memory (tests, fuzzing).
+enum Storage {
+    Map(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Storage {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Storage::Map(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
 }
 
 struct Reader<'a> {
@@ -330,12 +347,20 @@ impl GgufFile {
         // by every GGUF loader (llama.cpp included). Lengths are validated against the size
         // observed here.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| bad(format!("cannot map: {e}")))?;
-        Self::parse(mmap)
+        Self::parse(Storage::Map(mmap))
     }
 
-    fn parse(mmap: Mmap) -> Result<Self> {
-        let file_size = mmap.len();
-        let mut r = Reader { buf: &mmap, pos: 0 };
+    /// A GGUF file held in memory.
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<Self> {
+        if bytes.len() < 24 {
+            return Err(bad(format!("file too small ({} bytes)", bytes.len())));
+        }
+        Self::parse(Storage::Owned(bytes))
+    }
+
+    fn parse(data: Storage) -> Result<Self> {
+        let file_size = data.len();
+        let mut r = Reader { buf: &data, pos: 0 };
         if r.take(4)? != GGUF_MAGIC {
             return Err(bad("bad magic (not a GGUF file)"));
         }
@@ -349,7 +374,11 @@ impl GgufFile {
         }
         let n_kv = r.u64()?;
         if n_kv > (r.remaining() / 12) as u64 {
-            return Err(bad(format!("implausible metadata count {n_kv}")));
+            return Err(bad(format!(
+                "the header announces {n_kv} metadata entries, which cannot fit in the {} bytes \
+                 left in the file (truncated or corrupt)",
+                r.remaining()
+            )));
         }
         let mut metadata = HashMap::new();
         for _ in 0..n_kv {
@@ -431,7 +460,7 @@ impl GgufFile {
             metadata,
             tensors,
             file_size,
-            mmap,
+            data,
         })
     }
 
@@ -467,7 +496,7 @@ impl GgufFile {
     }
 
     pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
-        &self.mmap[info.offset..info.offset + info.n_bytes]
+        &self.data[info.offset..info.offset + info.n_bytes]
     }
 
     /// Loads a tensor as a candle `QTensor` (copied out of the map).
@@ -483,34 +512,38 @@ impl GgufFile {
     /// the loaded weights are not resident at the same time (peak memory while loading).
     pub fn release(&self, info: &TensorInfo) {
         #[cfg(unix)]
-        // SAFETY: the mapping is read-only and backed by the file, so MADV_DONTNEED only
-        // drops pages from this process; a later read faults them back in from the file.
-        // No slice into the range is held (the tensor's bytes were copied above).
-        unsafe {
-            let _ = self.mmap.unchecked_advise_range(
-                memmap2::UncheckedAdvice::DontNeed,
-                info.offset,
-                info.n_bytes,
-            );
+        if let Storage::Map(mmap) = &self.data {
+            // SAFETY: the mapping is read-only and backed by the file, so MADV_DONTNEED only
+            // drops pages from this process; a later read faults them back in from the file.
+            // No slice into the range is held (the tensor's bytes were copied above).
+            unsafe {
+                let _ = mmap.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    info.offset,
+                    info.n_bytes,
+                );
+            }
         }
     }
 
     /// Drops the mapped pages under `bytes`, a slice of this file's mapping that has been
     /// copied (pages it shares with neighbouring data fault back in from the file if read).
     pub fn release_bytes(&self, bytes: &[u8]) {
-        let base = self.mmap.as_ptr() as usize;
-        let start = bytes.as_ptr() as usize;
-        if bytes.is_empty() || start < base || start + bytes.len() > base + self.mmap.len() {
-            return;
-        }
         #[cfg(unix)]
-        // SAFETY: as in `release`; the range was checked to lie inside the mapping.
-        unsafe {
-            let _ = self.mmap.unchecked_advise_range(
-                memmap2::UncheckedAdvice::DontNeed,
-                start - base,
-                bytes.len(),
-            );
+        if let Storage::Map(mmap) = &self.data {
+            let base = mmap.as_ptr() as usize;
+            let start = bytes.as_ptr() as usize;
+            if bytes.is_empty() || start < base || start + bytes.len() > base + mmap.len() {
+                return;
+            }
+            // SAFETY: as in `release`; the range was checked to lie inside the mapping.
+            unsafe {
+                let _ = mmap.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start - base,
+                    bytes.len(),
+                );
+            }
         }
     }
 

@@ -226,3 +226,21 @@ fn the_context_is_usable_directly_too() {
     assert!(o.sampled.is_empty());
     assert_eq!(c.kv.seq_len(0), 1);
 }
+
+#[test]
+fn decode_tokens_is_all_or_nothing() {
+    let model = load(SMOLLM2, Requantize::Off);
+    let mut c = ctx(&model, 64, 1);
+    // one more than n_ctx: refused before any evaluation, the cache untouched
+    let err = c.decode_tokens(&[42; 65], 0).unwrap_err().to_string();
+    assert!(err.contains("exceed n_ctx 64"), "{err}");
+    assert_eq!(c.kv.seq_len(0), 0);
+    // 64 fit (in several n_batch chunks when n_batch is smaller), then nothing more
+    c.decode_tokens(&[42; 30], 0).unwrap();
+    c.decode_tokens(&[42; 34], 0).unwrap();
+    assert_eq!(c.kv.seq_len(0), 64);
+    assert!(c.decode_tokens(&[42], 0).is_err());
+    assert_eq!(c.kv.seq_len(0), 64);
+    assert!(c.decode_tokens(&[], 0).is_err());
+    assert!(c.decode_tokens(&[42], 1).is_err());
+}

@@ -5,7 +5,7 @@ use crate::error::{guard, lock, message, Out, Status};
 use crate::model::ModelRes;
 use crate::step::{encode_outcome, StepTerm};
 use llama_cpp_ex_engine::kv::KvType;
-use llama_cpp_ex_engine::{Batch, Context, ContextParams};
+use llama_cpp_ex_engine::{Context, ContextParams};
 use rustler::{Atom, Encoder, Env, NifMap, ResourceArc, Term};
 use std::sync::{Arc, Mutex};
 
@@ -102,14 +102,7 @@ fn context_kv_usage(c: ResourceArc<ContextRes>) -> Out<KvUsageTerm> {
 #[rustler::nif(schedule = "DirtyCpu")]
 fn decode(c: ResourceArc<ContextRes>, tokens: Vec<u32>) -> Status {
     Status(guard(|| {
-        if tokens.is_empty() {
-            return Err(message("empty token list"));
-        }
-        let mut ctx = lock(&c.ctx);
-        for chunk in tokens.chunks(ctx.params.n_batch) {
-            let pos = ctx.kv.seq_len(0);
-            ctx.decode(&Batch::for_sequence(chunk, pos, 0))?;
-        }
+        lock(&c.ctx).decode_tokens(&tokens, 0)?;
         Ok(())
     }))
 }

@@ -369,7 +369,11 @@ fn ftype_name(code: u64) -> &'static str {
 
 impl Model {
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self> {
-        let gguf = GgufFile::open(path)?;
+        Self::from_gguf(GgufFile::open(path)?, opts)
+    }
+
+    /// A model from a parsed GGUF file (a mapped file, or bytes in memory).
+    pub fn from_gguf(gguf: GgufFile, opts: &LoadOptions) -> Result<Self> {
         let arch_name = gguf.get_str("general.architecture").unwrap_or("");
         let spec = arch_spec(arch_name);
         if !opts.vocab_only && spec.is_none() {
