@@ -593,7 +593,11 @@ impl Sampler {
                 .sum::<f64>()
                 / n;
             let threshold = max as f64 - p.top_n_sigma as f64 * var.sqrt();
-            cand.retain(|c| c.1 as f64 >= threshold);
+            // Infinite logits (a huge penalty or bias) make the spread NaN, and a NaN
+            // threshold would drop every candidate: the stage then keeps them all.
+            if !threshold.is_nan() {
+                cand.retain(|c| c.1 as f64 >= threshold);
+            }
         }
         if p.top_k > 0 {
             let k = (p.top_k as usize).max(min_keep);
@@ -1142,5 +1146,68 @@ mod tests {
             .collect();
         assert!((s.dynamic_temperature(&flat) - 1.5).abs() < 1e-3);
         assert!(s.dynamic_temperature(&peaked) < 0.6);
+    }
+}
+
+#[cfg(test)]
+mod fuzz_regressions {
+    use super::*;
+
+    /// The xorshift logits of the sampler fuzz target.
+    fn fuzz_logits(seed: u32, n: usize) -> Vec<f32> {
+        let mut x = seed | 1;
+        let mut logits: Vec<f32> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x % 2000) as f32 / 100.0 - 10.0
+            })
+            .collect();
+        logits[(x as usize) % n] = 1e30;
+        logits
+    }
+
+    /// Found by `scripts/fuzz.sh sampler`: extreme (finite) parameters left no candidate
+    /// and the draw indexed an empty list.
+    #[test]
+    fn extreme_parameters_still_sample_a_token() {
+        let params = SamplerParams {
+            seed: 12016889922377622117,
+            temp: 565321400000000.0,
+            top_k: 766648858,
+            top_p: -4.6267407e23,
+            min_p: 2660716.3,
+            penalty_repeat: 2.527773e-16,
+            penalty_freq: -3.2694672e38,
+            penalty_present: -9.435702e-9,
+            penalty_last_n: 1912923437,
+            min_keep: 15683,
+            typical_p: -2236550300000000.0,
+            top_n_sigma: 6.6262e-41,
+            xtc_probability: 0.0,
+            xtc_threshold: 1.99e-43,
+            dry_multiplier: 1.8e-43,
+            dry_base: 0.0,
+            dry_allowed_length: 0,
+            dry_penalty_last_n: 0,
+            mirostat: 0,
+            mirostat_tau: 0.0,
+            mirostat_eta: 2.9775e-41,
+            dynatemp_range: -8.0,
+            dynatemp_exponent: -4.1019506e-18,
+            logit_bias: vec![],
+            logprobs: Some(241),
+        };
+        params.validate().unwrap();
+        let n = 103;
+        let mut s = Sampler::new(params);
+        let mut logits = fuzz_logits(1363349907, n);
+        for _ in 0..3 {
+            let (t, _) = s.sample_with_logprobs(&logits);
+            assert!((t as usize) < n);
+            s.accept(t);
+            logits.rotate_left(7);
+        }
     }
 }

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Tiny random-weight GGUF models for tests, parity checks and fuzz seeds.
+
+    python3 scripts/tiny_gguf.py OUT_DIR [--arch llama|gemma3] [--type f32|f16|q8_0|q4_0|q4_1]
+
+writes OUT_DIR/tiny-<arch>-<type>.gguf: a model of a few KB with a byte-level BPE vocabulary
+of the printable ASCII characters (space as "Ġ") and three special tokens, random weights
+(seeded), and llama.cpp's metadata keys, so that both llama.cpp and LlamaCppEx load it.
+Requires the `gguf` and `numpy` PyPI packages.
+"""
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+try:
+    import gguf
+except ImportError:  # pragma: no cover
+    sys.exit("tiny_gguf.py needs the gguf package: pip install gguf numpy")
+
+TYPES = {
+    "f32": gguf.GGMLQuantizationType.F32,
+    "f16": gguf.GGMLQuantizationType.F16,
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "q4_1": gguf.GGMLQuantizationType.Q4_1,
+}
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def vocab():
+    chars = [chr(c) for c in range(33, 127)]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "\u0120"] + chars
+    types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
+    # a few merges so that BPE has work to do
+    merges = ["h e", "l l", "o \u0120", "he ll", "t h"]
+    tokens += ["he", "ll", "o\u0120", "hell", "th"]
+    types += [gguf.TokenType.NORMAL] * 5
+    return tokens, types, merges
+
+
+def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128,
+          seed=0):
+    rng = np.random.default_rng(seed)
+    tokens, types, merges = vocab()
+    n_vocab = len(tokens)
+    head_dim = d // n_head
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(256)
+    w.add_embedding_length(d)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_layer_norm_rms_eps(1e-6 if arch == "gemma3" else 1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(head_dim)
+    if arch == "gemma3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(32)
+        w.add_uint32(f"{arch}.attention.sliding_window_pattern", 2)
+    w.add_file_type(int(TYPES[qtype]) if qtype != "f32" else 0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def matrix(name, rows, cols, quantize=True):
+        a = (rng.standard_normal((rows, cols)) * 0.2).astype(np.float32)
+        t = TYPES[qtype] if quantize else gguf.GGMLQuantizationType.F32
+        if t == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, a)
+        elif t == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, t), raw_dtype=t)
+
+    def norm(name, n):
+        base = 0.0 if arch == "gemma3" else 1.0
+        w.add_tensor(name, (base + rng.standard_normal(n) * 0.05).astype(np.float32))
+
+    matrix("token_embd.weight", n_vocab, d)
+    norm("output_norm.weight", d)
+    for i in range(n_layer):
+        b = f"blk.{i}"
+        norm(f"{b}.attn_norm.weight", d)
+        matrix(f"{b}.attn_q.weight", n_head * head_dim, d)
+        matrix(f"{b}.attn_k.weight", n_head_kv * head_dim, d)
+        matrix(f"{b}.attn_v.weight", n_head_kv * head_dim, d)
+        matrix(f"{b}.attn_output.weight", d, n_head * head_dim)
+        norm(f"{b}.ffn_norm.weight", d)
+        matrix(f"{b}.ffn_gate.weight", n_ff, d)
+        matrix(f"{b}.ffn_up.weight", n_ff, d)
+        matrix(f"{b}.ffn_down.weight", d, n_ff)
+        if arch == "gemma3":
+            norm(f"{b}.attn_q_norm.weight", head_dim)
+            norm(f"{b}.attn_k_norm.weight", head_dim)
+            norm(f"{b}.post_attention_norm.weight", d)
+            norm(f"{b}.post_ffw_norm.weight", d)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("--arch", choices=["llama", "gemma3"], action="append")
+    p.add_argument("--type", choices=sorted(TYPES), action="append")
+    a = p.parse_args()
+    os.makedirs(a.out_dir, exist_ok=True)
+    for arch in a.arch or ["llama"]:
+        for t in a.type or ["f32"]:
+            print(write(os.path.join(a.out_dir, f"tiny-{arch}-{t}.gguf"), arch, t))
+
+
+if __name__ == "__main__":
+    main()
