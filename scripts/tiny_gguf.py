@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Tiny random-weight GGUF models for tests, parity checks and fuzz seeds.
 
-    python3 scripts/tiny_gguf.py OUT_DIR [--arch llama|gemma3] [--type f32|f16|q8_0|q4_0|q4_1]
+    python3 scripts/tiny_gguf.py OUT_DIR [--arch ARCH] [--type f32|f16|q8_0|q4_0|q4_1]
+
+ARCH: llama, llama3 (llama with rope_freqs and an untied head), qwen2 (Q/K/V biases), qwen3
+(Q/K norms, head_dim != n_embd / n_head), phi3 (fused attn_qkv and gate+up), gemma2
+(soft-capping, post-norms, a sliding window of 8 on every other layer), gemma3.
 
 writes OUT_DIR/tiny-<arch>-<type>.gguf: a model of a few KB with a byte-level BPE vocabulary
 of the printable ASCII characters (space as "Ġ") and three special tokens, random weights
@@ -45,12 +49,21 @@ def vocab():
     return tokens, types, merges
 
 
+ARCHS = ["llama", "llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
+
+
 def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128,
-          seed=0):
-    rng = np.random.default_rng(seed)
+          seed=0, extra_tensor=None, rope_scaling=None):
+    """Writes one model. `extra_tensor` (a name) adds a tensor no architecture reads, and
+    `rope_scaling` a `rope.scaling.type`: files that must be refused."""
+    rng = np.random.default_rng(seed + ARCHS.index(arch))
     tokens, types, merges = vocab()
     n_vocab = len(tokens)
-    head_dim = d // n_head
+    variant = arch
+    arch = "llama" if arch == "llama3" else arch
+    gemma = arch in ("gemma2", "gemma3")
+    # Qwen 3 decouples the head size from the width, as its real models do
+    head_dim = 2 * d // n_head if arch == "qwen3" else d // n_head
     w = gguf.GGUFWriter(path, arch)
     w.add_context_length(256)
     w.add_embedding_length(d)
@@ -58,14 +71,22 @@ def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
-    w.add_layer_norm_rms_eps(1e-6 if arch == "gemma3" else 1e-5)
-    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6 if gemma else 1e-5)
+    w.add_rope_freq_base(1000000.0 if arch.startswith("qwen") else 10000.0)
     w.add_rope_dimension_count(head_dim)
-    if arch == "gemma3":
+    if rope_scaling:
+        w.add_string(f"{arch}.rope.scaling.type", rope_scaling)
+        w.add_float32(f"{arch}.rope.scaling.factor", 4.0)
+    if gemma or arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "gemma3":
         w.add_sliding_window(32)
         w.add_uint32(f"{arch}.attention.sliding_window_pattern", 2)
+    if arch == "gemma2":
+        w.add_sliding_window(8)
+        w.add_float32(f"{arch}.attn_logit_softcapping", 2.0)
+        w.add_float32(f"{arch}.final_logit_softcapping", 3.0)
     w.add_file_type(int(TYPES[qtype]) if qtype != "f32" else 0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -88,28 +109,51 @@ def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=
             w.add_tensor(name, gguf.quants.quantize(a, t), raw_dtype=t)
 
     def norm(name, n):
-        base = 0.0 if arch == "gemma3" else 1.0
-        w.add_tensor(name, (base + rng.standard_normal(n) * 0.05).astype(np.float32))
+        # Gemma files store norm weights with llama.cpp's +1 already applied, so 1 + noise
+        # is a plausible norm for every family
+        w.add_tensor(name, (1.0 + rng.standard_normal(n) * 0.05).astype(np.float32))
 
+    def vector(name, n, scale=0.1):
+        w.add_tensor(name, (rng.standard_normal(n) * scale).astype(np.float32))
+
+    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     matrix("token_embd.weight", n_vocab, d)
     norm("output_norm.weight", d)
+    if variant == "llama3":
+        matrix("output.weight", n_vocab, d)
+        # Llama 3's per-dimension rope factors: 1 for high frequencies, up to 8 for low ones
+        w.add_tensor("rope_freqs.weight",
+                     np.linspace(1.0, 8.0, head_dim // 2).astype(np.float32))
     for i in range(n_layer):
         b = f"blk.{i}"
         norm(f"{b}.attn_norm.weight", d)
-        matrix(f"{b}.attn_q.weight", n_head * head_dim, d)
-        matrix(f"{b}.attn_k.weight", n_head_kv * head_dim, d)
-        matrix(f"{b}.attn_v.weight", n_head_kv * head_dim, d)
-        matrix(f"{b}.attn_output.weight", d, n_head * head_dim)
+        if arch == "phi3":
+            matrix(f"{b}.attn_qkv.weight", q_dim + 2 * kv_dim, d)
+        else:
+            matrix(f"{b}.attn_q.weight", q_dim, d)
+            matrix(f"{b}.attn_k.weight", kv_dim, d)
+            matrix(f"{b}.attn_v.weight", kv_dim, d)
+        if arch == "qwen2":
+            vector(f"{b}.attn_q.bias", q_dim)
+            vector(f"{b}.attn_k.bias", kv_dim)
+            vector(f"{b}.attn_v.bias", kv_dim)
+        matrix(f"{b}.attn_output.weight", d, q_dim)
         norm(f"{b}.ffn_norm.weight", d)
-        matrix(f"{b}.ffn_gate.weight", n_ff, d)
-        matrix(f"{b}.ffn_up.weight", n_ff, d)
+        if arch == "phi3":
+            matrix(f"{b}.ffn_up.weight", 2 * n_ff, d)
+        else:
+            matrix(f"{b}.ffn_gate.weight", n_ff, d)
+            matrix(f"{b}.ffn_up.weight", n_ff, d)
         matrix(f"{b}.ffn_down.weight", d, n_ff)
-        if arch == "gemma3":
+        if arch in ("gemma3", "qwen3"):
             norm(f"{b}.attn_q_norm.weight", head_dim)
             norm(f"{b}.attn_k_norm.weight", head_dim)
+        if gemma:
             norm(f"{b}.post_attention_norm.weight", d)
             norm(f"{b}.post_ffw_norm.weight", d)
 
+    if extra_tensor:
+        vector(extra_tensor, n_ff)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -120,7 +164,7 @@ def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
-    p.add_argument("--arch", choices=["llama", "gemma3"], action="append")
+    p.add_argument("--arch", choices=ARCHS, action="append")
     p.add_argument("--type", choices=sorted(TYPES), action="append")
     a = p.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)

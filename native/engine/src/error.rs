@@ -11,6 +11,10 @@ pub enum EngineError {
     InvalidGguf(String),
     #[error("unsupported model architecture: {0}")]
     UnsupportedArchitecture(String),
+    /// A feature of a model file that the engine does not implement ("rope scaling: yarn",
+    /// "tensor: blk.0.ffn_gate.bias"): refusing it beats generating garbage.
+    #[error("unsupported {0}")]
+    Unsupported(String),
     #[error("unsupported tokenizer: {0}")]
     UnsupportedTokenizer(String),
     #[error("missing tensor: {0}")]

@@ -24,6 +24,8 @@ pub struct AttnParams {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
+    /// Scores become `cap · tanh(score / cap)` before the softmax (Gemma 2).
+    pub softcap: Option<f32>,
 }
 
 /// Output rows written by disjoint tasks.
@@ -242,6 +244,11 @@ fn attend_tile(
                 continue;
             }
             let (a, z) = (a - c0, z - c0);
+            if let Some(cap) = p.softcap {
+                for x in &mut probs[a..z] {
+                    *x = cap * (*x / cap).tanh();
+                }
+            }
             let m_chunk = probs[a..z].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
             let m_new = s.m[r].max(m_chunk);
             let mut sum = 0.0;

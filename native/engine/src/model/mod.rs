@@ -1,8 +1,7 @@
 //! Model loading and the architecture trait.
 
 pub mod attention;
-pub mod gemma3;
-pub mod llama;
+pub mod decoder;
 pub mod ops;
 
 use crate::batch::Batch;
@@ -64,6 +63,13 @@ pub struct Config {
     pub n_ctx_train: usize,
     /// Sliding window per layer (None = full attention).
     pub layer_windows: Vec<Option<usize>>,
+    /// Linear rope scaling: positions are multiplied by this (`1 / rope.scaling.factor`).
+    pub rope_freq_scale: f32,
+    /// Scale of attention scores (`1/√head_dim`).
+    pub attn_scale: f32,
+    /// `cap · tanh(x / cap)` on attention scores and on the final logits (Gemma 2).
+    pub attn_softcap: Option<f32>,
+    pub final_softcap: Option<f32>,
 }
 
 /// One architecture the engine implements: how it reads the hyper-parameters that are its
@@ -71,12 +77,21 @@ pub struct Config {
 pub struct ArchSpec {
     /// `general.architecture` in GGUF files.
     pub name: &'static str,
+    /// How its block differs from the other decoder families.
+    pub family: &'static decoder::Family,
     pub configure: fn(&GgufFile, &mut Config) -> Result<()>,
     pub(crate) load: fn(&Config, &TensorLoader) -> Result<Box<dyn Architecture>>,
 }
 
 /// Architectures this engine implements.
-pub const ARCHITECTURES: &[&ArchSpec] = &[&llama::SPEC, &gemma3::SPEC];
+pub const ARCHITECTURES: &[&ArchSpec] = &[
+    &decoder::LLAMA,
+    &decoder::QWEN2,
+    &decoder::QWEN3,
+    &decoder::PHI3,
+    &decoder::GEMMA2,
+    &decoder::GEMMA3,
+];
 
 /// The architecture named `name`, if implemented.
 pub fn arch_spec(name: &str) -> Option<&'static ArchSpec> {
@@ -120,6 +135,13 @@ impl Config {
             Some(_) => bounded("attention.key_length", MAX_EMBD)?,
             None => n_embd / n_head,
         };
+        if let Some(v) = g.get_u64(&key("attention.value_length")) {
+            if v as usize != head_dim {
+                return Err(EngineError::Unsupported(format!(
+                    "attention layout: value_length {v} differs from key_length {head_dim}"
+                )));
+            }
+        }
         let n_ff = bounded("feed_forward_length", MAX_EMBD * 16)?;
         let n_rot = match g.get_u64(&key("rope.dimension_count")) {
             Some(v) if v as usize <= head_dim && v % 2 == 0 && v > 0 => v as usize,
@@ -143,6 +165,23 @@ impl Config {
                 "bad rope base or norm epsilon".into(),
             ));
         }
+        let rope_freq_scale = match g.get_str(&key("rope.scaling.type")) {
+            None | Some("none") => 1.0,
+            Some("linear") => match g.get_f64(&key("rope.scaling.factor")) {
+                Some(f) if f.is_finite() && f >= 1.0 => (1.0 / f) as f32,
+                None => 1.0,
+                Some(f) => {
+                    return Err(EngineError::InvalidGguf(format!(
+                        "bad rope.scaling.factor {f}"
+                    )))
+                }
+            },
+            Some(other) => {
+                return Err(EngineError::Unsupported(format!(
+                    "rope scaling: {other} ({arch}.rope.scaling.type)"
+                )))
+            }
+        };
         let mut cfg = Config {
             arch,
             n_vocab,
@@ -158,6 +197,10 @@ impl Config {
             eps,
             n_ctx_train,
             layer_windows: vec![None; n_layer],
+            rope_freq_scale,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            attn_softcap: None,
+            final_softcap: None,
         };
         if let Some(spec) = arch_spec(&cfg.arch) {
             (spec.configure)(g, &mut cfg)?;
@@ -200,15 +243,59 @@ pub struct Workspace {
     pub logits: Vec<f32>,
 }
 
-/// Loads one tensor, re-quantizing scalar-only types when asked.
+/// Loads one tensor, re-quantizing scalar-only types when asked, and remembers which
+/// tensors were read (a file with tensors nobody reads is refused, see
+/// [`TensorLoader::check_all_used`]).
 pub(crate) struct TensorLoader<'a> {
     pub gguf: &'a GgufFile,
     pub requantize: Requantize,
+    pub used: std::cell::RefCell<std::collections::HashSet<String>>,
 }
 
-impl TensorLoader<'_> {
-    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<QTensor> {
+impl<'a> TensorLoader<'a> {
+    pub fn new(gguf: &'a GgufFile, requantize: Requantize) -> Self {
+        TensorLoader {
+            gguf,
+            requantize,
+            used: Default::default(),
+        }
+    }
+
+    fn info(&self, name: &str) -> Result<&'a crate::gguf::TensorInfo> {
         let info = self.gguf.tensor_info(name)?;
+        self.used.borrow_mut().insert(name.to_string());
+        Ok(info)
+    }
+
+    /// An error naming the first tensors of the file that the architecture did not read.
+    pub fn check_all_used(&self) -> Result<()> {
+        let used = self.used.borrow();
+        let mut unused: Vec<&String> = self
+            .gguf
+            .tensors
+            .keys()
+            .filter(|n| !used.contains(*n))
+            .collect();
+        if unused.is_empty() {
+            return Ok(());
+        }
+        unused.sort();
+        let names: Vec<&str> = unused.iter().take(4).map(|s| s.as_str()).collect();
+        Err(EngineError::Unsupported(format!(
+            "tensor{}: {}{} (the architecture does not use {})",
+            if unused.len() > 1 { "s" } else { "" },
+            names.join(", "),
+            if unused.len() > 4 {
+                format!(" and {} more", unused.len() - 4)
+            } else {
+                String::new()
+            },
+            if unused.len() > 1 { "them" } else { "it" },
+        )))
+    }
+
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<QTensor> {
+        let info = self.info(name)?;
         if info.shape != [rows, cols] {
             return Err(EngineError::InvalidGguf(format!(
                 "tensor {name} has shape {:?}, expected [{rows}, {cols}]",
@@ -244,7 +331,7 @@ impl TensorLoader<'_> {
         n_vocab: usize,
         d: usize,
     ) -> Result<(ops::Embedding, std::sync::Arc<ops::Linear>)> {
-        let info = self.gguf.tensor_info("token_embd.weight")?;
+        let info = self.info("token_embd.weight")?;
         if info.shape != [n_vocab, d] {
             return Err(EngineError::InvalidGguf(format!(
                 "token_embd.weight has shape {:?}, expected [{n_vocab}, {d}]",
@@ -288,23 +375,47 @@ impl TensorLoader<'_> {
         let linear = |name: &str, rows: usize, cols: usize| {
             ops::Linear::new(self.matrix(&n(name), rows, cols)?)
         };
-        Ok(Projections {
-            qkv: ops::FusedLinear::new(vec![
+        // Phi-3 stores Q/K/V as one matrix and gate+up as one `ffn_up` of twice the width
+        // (gate first): they are already stacked, so they split like fused products do.
+        let qkv = if self.gguf.has_tensor(&n("attn_qkv")) {
+            ops::FusedLinear::split(
+                linear("attn_qkv", q_dim + 2 * kv_dim, d)?,
+                vec![q_dim, kv_dim, kv_dim],
+            )
+        } else {
+            ops::FusedLinear::new(vec![
                 linear("attn_q", q_dim, d)?,
                 linear("attn_k", kv_dim, d)?,
                 linear("attn_v", kv_dim, d)?,
-            ]),
-            wo: linear("attn_output", d, q_dim)?,
-            gate_up: ops::FusedLinear::new(vec![
+            ])
+        };
+        let gate_up = if self.gguf.has_tensor(&n("ffn_gate")) {
+            ops::FusedLinear::new(vec![
                 linear("ffn_gate", cfg.n_ff, d)?,
                 linear("ffn_up", cfg.n_ff, d)?,
-            ]),
+            ])
+        } else {
+            ops::FusedLinear::split(linear("ffn_up", 2 * cfg.n_ff, d)?, vec![cfg.n_ff; 2])
+        };
+        Ok(Projections {
+            qkv,
+            wo: linear("attn_output", d, q_dim)?,
+            gate_up,
             down: linear("ffn_down", d, cfg.n_ff)?,
         })
     }
 
+    /// A vector of `len` values when the file has tensor `name`.
+    pub fn optional_vector(&self, name: &str, len: usize) -> Result<Option<Vec<f32>>> {
+        if self.gguf.has_tensor(name) {
+            self.vector(name, len).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
     pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
-        let info = self.gguf.tensor_info(name)?;
+        let info = self.info(name)?;
         if info.shape.iter().product::<usize>() != len {
             return Err(EngineError::InvalidGguf(format!(
                 "tensor {name} has shape {:?}, expected {len} elements",
@@ -388,10 +499,7 @@ impl Model {
         }
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
         let config = Config::from_gguf(&gguf, tokenizer.n_vocab())?;
-        let loader = TensorLoader {
-            gguf: &gguf,
-            requantize: opts.requantize,
-        };
+        let loader = TensorLoader::new(&gguf, opts.requantize);
         let arch = match spec {
             Some(spec) if !opts.vocab_only => Some((spec.load)(&config, &loader)?),
             _ => None,

@@ -195,6 +195,13 @@ impl FusedLinear {
         }
     }
 
+    /// One matrix whose rows are already the parts stacked (a file's fused `attn_qkv`), split
+    /// into outputs of `widths` rows.
+    pub fn split(w: Linear, widths: Vec<usize>) -> Self {
+        debug_assert_eq!(widths.iter().sum::<usize>(), w.n_out);
+        FusedLinear::Stacked { w, widths }
+    }
+
     /// One output per part, each `[m, part.n_out]`, into `outs` (as many as parts);
     /// `stacked` holds the stacked product in between.
     pub fn forward_into(
