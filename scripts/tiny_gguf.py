@@ -53,9 +53,11 @@ ARCHS = ["llama", "llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
 
 
 def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128,
-          seed=0, extra_tensor=None, rope_scaling=None):
+          seed=0, extra_tensor=None, rope_scaling=None, std=None):
     """Writes one model. `extra_tensor` (a name) adds a tensor no architecture reads, and
-    `rope_scaling` a `rope.scaling.type`: files that must be refused."""
+    `rope_scaling` a `rope.scaling.type`: files that must be refused. `std`: weights drawn
+    with standard deviation std/sqrt(columns) (a well-conditioned network, where rounding
+    differences stay small) instead of 0.2."""
     rng = np.random.default_rng(seed + ARCHS.index(arch))
     tokens, types, merges = vocab()
     n_vocab = len(tokens)
@@ -99,7 +101,8 @@ def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=
     w.add_chat_template(CHAT_TEMPLATE)
 
     def matrix(name, rows, cols, quantize=True):
-        a = (rng.standard_normal((rows, cols)) * 0.2).astype(np.float32)
+        scale = 0.2 if std is None else std / np.sqrt(cols)
+        a = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
         t = TYPES[qtype] if quantize else gguf.GGMLQuantizationType.F32
         if t == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, a)

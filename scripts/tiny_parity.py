@@ -24,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -31,6 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_gguf  # noqa: E402
 
 N_PREDICT = 24
+# llama-quantize types for the quantization fixtures (file name suffix = lower case)
+QUANT_TYPES = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M",
+               "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
 def prompts(n_vocab):
@@ -112,6 +116,20 @@ def main():
         path = tiny_gguf.write(os.path.join(out, f"tiny-{arch}-f32.gguf"), arch, "f32")
         result["models"][arch] = run_model(bin_dir, path, n_vocab)
         print(arch, [len(c["tokens"]) for c in result["models"][arch]])
+    # every quantization type, made by llama-quantize from one F32 llama of width 256 (the
+    # K-quants' and IQ4_XS's super-block)
+    # (the F32 base is not kept: F32 is covered by the families above)
+    tmp = tempfile.mkdtemp()
+    base = tiny_gguf.write(os.path.join(tmp, "quant-f32.gguf"), "llama", "f32", d=256,
+                           n_layer=2, n_head=4, n_head_kv=2, n_ff=256, std=float(
+                               os.environ.get("TINY_QUANT_STD", "1.0")))
+    result["quants"] = {}
+    for t in QUANT_TYPES:
+        path = os.path.join(out, f"quant-{t.lower()}.gguf")
+        subprocess.run([os.path.join(bin_dir, "llama-quantize"), "--pure", base, path, t],
+                       check=True, capture_output=True)
+        result["quants"][t] = run_model(bin_dir, path, n_vocab)
+        print(t, os.path.getsize(path))
     # files that must be refused with a message naming what is unsupported
     tiny_gguf.write(os.path.join(out, "refuse-extra-tensor.gguf"), "llama", "f32", d=32,
                     n_layer=1, n_ff=32, extra_tensor="blk.0.ffn_gate.bias")

@@ -150,7 +150,11 @@ pub struct TensorInfo {
     pub name: String,
     /// Dimensions in candle order (outermost first), i.e. GGUF's order reversed.
     pub shape: Vec<usize>,
+    /// The type of the tensor [`GgufFile::qtensor`] returns: the file's, or Q8_0 for the
+    /// types candle has no kernels for (`converted`).
     pub dtype: GgmlDType,
+    /// A file type that is converted to `dtype` when loaded (the bytes are in this type).
+    pub converted: Option<Iq4>,
     /// Absolute byte offset of the data in the file.
     pub offset: usize,
     pub n_bytes: usize,
@@ -311,6 +315,68 @@ fn value_min_size(ty: u32) -> Result<usize> {
     })
 }
 
+/// The non-linear 4-bit types, which candle cannot hold: they are converted to Q8_0 at load
+/// (their values are 16 int8 levels × a scale, so Q8_0 keeps them within one rounding step),
+/// at 8.5 bits per weight instead of 4.5 / 4.25, and run on the Q8_0 kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Iq4 {
+    /// IQ4_NL: blocks of 32, an f16 scale and 16 bytes of level indices.
+    Nl,
+    /// IQ4_XS: super-blocks of 256, an f16 scale, 6-bit scales per 32 and level indices.
+    Xs,
+}
+
+/// llama.cpp's `kvalues_iq4nl`.
+const IQ4_LEVELS: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+impl Iq4 {
+    fn block(self) -> (u64, u64) {
+        match self {
+            Iq4::Nl => (32, 18),
+            Iq4::Xs => (256, 136),
+        }
+    }
+
+    /// Dequantizes whole blocks (`bytes.len()` a multiple of the block size) into `out`.
+    pub fn dequantize(self, bytes: &[u8], out: &mut Vec<f32>) {
+        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let levels = |out: &mut Vec<f32>, qs: &[u8], d: f32| {
+            out.extend(qs.iter().map(|q| d * IQ4_LEVELS[(q & 0xf) as usize] as f32));
+            out.extend(qs.iter().map(|q| d * IQ4_LEVELS[(q >> 4) as usize] as f32));
+        };
+        match self {
+            Iq4::Nl => {
+                for b in bytes.chunks_exact(18) {
+                    levels(out, &b[2..18], f16(b));
+                }
+            }
+            Iq4::Xs => {
+                for b in bytes.chunks_exact(136) {
+                    let d = f16(b);
+                    let scales_h = u16::from_le_bytes([b[2], b[3]]);
+                    let (scales_l, qs) = (&b[4..8], &b[8..136]);
+                    for ib in 0..8 {
+                        let ls = ((scales_l[ib / 2] >> (4 * (ib % 2))) & 0xf) as i32
+                            | ((((scales_h >> (2 * ib)) & 3) as i32) << 4);
+                        levels(out, &qs[ib * 16..ib * 16 + 16], d * (ls - 32) as f32);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A tensor type id: the type candle holds and, for converted types, the file's.
+fn tensor_type(t: u32) -> Result<(GgmlDType, Option<Iq4>)> {
+    match t {
+        20 => Ok((GgmlDType::Q8_0, Some(Iq4::Nl))),
+        23 => Ok((GgmlDType::Q8_0, Some(Iq4::Xs))),
+        other => Ok((ggml_dtype(other)?, None)),
+    }
+}
+
 fn ggml_dtype(t: u32) -> Result<GgmlDType> {
     Ok(match t {
         0 => GgmlDType::F32,
@@ -404,14 +470,15 @@ impl GgufFile {
             for _ in 0..n_dims {
                 dims.push(r.u64()?);
             }
-            let dtype = ggml_dtype(r.u32()?).map_err(|e| bad(format!("tensor {name}: {e}")))?;
+            let (dtype, converted) =
+                tensor_type(r.u32()?).map_err(|e| bad(format!("tensor {name}: {e}")))?;
             let offset = r.u64()?;
-            infos.push((name, dims, dtype, offset));
+            infos.push((name, dims, dtype, converted, offset));
         }
         let data_start = (r.pos as u64).div_ceil(alignment) * alignment;
 
         let mut tensors = HashMap::with_capacity(infos.len());
-        for (name, dims, dtype, offset) in infos {
+        for (name, dims, dtype, converted, offset) in infos {
             let mut n_elems: u64 = 1;
             for &d in &dims {
                 n_elems = n_elems
@@ -419,14 +486,17 @@ impl GgufFile {
                     .filter(|n| *n <= file_size as u64 * 8)
                     .ok_or_else(|| bad(format!("tensor {name}: implausible dimensions")))?;
             }
-            let block = dtype.block_size() as u64;
+            let (block, type_size) = match converted {
+                Some(iq) => iq.block(),
+                None => (dtype.block_size() as u64, dtype.type_size() as u64),
+            };
             if dims[0] % block != 0 {
                 return Err(bad(format!(
                     "tensor {name}: row length {} is not a multiple of the block size {block}",
                     dims[0]
                 )));
             }
-            let n_bytes = n_elems / block * dtype.type_size() as u64;
+            let n_bytes = n_elems / block * type_size;
             let start = data_start
                 .checked_add(offset)
                 .ok_or_else(|| bad(format!("tensor {name}: bad offset")))?;
@@ -450,6 +520,7 @@ impl GgufFile {
                     name,
                     shape,
                     dtype,
+                    converted,
                     offset: start as usize,
                     n_bytes: n_bytes as usize,
                 },
@@ -503,6 +574,13 @@ impl GgufFile {
     pub fn qtensor(&self, name: &str, device: &Device) -> Result<QTensor> {
         let info = self.tensor_info(name)?;
         let data = self.tensor_bytes(info);
+        if let Some(iq) = info.converted {
+            let mut values = Vec::with_capacity(info.shape.iter().product());
+            iq.dequantize(data, &mut values);
+            self.release(info);
+            let t = candle_core::Tensor::from_vec(values, info.shape.as_slice(), device)?;
+            return Ok(QTensor::quantize(&t, GgmlDType::Q8_0)?);
+        }
         let storage = QStorage::from_data(Cow::Borrowed(data), device, info.dtype)?;
         self.release(info);
         Ok(QTensor::new(storage, info.shape.as_slice())?)

@@ -18,6 +18,11 @@ const ARCHS: [&str; 7] = [
 /// (gemma2) to 9.9e-3 (llama); with its flash attention on, up to 1.5e-2. A wrong rope
 /// variant, norm or scale gives differences above 0.1.
 const MAX_LOGPROB_DIFF: f64 = 2e-2;
+/// The same for quantized weights (a well-conditioned 2-layer model of width 256). Measured:
+/// F16 3.5e-3, BF16 1.7e-2 (llama.cpp rounds activations to the weights' 16-bit
+/// type), Q8_0…IQ4_XS 4e-2…1.1e-1: both sides quantize activations (ggml to Q8_0/Q8_K, the
+/// engine's kernels to their own 8-bit blocks), and those roundings differ.
+const MAX_QUANT_LOGPROB_DIFF: f64 = 0.15;
 
 fn tiny(arch: &str) -> Arc<Model> {
     let path = fixtures_dir().join(format!("tiny/tiny-{arch}-f32.gguf"));
@@ -48,36 +53,35 @@ fn alone(model: &Arc<Model>, tokens: &[u32]) -> Vec<Vec<f32>> {
         .collect()
 }
 
-#[test]
-fn every_family_matches_llama_cpp_teacher_forced() {
-    for arch in ARCHS {
-        let model = tiny(arch);
-        let (mut agree, mut total, mut max_diff) = (0, 0, 0f64);
-        for case in cases(arch) {
-            let prompt = ids(&case["prompt"]);
-            let generated = ids(&case["tokens"]);
-            let mut all = prompt.clone();
-            all.extend_from_slice(&generated);
-            let rows = alone(&model, &all);
-            for (k, top) in case["top"].as_array().unwrap().iter().enumerate() {
-                let top = top.as_array().unwrap();
-                let row = &rows[prompt.len() - 1 + k];
-                let lps = log_softmax(row);
-                for entry in top {
-                    let id = entry[0].as_u64().unwrap() as usize;
-                    let lp = entry[1].as_f64().unwrap();
-                    max_diff = max_diff.max((lps[id] as f64 - lp).abs());
-                }
-                let margin = top[0][1].as_f64().unwrap() - top[1][1].as_f64().unwrap();
-                // llama.cpp's argmax is its top-1 (the generated token differs where it is an
-                // end-of-generation token: the fixture was made with ignore_eos)
-                let best = top[0][0].as_u64().unwrap() as u32;
-                if margin >= REQUIRED_MARGIN {
-                    total += 1;
-                    if argmax(row) == best {
-                        agree += 1;
-                    } else {
-                        println!(
+/// Teacher-forces llama.cpp's continuations: (argmax agreements, positions with a clear
+/// winner, largest |Δ logprob| over llama.cpp's top-5).
+fn compare(arch: &str, model: &Arc<Model>, cases: &[serde_json::Value]) -> (usize, usize, f64) {
+    let (mut agree, mut total, mut max_diff) = (0, 0, 0f64);
+    for case in cases {
+        let prompt = ids(&case["prompt"]);
+        let generated = ids(&case["tokens"]);
+        let mut all = prompt.clone();
+        all.extend_from_slice(&generated);
+        let rows = alone(&model, &all);
+        for (k, top) in case["top"].as_array().unwrap().iter().enumerate() {
+            let top = top.as_array().unwrap();
+            let row = &rows[prompt.len() - 1 + k];
+            let lps = log_softmax(row);
+            for entry in top {
+                let id = entry[0].as_u64().unwrap() as usize;
+                let lp = entry[1].as_f64().unwrap();
+                max_diff = max_diff.max((lps[id] as f64 - lp).abs());
+            }
+            let margin = top[0][1].as_f64().unwrap() - top[1][1].as_f64().unwrap();
+            // llama.cpp's argmax is its top-1 (the generated token differs where it is an
+            // end-of-generation token: the fixture was made with ignore_eos)
+            let best = top[0][0].as_u64().unwrap() as u32;
+            if margin >= REQUIRED_MARGIN {
+                total += 1;
+                if argmax(row) == best {
+                    agree += 1;
+                } else {
+                    println!(
                             "{arch}: case of {} prompt tokens, step {k}: ours {} ({:.4}), llama.cpp {} ({:.4} ours {:.4}), margin {margin:.3}",
                             prompt.len(),
                             argmax(row),
@@ -86,10 +90,18 @@ fn every_family_matches_llama_cpp_teacher_forced() {
                             top[0][1].as_f64().unwrap(),
                             lps[best as usize]
                         );
-                    }
                 }
             }
         }
+    }
+    (agree, total, max_diff)
+}
+
+#[test]
+fn every_family_matches_llama_cpp_teacher_forced() {
+    for arch in ARCHS {
+        let model = tiny(arch);
+        let (agree, total, max_diff) = compare(arch, &model, &cases(arch));
         println!("{arch}: argmax {agree}/{total} at margin >= 0.5, max |Δ logprob| {max_diff:.2e}");
         assert!(total > 0, "{arch}: no position with a clear winner");
         assert!(
@@ -99,6 +111,40 @@ fn every_family_matches_llama_cpp_teacher_forced() {
         assert!(
             max_diff <= MAX_LOGPROB_DIFF,
             "{arch}: log-probabilities differ from llama.cpp's by {max_diff}"
+        );
+    }
+}
+
+/// llama-quantize's types (`--pure`: every matrix, the tied embedding/output head included).
+const QUANTS: [&str; 14] = [
+    "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M",
+    "Q6_K", "IQ4_NL", "IQ4_XS",
+];
+
+#[test]
+fn every_quantization_type_matches_llama_cpp() {
+    let fx = fixture("tiny/parity.json");
+    for q in QUANTS {
+        let path = fixtures_dir().join(format!("tiny/quant-{}.gguf", q.to_lowercase()));
+        let opts = LoadOptions {
+            requantize: Requantize::Off,
+            vocab_only: false,
+        };
+        let model = Arc::new(Model::load(&path, &opts).unwrap_or_else(|e| panic!("{q}: {e}")));
+        let cases = fx["quants"][q].as_array().unwrap();
+        let (agree, total, max_diff) = compare(q, &model, cases);
+        println!(
+            "{q} ({}): argmax {agree}/{total} at margin >= 0.5, max |Δ logprob| {max_diff:.2e}",
+            model.desc
+        );
+        assert!(total > 0, "{q}: no position with a clear winner");
+        assert!(
+            agree as f64 >= REQUIRED_AGREEMENT * total as f64,
+            "{q}: argmax agreement {agree}/{total}"
+        );
+        assert!(
+            max_diff <= MAX_QUANT_LOGPROB_DIFF,
+            "{q}: log-probabilities differ from llama.cpp's by {max_diff}"
         );
     }
 }

@@ -338,7 +338,7 @@ impl<'a> TensorLoader<'a> {
                 info.shape
             )));
         }
-        if !self.gguf.has_tensor("output.weight") {
+        if !self.gguf.has_tensor("output.weight") && info.converted.is_none() {
             // tied: build the head straight from the mapping and read embeddings back from
             // it, so the table is never resident twice (not even while loading)
             let bytes = self.gguf.tensor_bytes(info);
@@ -473,6 +473,8 @@ fn ftype_name(code: u64) -> &'static str {
         16 => "Q5_K_S",
         17 => "Q5_K_M",
         18 => "Q6_K",
+        25 => "IQ4_NL",
+        30 => "IQ4_XS",
         32 => "BF16",
         _ => "?",
     }
