@@ -163,6 +163,34 @@ impl minijinja::value::Object for JsonObject {
     }
 }
 
+/// A message whose tool calls carry their `arguments` as a JSON string (the OpenAI wire form)
+/// with those arguments parsed: Hugging Face templates print them with `tojson` and expect an
+/// object (llama.cpp and transformers parse them the same way). Arguments that are not valid
+/// JSON stay strings.
+fn tool_arguments_as_objects(
+    message: &serde_json::Value,
+) -> std::borrow::Cow<'_, serde_json::Value> {
+    let has_string_args = message["tool_calls"]
+        .as_array()
+        .is_some_and(|calls| calls.iter().any(|c| c["function"]["arguments"].is_string()));
+    if !has_string_args {
+        return std::borrow::Cow::Borrowed(message);
+    }
+    let mut m = message.clone();
+    if let Some(calls) = m["tool_calls"].as_array_mut() {
+        for call in calls {
+            let args = &mut call["function"]["arguments"];
+            if let Some(parsed) = args
+                .as_str()
+                .and_then(|s| serde_json::from_str::<serde_json::Value>(s).ok())
+            {
+                *args = parsed;
+            }
+        }
+    }
+    std::borrow::Cow::Owned(m)
+}
+
 /// Renders `template` for `req` within [`crate::limits::Limits`]: minijinja fuel bounds the
 /// work and the data a render may create (about one fuel per instruction and per 64 bytes),
 /// the prompt may not exceed `template_output_bytes`, values printed or serialised may not nest
@@ -184,7 +212,46 @@ pub fn apply_template(template: &str, req: &ChatRequest) -> Result<String> {
     crate::stack::on_deep_stack(|| render(template, req, &limits)).map_err(EngineError::Template)?
 }
 
+/// Prepares the messages as llama.cpp does before rendering: tool-call arguments parsed, and
+/// a leading system message folded into the next message (`system + "\n" + content`) when the
+/// template ignores or rejects the system role (Gemma's), found by rendering a probe.
 fn render(template: &str, req: &ChatRequest, limits: &crate::limits::Limits) -> Result<String> {
+    let mut messages: Vec<serde_json::Value> = req
+        .messages
+        .iter()
+        .map(|m| tool_arguments_as_objects(m).into_owned())
+        .collect();
+    if messages.first().is_some_and(|m| m["role"] == "system")
+        && !supports_system_role(template, req, limits)
+    {
+        let system = messages.remove(0);
+        if let Some(next) = messages.first_mut() {
+            if let (Some(sys), Some(content)) =
+                (system["content"].as_str(), next["content"].as_str())
+            {
+                next["content"] = serde_json::Value::String(format!("{sys}\n{content}"));
+            }
+        }
+    }
+    render_messages(template, &messages, req, limits)
+}
+
+/// Whether the template prints a system message's content.
+fn supports_system_role(template: &str, req: &ChatRequest, limits: &crate::limits::Limits) -> bool {
+    const MARKER: &str = "\u{1}system-probe\u{1}";
+    let probe = [
+        serde_json::json!({"role": "system", "content": MARKER}),
+        serde_json::json!({"role": "user", "content": "x"}),
+    ];
+    render_messages(template, &probe, req, limits).is_ok_and(|out| out.contains(MARKER))
+}
+
+fn render_messages(
+    template: &str,
+    messages: &[serde_json::Value],
+    req: &ChatRequest,
+    limits: &crate::limits::Limits,
+) -> Result<String> {
     let fail = |e: Error| EngineError::Template(format!("{e:#}"));
     let depth = limits.template_value_depth;
     let mut env = Environment::new();
@@ -213,7 +280,7 @@ fn render(template: &str, req: &ChatRequest, limits: &crate::limits::Limits) -> 
         minijinja::escape_formatter(out, state, value)
     });
     env.add_template("chat", template).map_err(fail)?;
-    let messages: Vec<Value> = req.messages.iter().map(json_value).collect();
+    let messages: Vec<Value> = messages.iter().map(json_value).collect();
     let mut vars: std::collections::BTreeMap<String, Value> = std::collections::BTreeMap::new();
     vars.insert("enable_thinking".into(), Value::from(req.enable_thinking));
     for (k, v) in req.kwargs {

@@ -66,3 +66,54 @@ fn smollm2_chat_prompts_match_llama_cpp() {
 fn gemma3_chat_prompts_match_llama_cpp() {
     check(GEMMA3, "<start_of_turn>user\n", "<end_of_turn>");
 }
+
+/// The model families' own templates (`test/fixtures/templates`, from the model authors via
+/// llama.cpp's models/templates) render exactly as llama-server `--jinja` renders them
+/// (`/apply-template`, recorded by `scripts/chat_template_fixtures.py`), tool calls included.
+#[test]
+fn family_templates_render_like_llama_cpp() {
+    let fx = fixture("templates/expected.json");
+    // templates that print today's date cannot be compared on another day
+    let undate = |s: &str| {
+        let mut out = String::new();
+        for line in s.split_inclusive('\n') {
+            if line.starts_with("Today Date: ") {
+                out.push_str("Today Date: <date>\n");
+            } else {
+                out.push_str(line);
+            }
+        }
+        out
+    };
+    let mut checked = 0;
+    for (family, f) in fx["families"].as_object().unwrap() {
+        let file = f["template"].as_str().unwrap();
+        let template =
+            std::fs::read_to_string(fixtures_dir().join("templates").join(file)).unwrap();
+        for (name, expected) in f["cases"].as_object().unwrap() {
+            let conv = &fx["conversations"][name];
+            let messages = conv["messages"].as_array().unwrap().clone();
+            let mut kwargs = Vec::new();
+            if let Some(tools) = conv.get("tools") {
+                kwargs.push(("tools".to_string(), tools.clone()));
+            }
+            let req = ChatRequest {
+                messages: &messages,
+                add_generation_prompt: true,
+                enable_thinking: true,
+                bos_token: "<|endoftext|>",
+                eos_token: "<|im_end|>",
+                kwargs: &kwargs,
+            };
+            let rendered =
+                apply_template(&template, &req).unwrap_or_else(|e| panic!("{family} {name}: {e}"));
+            assert_eq!(
+                undate(&rendered),
+                undate(expected.as_str().unwrap()),
+                "{family} {name}"
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 16);
+}
