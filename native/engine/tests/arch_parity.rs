@@ -62,7 +62,7 @@ fn compare(arch: &str, model: &Arc<Model>, cases: &[serde_json::Value]) -> (usiz
         let generated = ids(&case["tokens"]);
         let mut all = prompt.clone();
         all.extend_from_slice(&generated);
-        let rows = alone(&model, &all);
+        let rows = alone(model, &all);
         for (k, top) in case["top"].as_array().unwrap().iter().enumerate() {
             let top = top.as_array().unwrap();
             let row = &rows[prompt.len() - 1 + k];
