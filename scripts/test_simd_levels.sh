@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the engine's kernel, parity and allocation tests once per SIMD level below the best one
+# Runs the engine's kernel, parity (real and tiny models) and allocation tests once per SIMD level below the best one
 # this CPU has (the full suite already ran at the best level), so every kernel path is
 # exercised wherever the suite runs. Levels: avx512 (AVX512-VNNI), avx2, scalar.
 set -euo pipefail
@@ -14,5 +14,5 @@ for level in "${levels[@]}"; do
     -p llama_cpp_ex_engine --lib kernels
   LLAMA_CPP_EX_SIMD=$level cargo test --release --manifest-path native/Cargo.toml \
     -p llama_cpp_ex_engine --test kernels --test llama_parity --test gemma3_parity \
-    --test allocations
+    --test allocations --test arch_parity
 done
