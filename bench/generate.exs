@@ -128,3 +128,35 @@ for test <- ["pp128", "pp512", "tg128"] do
 
   IO.puts("| #{test} | #{:erlang.float_to_binary(ours_v, decimals: 1)} | #{t} | #{r} |")
 end
+
+# Decode reads every weight once per token: weight bytes × tok/s is the bandwidth decode
+# uses, compared with the machine's read bandwidth at the same thread count (measured by the
+# engine's llama_cpp_ex_membw, a streaming read over 1 GiB).
+membw =
+  case System.cmd(
+         "cargo",
+         ~w(run --release -q --manifest-path native/Cargo.toml -p llama_cpp_ex_engine
+            --bin llama_cpp_ex_membw -- #{threads} 1024),
+         stderr_to_stdout: true
+       ) do
+    {out, 0} ->
+      out |> String.split() |> List.last() |> Float.parse() |> elem(0)
+
+    {out, _} ->
+      IO.puts("(read bandwidth not measured: #{String.slice(out, 0, 200)})")
+      nil
+  end
+
+weights_gb = Model.size(model) / 1.0e9
+used = weights_gb * ours["tg128"]
+
+IO.puts(
+  "\ndecode: #{Float.round(weights_gb * 1000, 1)} MB of weights per token × " <>
+    "#{Float.round(ours["tg128"], 1)} tok/s = #{Float.round(used, 2)} GB/s" <>
+    if(membw,
+      do:
+        " of #{Float.round(membw, 2)} GB/s read bandwidth with #{threads} threads " <>
+          "(#{round(100 * used / membw)}% of the ceiling #{Float.round(membw / weights_gb, 1)} tok/s)",
+      else: ""
+    )
+)
