@@ -19,8 +19,19 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::SplitDelimiterBehavior;
 use tokenizers::{ModelWrapper, Tokenizer as HfTokenizer};
+
+/// `tokenizer.ggml.pre` names that llama.cpp splits like Llama 3 (its LLAMA3 pre-type).
+const LLAMA3_PRE: &[&str] = &["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"];
+/// Llama 3's pre-tokenizer regex (its tokenizer.json): digits in runs of up to three.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Names llama.cpp splits like Qwen 2 (its QWEN2 pre-type).
+const QWEN2_PRE: &[&str] = &["qwen2", "deepseek-r1-qwen", "stablelm2"];
+/// Qwen 2's pre-tokenizer regex (its tokenizer.json): every digit on its own.
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 pub type TokenId = u32;
 
@@ -444,13 +455,31 @@ impl Tokenizer {
             })
             .map(|(a, b)| (a.to_owned(), b.to_owned()))
             .collect();
+        let pre = gguf.get_str("tokenizer.ggml.pre").unwrap_or("default");
+        // Llama 3's vocabulary takes a whole pre-token that is itself a token before merging
+        let ignore_merges = LLAMA3_PRE.contains(&pre);
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
+            .ignore_merges(ignore_merges)
             .build()
             .map_err(|e| meta_err(format!("BPE: {e}")))?;
-        let pre = gguf.get_str("tokenizer.ggml.pre").unwrap_or("default");
         let byte_level = PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, true));
+        // the models' own split (their tokenizer.json), then byte-level without its regex
+        let split = |pattern: &str| -> Result<PreTokenizerWrapper> {
+            let split = Split::new(
+                SplitPattern::Regex(pattern.to_string()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(|e| meta_err(format!("pre-tokenizer regex: {e}")))?;
+            Ok(PreTokenizerWrapper::Sequence(Sequence::new(vec![
+                PreTokenizerWrapper::Split(split),
+                PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)),
+            ])))
+        };
         let pre_tokenizer = match pre {
+            p if LLAMA3_PRE.contains(&p) => split(LLAMA3_SPLIT)?,
+            p if QWEN2_PRE.contains(&p) => split(QWEN2_SPLIT)?,
             // llama.cpp splits every digit before the GPT-2 regex for these.
             "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone"
             | "minerva" | "default" | "gpt-2" | "gpt2" => {

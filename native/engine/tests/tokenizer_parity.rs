@@ -89,3 +89,29 @@ fn out_of_range_ids_are_errors() {
     assert!(m.tokenizer.detokenize(&[1, u32::MAX]).is_err());
     assert!(m.tokenizer.check_id(-1).is_err());
 }
+
+/// The Llama 3 (`llama-bpe`) and Qwen 2 (`qwen2`) pre-tokenizers against llama-tokenize, on
+/// SmolLM2's vocabulary relabelled (scripts/pretokenizer_fixtures.py).
+#[test]
+fn llama3_and_qwen2_pretokenizers_match_llama_cpp() {
+    let fx = fixture("pretokenizers.json");
+    let texts = fx["texts"].as_array().unwrap();
+    for (pre, cases) in fx["pre"].as_object().unwrap() {
+        let mut g = llama_cpp_ex_engine::gguf::GgufFile::open(&model_path(SMOLLM2)).unwrap();
+        g.metadata.insert(
+            "tokenizer.ggml.pre".into(),
+            llama_cpp_ex_engine::gguf::Value::String(pre.clone()),
+        );
+        let tok = llama_cpp_ex_engine::tokenizer::Tokenizer::from_gguf(&g).unwrap();
+        for (text, expected) in texts.iter().zip(cases.as_array().unwrap()) {
+            let text = text.as_str().unwrap();
+            let ids = tok.encode(text, false, true).unwrap();
+            assert_eq!(ids, common::ids(expected), "{pre}: {text:?}");
+            assert_eq!(
+                tok.detokenize(&ids).unwrap(),
+                text.as_bytes(),
+                "{pre}: {text:?}"
+            );
+        }
+    }
+}
