@@ -113,6 +113,16 @@ defmodule LlamaCppEx do
   @spec load_model(Path.t(), keyword()) :: {:ok, Model.t()} | {:error, String.t()}
   def load_model(path, opts \\ []), do: Model.load(path, opts)
 
+  @doc "The embedding of `text`; see `LlamaCppEx.Embedding.embed/3`."
+  @spec embed(Model.t(), String.t(), keyword()) ::
+          {:ok, LlamaCppEx.Embedding.t() | [LlamaCppEx.Embedding.t()]} | {:error, String.t()}
+  def embed(%Model{} = model, text, opts \\ []), do: LlamaCppEx.Embedding.embed(model, text, opts)
+
+  @doc "The embeddings of `texts` in one pass; see `LlamaCppEx.Embedding.embed_batch/3`."
+  @spec embed_batch(Model.t(), [String.t()], keyword()) :: {:ok, list()} | {:error, String.t()}
+  def embed_batch(%Model{} = model, texts, opts \\ []),
+    do: LlamaCppEx.Embedding.embed_batch(model, texts, opts)
+
   @doc """
   Generates text for `prompt`.
 

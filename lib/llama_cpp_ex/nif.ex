@@ -18,6 +18,9 @@ defmodule LlamaCppEx.NIF do
   def model_metadata(_model), do: err()
   def model_chat_template(_model), do: err()
 
+  # embedding.rs
+  def embed(_model, _texts, _pooling, _normalize, _n_ctx, _n_threads), do: err()
+
   # tokenizer.rs
   def tokenize(_model, _text, _add_special, _parse_special), do: err()
   def detokenize(_model, _tokens), do: err()

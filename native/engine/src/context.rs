@@ -54,7 +54,8 @@ pub struct Context {
     pub model: Arc<Model>,
     pub params: ContextParams,
     pub kv: KvCache,
-    /// Logits rows of the last decode, `[n_outputs, n_vocab]`.
+    /// Logits rows of the last decode, `[n_outputs, n_vocab]` (or, in embeddings mode,
+    /// hidden-state rows `[n_outputs, n_embd]`).
     logits: Vec<f32>,
     /// For each entry of the last batch, its logits row (or -1).
     output_rows: Vec<i32>,
@@ -190,7 +191,8 @@ impl Context {
             self.decode_ubatch(&part)?;
             start = end;
         }
-        debug_assert_eq!(self.logits.len() % n_vocab.max(1), 0);
+        debug_assert_eq!(self.logits.len() % self.row_width().max(1), 0);
+        let _ = n_vocab;
         Ok(())
     }
 
@@ -219,7 +221,8 @@ impl Context {
         for &(s, _, to) in ranges {
             self.kv.commit(s, to);
         }
-        let base = (self.logits.len() / self.n_vocab().max(1)) as i32;
+        let width = self.row_width();
+        let base = (self.logits.len() / width.max(1)) as i32;
         let mut row = base;
         for &want in &batch.logits {
             if want {
@@ -229,8 +232,36 @@ impl Context {
                 self.output_rows.push(-1);
             }
         }
-        self.logits.extend_from_slice(&self.ws.logits);
+        if self.ws.hidden_only {
+            self.logits.extend_from_slice(&self.ws.hidden);
+        } else {
+            self.logits.extend_from_slice(&self.ws.logits);
+        }
         Ok(())
+    }
+
+    /// Embeddings mode: decodes leave each flagged token's final hidden state (width
+    /// `n_embd`) where logits would be; read them with [`Context::embeddings_ith`].
+    pub fn set_embeddings(&mut self, on: bool) {
+        self.ws.hidden_only = on;
+    }
+
+    fn row_width(&self) -> usize {
+        if self.ws.hidden_only {
+            self.model.config.n_embd
+        } else {
+            self.n_vocab()
+        }
+    }
+
+    /// The hidden state of entry `i` of the last batch (embeddings mode).
+    pub fn embeddings_ith(&self, i: usize) -> Option<&[f32]> {
+        if !self.ws.hidden_only {
+            return None;
+        }
+        let row = *self.output_rows.get(i)?;
+        let d = self.model.config.n_embd;
+        (row >= 0).then(|| &self.logits[row as usize * d..(row as usize + 1) * d])
     }
 
     /// Reserves blocks for every sequence's new positions; on failure releases what was
@@ -257,6 +288,11 @@ impl Context {
 
     /// Logits of entry `i` of the last batch (`-1` = the last entry with logits).
     pub fn logits_ith(&self, i: i64) -> Result<&[f32]> {
+        if self.ws.hidden_only {
+            return Err(EngineError::InvalidArgument(
+                "the context is in embeddings mode (no logits)".into(),
+            ));
+        }
         let n_vocab = self.n_vocab();
         let row = if i < 0 {
             self.output_rows.iter().rev().find(|&&r| r >= 0).copied()

@@ -7,6 +7,7 @@
 pub mod batch;
 pub mod chat;
 pub mod context;
+pub mod embedding;
 pub mod error;
 pub mod gguf;
 pub mod grammar;

@@ -6,6 +6,7 @@
 //!
 //! | file | NIFs |
 //! |---|---|
+//! | `embedding.rs` | embeddings of decoder models (one batched pass per call) |
 //! | `model.rs` | loading, hyper-parameters, metadata, the chat template |
 //! | `tokenizer.rs` | encode, decode, token pieces, vocabulary queries |
 //! | `context.rs` | contexts, KV cache operations, decode, logits, one step |
@@ -17,6 +18,7 @@
 
 mod atoms;
 mod context;
+mod embedding;
 mod engine;
 mod error;
 mod generate;

@@ -21,8 +21,8 @@
 
 use super::attention::{paged_attention, rotate_and_store, tiles_into, AttnParams};
 use super::ops::{
-    add_assign, add_rms_norm_into, gelu_tanh_mul, inv_freq, output_logits_into, rms_norm,
-    rms_norm_into, silu_mul, sized, Embedding, Linear,
+    add_assign, add_rms_norm_into, gelu_tanh_mul, inv_freq, output_logits_into, output_rows_into,
+    rms_norm, rms_norm_into, silu_mul, sized, Embedding, Linear,
 };
 use super::{ArchSpec, Architecture, Config, Projections, TensorLoader, Workspace};
 use crate::batch::Batch;
@@ -388,6 +388,8 @@ impl Architecture for Decoder {
             rope_local,
             tiles,
             logits,
+            hidden_only,
+            hidden,
         } = ws;
         for (li, layer) in self.layers.iter().enumerate() {
             let rope = if layer.local {
@@ -429,6 +431,11 @@ impl Architecture for Decoder {
                 rms_norm(o, w, c.eps);
             }
             add_assign(x, o);
+        }
+        if *hidden_only {
+            // embeddings: the final-normed hidden states, as llama.cpp's `t_embd`
+            output_rows_into(x, d, &batch.logits, &self.norm, c.eps, hidden);
+            return Ok(());
         }
         output_logits_into(
             x,

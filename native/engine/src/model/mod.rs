@@ -241,6 +241,10 @@ pub struct Workspace {
     pub(crate) tiles: Vec<(usize, usize)>,
     /// Logits of the last pass.
     pub logits: Vec<f32>,
+    /// When set, a pass leaves the final-normed hidden states of the flagged tokens in
+    /// `hidden` (`[n_outputs, n_embd]`) instead of logits (embeddings).
+    pub(crate) hidden_only: bool,
+    pub hidden: Vec<f32>,
 }
 
 /// Loads one tensor, re-quantizing scalar-only types when asked, and remembers which

@@ -379,6 +379,22 @@ pub fn inv_freq(n_rot: usize, base: f32, factors: Option<&[f32]>) -> Vec<f32> {
         .collect()
 }
 
+/// The final norm of the rows whose output flag is set, in batch order, into `h`.
+pub fn output_rows_into(
+    x: &[f32],
+    d: usize,
+    wanted: &[bool],
+    norm: &[f32],
+    eps: f32,
+    h: &mut Vec<f32>,
+) {
+    h.clear();
+    for (t, _) in wanted.iter().enumerate().filter(|(_, &w)| w) {
+        h.extend_from_slice(&x[t * d..(t + 1) * d]);
+    }
+    rms_norm(h, norm, eps);
+}
+
 /// Final norm and output head for the rows whose logits flag is set, in batch order, into
 /// `logits` (`h` holds the selected rows).
 #[allow(clippy::too_many_arguments)]
@@ -392,15 +408,11 @@ pub fn output_logits_into(
     h: &mut Vec<f32>,
     logits: &mut Vec<f32>,
 ) -> Result<()> {
-    h.clear();
-    for (t, _) in wanted.iter().enumerate().filter(|(_, &w)| w) {
-        h.extend_from_slice(&x[t * d..(t + 1) * d]);
-    }
+    output_rows_into(x, d, wanted, norm, eps, h);
     if h.is_empty() {
         logits.clear();
         return Ok(());
     }
-    rms_norm(h, norm, eps);
     output.forward_into(h, h.len() / d, logits)
 }
 

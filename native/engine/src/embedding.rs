@@ -1,0 +1,163 @@
+//! Embeddings from decoder models: every text of a call is one sequence of ONE batched
+//! forward pass (causal attention within each sequence), the final-normed hidden states are
+//! pooled per sequence and normalised, as llama.cpp's `llama-embedding` does.
+
+use crate::batch::Batch;
+use crate::context::{Context, ContextParams};
+use crate::error::{EngineError, Result};
+use crate::model::Model;
+use crate::tokenizer::TokenId;
+use std::sync::Arc;
+
+/// How the token states of one text become its vector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    /// One vector per token.
+    None,
+    Mean,
+    /// The first token's state.
+    Cls,
+    /// The last token's state.
+    Last,
+}
+
+impl Pooling {
+    /// llama.cpp's `llama_pooling_type` numbering (`{arch}.pooling_type` in GGUF files).
+    pub fn from_gguf(code: u64) -> Option<Self> {
+        match code {
+            0 => Some(Pooling::None),
+            1 => Some(Pooling::Mean),
+            2 => Some(Pooling::Cls),
+            3 => Some(Pooling::Last),
+            _ => None,
+        }
+    }
+
+    /// The model's own pooling (its `{arch}.pooling_type`), else mean: a generative model
+    /// has none, and mean pooling is what llama-server's embeddings endpoint users expect
+    /// from one.
+    pub fn default_for(model: &Model) -> Self {
+        model
+            .metadata
+            .iter()
+            .find(|(k, _)| *k == model.config.key("pooling_type"))
+            .and_then(|(_, v)| v.parse::<u64>().ok())
+            .and_then(Pooling::from_gguf)
+            .filter(|p| *p != Pooling::None)
+            .unwrap_or(Pooling::Mean)
+    }
+}
+
+/// llama.cpp's `embd_normalize`: 2 = Euclidean, 0 = max absolute value (scaled to int16's
+/// range), -1 = none, any other p > 0 = p-norm.
+pub fn normalize(v: &mut [f32], mode: i32) {
+    let norm = match mode {
+        -1 => return,
+        0 => v.iter().fold(0f32, |m, x| m.max(x.abs())) / 32760.0,
+        2 => v
+            .iter()
+            .map(|x| (*x as f64) * (*x as f64))
+            .sum::<f64>()
+            .sqrt() as f32,
+        p if p > 0 => v
+            .iter()
+            .map(|x| (x.abs() as f64).powi(p))
+            .sum::<f64>()
+            .powf(1.0 / p as f64) as f32,
+        _ => return,
+    };
+    let inv = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+    for x in v {
+        *x *= inv;
+    }
+}
+
+/// The embeddings of `texts` (token ids each, non-empty), in order: one vector of
+/// `n_embd` values per text, or with [`Pooling::None`] `n_tokens × n_embd` values per text.
+/// All texts go through one forward pass as separate sequences; `n_ctx` bounds each text.
+pub fn embed(
+    model: &Arc<Model>,
+    texts: &[Vec<TokenId>],
+    pooling: Pooling,
+    norm: i32,
+    n_ctx: usize,
+    n_threads: usize,
+) -> Result<Vec<Vec<f32>>> {
+    if texts.is_empty() {
+        return Ok(Vec::new());
+    }
+    if let Some(i) = texts.iter().position(|t| t.is_empty()) {
+        return Err(EngineError::InvalidArgument(format!(
+            "text {i} has no tokens (empty text)"
+        )));
+    }
+    if let Some((i, t)) = texts.iter().enumerate().find(|(_, t)| t.len() > n_ctx) {
+        return Err(EngineError::InvalidArgument(format!(
+            "text {i} has {} tokens, more than n_ctx {n_ctx}",
+            t.len()
+        )));
+    }
+    let total: usize = texts.iter().map(Vec::len).sum();
+    let mut ctx = Context::new(
+        model.clone(),
+        ContextParams {
+            // the KV budget holds every text of the pass
+            n_ctx: total,
+            n_batch: total,
+            n_seq_max: texts.len(),
+            n_threads,
+            n_threads_batch: n_threads,
+            ..Default::default()
+        },
+    )?;
+    ctx.set_embeddings(true);
+    let mut batch = Batch::with_capacity(total);
+    for (s, t) in texts.iter().enumerate() {
+        for (i, &tok) in t.iter().enumerate() {
+            batch.push(tok, i, s, true);
+        }
+    }
+    ctx.decode(&batch)?;
+    let d = model.config.n_embd;
+    let mut out = Vec::with_capacity(texts.len());
+    let mut at = 0;
+    for t in texts {
+        let row = |i: usize| ctx.embeddings_ith(at + i).expect("every token was flagged");
+        let v = match pooling {
+            Pooling::None => {
+                let mut all = Vec::with_capacity(t.len() * d);
+                for i in 0..t.len() {
+                    let mut r = row(i).to_vec();
+                    normalize(&mut r, norm);
+                    all.extend(r);
+                }
+                all
+            }
+            Pooling::Mean => {
+                let mut sum = vec![0f32; d];
+                for i in 0..t.len() {
+                    for (s, x) in sum.iter_mut().zip(row(i)) {
+                        *s += x;
+                    }
+                }
+                let inv = 1.0 / t.len() as f32;
+                sum.iter_mut().for_each(|s| *s *= inv);
+                normalize(&mut sum, norm);
+                sum
+            }
+            Pooling::Cls | Pooling::Last => {
+                let i = if pooling == Pooling::Cls {
+                    0
+                } else {
+                    t.len() - 1
+                };
+                let mut r = row(i).to_vec();
+                normalize(&mut r, norm);
+                r
+            }
+        };
+        out.push(v);
+        at += t.len();
+    }
+    Ok(out)
+}

@@ -1,0 +1,58 @@
+//! Embeddings of decoder models: one batched forward pass per call.
+
+use crate::error::{binary, guard, message, Out};
+use crate::model::ModelRes;
+use llama_cpp_ex_engine::embedding::{embed as engine_embed, Pooling};
+use rustler::{Encoder, Env, ResourceArc, Term};
+
+/// `{:ok, [binary]}` (f32 native-endian, one per text) or `{:error, reason}`. `pooling`:
+/// llama.cpp's numbering (0 none, 1 mean, 2 cls, 3 last), -1 for the model's own.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn embed<'a>(
+    env: Env<'a>,
+    m: ResourceArc<ModelRes>,
+    texts: Vec<Vec<u32>>,
+    pooling: i64,
+    normalize: i32,
+    n_ctx: usize,
+    n_threads: usize,
+) -> Term<'a> {
+    let r: Out<Vec<Vec<f32>>> = guard(|| {
+        let model = &m.model;
+        model.architecture()?;
+        let pooling = match pooling {
+            -1 => Pooling::default_for(model),
+            p => u64::try_from(p)
+                .ok()
+                .and_then(Pooling::from_gguf)
+                .ok_or_else(|| message(format!("unsupported pooling type {p}")))?,
+        };
+        let n_vocab = model.tokenizer.n_vocab() as u32;
+        if let Some(t) = texts.iter().flatten().find(|&&t| t >= n_vocab) {
+            return Err(message(format!(
+                "invalid token id {t} (vocabulary size {n_vocab})"
+            )));
+        }
+        Ok(engine_embed(
+            model,
+            &texts,
+            pooling,
+            normalize,
+            n_ctx,
+            n_threads.max(1),
+        )?)
+    });
+    match r {
+        Ok(vectors) => {
+            let items: Vec<Term> = vectors
+                .iter()
+                .map(|v| {
+                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_ne_bytes()).collect();
+                    binary(env, &bytes)
+                })
+                .collect();
+            (crate::atoms::ok(), items).encode(env)
+        }
+        Err(e) => (crate::atoms::error(), e).encode(env),
+    }
+}

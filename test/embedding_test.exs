@@ -1,0 +1,65 @@
+defmodule LlamaCppEx.EmbeddingTest do
+  @moduledoc """
+  `LlamaCppEx.embed/3` and `embed_batch/3` on SmolLM2 (the vectors' parity with llama.cpp's
+  `llama-embedding` is checked by the engine's `tests/embeddings.rs`).
+  """
+  use ExUnit.Case, async: true
+
+  alias LlamaCppEx.{Model, TestModels}
+
+  setup_all do
+    %{model: TestModels.smollm2()}
+  end
+
+  defp cosine(a, b) do
+    dot = Enum.zip_with(a, b, &(&1 * &2)) |> Enum.sum()
+    norm = fn v -> v |> Enum.map(&(&1 * &1)) |> Enum.sum() |> :math.sqrt() end
+    dot / (norm.(a) * norm.(b))
+  end
+
+  test "embed gives an L2-normalised vector of n_embd floats", %{model: model} do
+    {:ok, v} = LlamaCppEx.embed(model, "The capital of France is Paris.")
+    assert length(v) == Model.n_embd(model)
+    assert_in_delta :math.sqrt(Enum.sum(Enum.map(v, &(&1 * &1)))), 1.0, 1.0e-4
+  end
+
+  test "embed_batch equals embed per text, and similar texts are closer", %{model: model} do
+    texts = ["I love cats.", "I adore kittens.", "The stock market fell today."]
+    {:ok, batch} = LlamaCppEx.embed_batch(model, texts)
+
+    for {text, v} <- Enum.zip(texts, batch) do
+      {:ok, alone} = LlamaCppEx.embed(model, text)
+      assert cosine(alone, v) > 0.99999
+    end
+
+    [cats, kittens, market] = batch
+    assert cosine(cats, kittens) > cosine(cats, market)
+  end
+
+  test "poolings, formats and normalisation", %{model: model} do
+    d = Model.n_embd(model)
+    {:ok, bin} = LlamaCppEx.embed(model, "hello", format: :binary)
+    assert byte_size(bin) == 4 * d
+    {:ok, rows} = LlamaCppEx.embed(model, "hello world", pooling_type: :none)
+    {:ok, ids} = LlamaCppEx.Tokenizer.encode(model, "hello world")
+    assert length(rows) == length(ids) and Enum.all?(rows, &(length(&1) == d))
+    {:ok, raw} = LlamaCppEx.embed(model, "hello", normalize: -1, pooling_type: :last)
+    assert :math.sqrt(Enum.sum(Enum.map(raw, &(&1 * &1)))) > 1.5
+  end
+
+  test "bad input is an error, unknown options raise", %{model: model} do
+    assert {:error, "cannot embed an empty text"} = LlamaCppEx.embed(model, "")
+    assert {:error, msg} = LlamaCppEx.embed(model, String.duplicate("word ", 100), n_ctx: 16)
+    assert msg =~ "n_ctx"
+
+    assert {:ok, _} =
+             LlamaCppEx.embed(model, String.duplicate("word ", 100), n_ctx: 16, truncate: true)
+
+    assert {:error, _} = LlamaCppEx.embed(model, "x", pooling_type: :rank)
+    assert {:error, _} = LlamaCppEx.embed(model, "x", normalize: 2 ** 70)
+
+    assert_raise ArgumentError, ~r/unknown option: :pooling/, fn ->
+      LlamaCppEx.embed(model, "x", pooling: :mean)
+    end
+  end
+end
