@@ -167,19 +167,14 @@ impl minijinja::value::Object for JsonObject {
 /// with those arguments parsed: Hugging Face templates print them with `tojson` and expect an
 /// object (llama.cpp and transformers parse them the same way). Arguments that are not valid
 /// JSON stay strings.
-fn tool_arguments_as_objects(
-    message: &serde_json::Value,
-) -> std::borrow::Cow<'_, serde_json::Value> {
-    let has_string_args = message["tool_calls"]
-        .as_array()
-        .is_some_and(|calls| calls.iter().any(|c| c["function"]["arguments"].is_string()));
-    if !has_string_args {
-        return std::borrow::Cow::Borrowed(message);
-    }
+fn tool_arguments_as_objects(message: &serde_json::Value) -> serde_json::Value {
     let mut m = message.clone();
-    if let Some(calls) = m["tool_calls"].as_array_mut() {
-        for call in calls {
-            let args = &mut call["function"]["arguments"];
+    if let Some(calls) = m.get_mut("tool_calls").and_then(|c| c.as_array_mut()) {
+        // `get_mut` rather than indexing: indexing a non-object for writing panics
+        let args = calls
+            .iter_mut()
+            .filter_map(|c| c.get_mut("function")?.get_mut("arguments"));
+        for args in args {
             if let Some(parsed) = args
                 .as_str()
                 .and_then(|s| serde_json::from_str::<serde_json::Value>(s).ok())
@@ -188,7 +183,7 @@ fn tool_arguments_as_objects(
             }
         }
     }
-    std::borrow::Cow::Owned(m)
+    m
 }
 
 /// Renders `template` for `req` within [`crate::limits::Limits`]: minijinja fuel bounds the
@@ -216,11 +211,8 @@ pub fn apply_template(template: &str, req: &ChatRequest) -> Result<String> {
 /// a leading system message folded into the next message (`system + "\n" + content`) when the
 /// template ignores or rejects the system role (Gemma's), found by rendering a probe.
 fn render(template: &str, req: &ChatRequest, limits: &crate::limits::Limits) -> Result<String> {
-    let mut messages: Vec<serde_json::Value> = req
-        .messages
-        .iter()
-        .map(|m| tool_arguments_as_objects(m).into_owned())
-        .collect();
+    let mut messages: Vec<serde_json::Value> =
+        req.messages.iter().map(tool_arguments_as_objects).collect();
     if messages.first().is_some_and(|m| m["role"] == "system")
         && !supports_system_role(template, req, limits)
     {

@@ -174,7 +174,6 @@ impl Context {
         self.validate(batch)?;
         self.logits.clear();
         self.output_rows.clear();
-        let n_vocab = self.n_vocab();
         let ub = self.params.n_ubatch;
         if batch.len() <= ub {
             return self.decode_ubatch(batch);
@@ -192,7 +191,6 @@ impl Context {
             start = end;
         }
         debug_assert_eq!(self.logits.len() % self.row_width().max(1), 0);
-        let _ = n_vocab;
         Ok(())
     }
 

@@ -24,13 +24,32 @@ const MAX_LOGPROB_DIFF: f64 = 2e-2;
 /// engine's kernels to their own 8-bit blocks), and those roundings differ.
 const MAX_QUANT_LOGPROB_DIFF: f64 = 0.15;
 
-fn tiny(arch: &str) -> Arc<Model> {
-    let path = fixtures_dir().join(format!("tiny/tiny-{arch}-f32.gguf"));
+/// `test/fixtures/tiny/<file>.gguf` with its weights as stored.
+fn load_tiny(file: &str) -> Arc<Model> {
+    let path = fixtures_dir().join(format!("tiny/{file}.gguf"));
     let opts = LoadOptions {
         requantize: Requantize::Off,
         vocab_only: false,
     };
-    Arc::new(Model::load(&path, &opts).unwrap_or_else(|e| panic!("{arch}: {e}")))
+    Arc::new(Model::load(&path, &opts).unwrap_or_else(|e| panic!("{file}: {e}")))
+}
+
+fn tiny(arch: &str) -> Arc<Model> {
+    load_tiny(&format!("tiny-{arch}-f32"))
+}
+
+/// Argmax agreement at the required margin and the log-probability bound.
+fn assert_matches(label: &str, (agree, total, max_diff): (usize, usize, f64), bound: f64) {
+    println!("{label}: argmax {agree}/{total} at margin >= 0.5, max |Δ logprob| {max_diff:.2e}");
+    assert!(total > 0, "{label}: no position with a clear winner");
+    assert!(
+        agree as f64 >= REQUIRED_AGREEMENT * total as f64,
+        "{label}: argmax agreement {agree}/{total}"
+    );
+    assert!(
+        max_diff <= bound,
+        "{label}: log-probabilities differ from llama.cpp's by {max_diff}"
+    );
 }
 
 fn cases(arch: &str) -> Vec<serde_json::Value> {
@@ -101,17 +120,8 @@ fn compare(arch: &str, model: &Arc<Model>, cases: &[serde_json::Value]) -> (usiz
 fn every_family_matches_llama_cpp_teacher_forced() {
     for arch in ARCHS {
         let model = tiny(arch);
-        let (agree, total, max_diff) = compare(arch, &model, &cases(arch));
-        println!("{arch}: argmax {agree}/{total} at margin >= 0.5, max |Δ logprob| {max_diff:.2e}");
-        assert!(total > 0, "{arch}: no position with a clear winner");
-        assert!(
-            agree as f64 >= REQUIRED_AGREEMENT * total as f64,
-            "{arch}: argmax agreement {agree}/{total}"
-        );
-        assert!(
-            max_diff <= MAX_LOGPROB_DIFF,
-            "{arch}: log-probabilities differ from llama.cpp's by {max_diff}"
-        );
+        let result = compare(arch, &model, &cases(arch));
+        assert_matches(arch, result, MAX_LOGPROB_DIFF);
     }
 }
 
@@ -125,26 +135,12 @@ const QUANTS: [&str; 14] = [
 fn every_quantization_type_matches_llama_cpp() {
     let fx = fixture("tiny/parity.json");
     for q in QUANTS {
-        let path = fixtures_dir().join(format!("tiny/quant-{}.gguf", q.to_lowercase()));
-        let opts = LoadOptions {
-            requantize: Requantize::Off,
-            vocab_only: false,
-        };
-        let model = Arc::new(Model::load(&path, &opts).unwrap_or_else(|e| panic!("{q}: {e}")));
-        let cases = fx["quants"][q].as_array().unwrap();
-        let (agree, total, max_diff) = compare(q, &model, cases);
-        println!(
-            "{q} ({}): argmax {agree}/{total} at margin >= 0.5, max |Δ logprob| {max_diff:.2e}",
-            model.desc
-        );
-        assert!(total > 0, "{q}: no position with a clear winner");
-        assert!(
-            agree as f64 >= REQUIRED_AGREEMENT * total as f64,
-            "{q}: argmax agreement {agree}/{total}"
-        );
-        assert!(
-            max_diff <= MAX_QUANT_LOGPROB_DIFF,
-            "{q}: log-probabilities differ from llama.cpp's by {max_diff}"
+        let model = load_tiny(&format!("quant-{}", q.to_lowercase()));
+        let result = compare(q, &model, fx["quants"][q].as_array().unwrap());
+        assert_matches(
+            &format!("{q} ({})", model.desc),
+            result,
+            MAX_QUANT_LOGPROB_DIFF,
         );
     }
 }

@@ -27,12 +27,6 @@ fn embed<'a>(
                 .and_then(Pooling::from_gguf)
                 .ok_or_else(|| message(format!("unsupported pooling type {p}")))?,
         };
-        let n_vocab = model.tokenizer.n_vocab() as u32;
-        if let Some(t) = texts.iter().flatten().find(|&&t| t >= n_vocab) {
-            return Err(message(format!(
-                "invalid token id {t} (vocabulary size {n_vocab})"
-            )));
-        }
         Ok(engine_embed(
             model,
             &texts,

@@ -248,8 +248,6 @@ pub struct Decoder {
     output_bias: Option<Vec<f32>>,
     inv_freq_global: Vec<f32>,
     inv_freq_local: Vec<f32>,
-    attn_softcap: Option<f32>,
-    final_softcap: Option<f32>,
 }
 
 impl Decoder {
@@ -323,8 +321,6 @@ impl Decoder {
             output_bias: l.optional_vector("output.bias", cfg.n_vocab)?,
             inv_freq_global: freqs(cfg.rope_base),
             inv_freq_local: freqs(cfg.rope_base_local),
-            attn_softcap: cfg.attn_softcap,
-            final_softcap: cfg.final_softcap,
         };
         l.check_all_used()?;
         Ok(model)
@@ -370,7 +366,7 @@ impl Architecture for Decoder {
             n_kv_heads: c.n_head_kv,
             head_dim: hd,
             scale: c.attn_scale,
-            softcap: self.attn_softcap,
+            softcap: c.attn_softcap,
         };
         sized(&mut ws.attn, n * c.n_head * hd);
         let Workspace {
@@ -450,7 +446,7 @@ impl Architecture for Decoder {
         if let Some(b) = &self.output_bias {
             add_bias(logits, b);
         }
-        if let Some(cap) = self.final_softcap {
+        if let Some(cap) = c.final_softcap {
             soft_cap(logits, cap);
         }
         Ok(())
