@@ -52,7 +52,7 @@ defmodule LlamaCppEx.MixProject do
 
   def application do
     [
-      extra_applications: [:logger, :crypto],
+      extra_applications: [:logger, :crypto, :inets, :ssl, :public_key],
       mod: {LlamaCppEx.Application, []}
     ]
   end

@@ -113,6 +113,29 @@ defmodule LlamaCppEx do
   @spec load_model(Path.t(), keyword()) :: {:ok, Model.t()} | {:error, String.t()}
   def load_model(path, opts \\ []), do: Model.load(path, opts)
 
+  @doc """
+  Downloads `filename` from the Hugging Face repository `repo_id` (cached, SHA-256 verified;
+  see `LlamaCppEx.Hub.download/3`) and loads it with `load_model/2`.
+
+  The options of `LlamaCppEx.Hub.download/3` (`:cache_dir`, `:token`, `:progress`,
+  `:revision`, `:force`, `:verify_checksum`, `:endpoint`, `:proxy`, `:no_proxy`,
+  `:http_client`) go to the download, the rest to `load_model/2`.
+
+      {:ok, model} =
+        LlamaCppEx.load_model_from_hub("bartowski/SmolLM2-135M-Instruct-GGUF",
+          "SmolLM2-135M-Instruct-Q4_K_M.gguf", progress: true)
+  """
+  @spec load_model_from_hub(String.t(), String.t(), keyword()) ::
+          {:ok, Model.t()} | {:error, String.t()}
+  def load_model_from_hub(repo_id, filename, opts \\ []) do
+    {hub_opts, model_opts} = Keyword.split(opts, LlamaCppEx.Hub.download_option_keys())
+    Options.validate!(model_opts, Model.option_keys(), "LlamaCppEx.load_model_from_hub/3")
+
+    with {:ok, path} <- LlamaCppEx.Hub.download(repo_id, filename, hub_opts) do
+      load_model(path, model_opts)
+    end
+  end
+
   @doc "The embedding of `text`; see `LlamaCppEx.Embedding.embed/3`."
   @spec embed(Model.t(), String.t(), keyword()) ::
           {:ok, LlamaCppEx.Embedding.t() | [LlamaCppEx.Embedding.t()]} | {:error, String.t()}

@@ -1,7 +1,8 @@
 defmodule LlamaCppEx.Model do
   @moduledoc """
-  A model loaded from a GGUF file: weights, hyper-parameters and the tokenizer rebuilt from
-  the file's metadata.
+  A model loaded from a GGUF file or a Hugging Face checkpoint directory: weights,
+  hyper-parameters and the tokenizer (rebuilt from the GGUF metadata, or read from the
+  checkpoint's `tokenizer.json`).
 
   Models are native resources freed by the garbage collector once no process references
   them; contexts and samplers keep their model alive.
@@ -11,6 +12,19 @@ defmodule LlamaCppEx.Model do
       {:ok, model} = LlamaCppEx.Model.load("SmolLM2-135M-Instruct.Q4_1.gguf")
       LlamaCppEx.Model.desc(model)
       #=> "llama 135M Q4_1"
+
+  ## Hugging Face checkpoints
+
+  A directory in Hugging Face layout loads too: `config.json`, `model.safetensors` (or the
+  shards named by `model.safetensors.index.json`), `tokenizer.json`, and when present
+  `tokenizer_config.json` (chat template, BOS/EOS, `add_bos_token`), `chat_template.jinja` and
+  `generation_config.json` (its `eos_token_id`s end generation). The `llama` (and `mistral`),
+  `qwen2`, `qwen3` and `gemma3_text` model types are supported. The checkpoint is converted at
+  load exactly as llama.cpp's `convert_hf_to_gguf.py` would convert it (tensor names, Llama's
+  Q/K row order, Gemma's norms, Llama 3.1 rope factors), and its matrices are quantized on the
+  way (`:quantize`, default `:q8_0`), so it runs on the same kernels as a GGUF file.
+
+      {:ok, model} = LlamaCppEx.Model.load("/models/Qwen2.5-0.5B-Instruct", quantize: :q4_k)
 
   ## Options that do nothing here
 
@@ -43,7 +57,7 @@ defmodule LlamaCppEx.Model do
     :devices
   ]
   @structural_keys [:n_gpu_layers, :vocab_only, :load_mtp]
-  @own_keys [:requantize]
+  @own_keys [:requantize, :quantize]
 
   @doc "Load options that tune placement (forwarded by `LlamaCppEx.Server`)."
   @spec tuning_option_keys() :: [atom()]
@@ -67,6 +81,11 @@ defmodule LlamaCppEx.Model do
       `LLAMA_CPP_EX_KERNELS=candle`); `:all` converts every quantized type to Q8_0 (more
       memory); `false` keeps the file's types.
     * `:vocab_only` - load only the tokenizer and the chat template. Default `false`.
+    * `:quantize` - for Hugging Face checkpoint directories, the type their matrices are
+      stored in after loading: `:q8_0` (default), `:q4_0`, `:q4_k` (rows whose length is not
+      a multiple of 256 fall back to Q8_0), or `:none` (as stored: f32, f16 or bf16). Q8_0 and
+      Q4_0 round exactly as llama.cpp's quantizers do. GGUF files keep their own types, so
+      for them this option is a documented no-op (see `:requantize`).
     * the options listed under "Options that do nothing here".
 
   Returns `{:ok, model}` or `{:error, message}`; a missing file, a directory, a truncated or
@@ -82,11 +101,17 @@ defmodule LlamaCppEx.Model do
            Options.check_all(opts,
              vocab_only: :boolean,
              load_mtp: :boolean,
-             requantize: {:in, [true, false, :all]}
+             requantize: {:in, [true, false, :all]},
+             quantize: {:in, [:q8_0, :q4_0, :q4_k, :none]}
            ),
          :ok <- check_rpc(Keyword.get(opts, :rpc_servers, [])),
          {:ok, ref} <-
-           NIF.model_load(path, requantize(opts), Keyword.get(opts, :vocab_only, false)) do
+           NIF.model_load(
+             path,
+             requantize(opts),
+             Keyword.get(opts, :vocab_only, false),
+             Atom.to_string(Keyword.get(opts, :quantize, :q8_0))
+           ) do
       {:ok, %__MODULE__{ref: ref, load_mtp: Keyword.get(opts, :load_mtp, false)}}
     end
   end

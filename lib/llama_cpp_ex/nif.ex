@@ -13,7 +13,7 @@ defmodule LlamaCppEx.NIF do
   defp err, do: :erlang.nif_error(:nif_not_loaded)
 
   # model.rs
-  def model_load(_path, _requantize, _vocab_only), do: err()
+  def model_load(_path, _requantize, _vocab_only, _quantize), do: err()
   def model_info(_model), do: err()
   def model_metadata(_model), do: err()
   def model_chat_template(_model), do: err()

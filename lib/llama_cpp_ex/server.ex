@@ -110,8 +110,9 @@ defmodule LlamaCppEx.Server do
     * `:kv_unified` - allow cross-slot prefix sharing. Default `true`.
     * `:batch_strategy` - a `LlamaCppEx.Server.BatchStrategy`. Default
       `LlamaCppEx.Server.Strategy.DecodeMaximal`.
-    * `:n_threads` and other context tuning options, `:requantize` and model tuning options,
-      and server-wide sampler defaults (`:temp`, `:top_k`, ...).
+    * `:n_threads` and other context tuning options, `:requantize`, `:quantize` (Hugging
+      Face directories) and model tuning options, and server-wide sampler defaults (`:temp`,
+      `:top_k`, ...).
     * `:prompt_cache_ram_mb` - only 0: the level-2 RAM prompt cache is not implemented yet.
 
   Unknown options raise `ArgumentError` in the caller.

@@ -9,6 +9,7 @@ defmodule LlamaCppEx.Server.Config do
     model_path: nil,
     n_gpu_layers: 99,
     requantize: true,
+    quantize: :q8_0,
     n_parallel: 4,
     n_ctx: 8192,
     n_batch: nil,
@@ -52,7 +53,10 @@ defmodule LlamaCppEx.Server.Config do
           n_batch: own[:n_batch] || min(n_ctx, 2048),
           sampler_defaults: Keyword.take(opts, Sampler.option_keys() ++ Sampler.extra_keys()),
           model_opts:
-            Keyword.take(opts, Model.tuning_option_keys() ++ [:n_gpu_layers, :requantize]),
+            Keyword.take(
+              opts,
+              Model.tuning_option_keys() ++ [:n_gpu_layers, :requantize, :quantize]
+            ),
           context_opts:
             opts
             |> Keyword.take(Context.tuning_option_keys())
@@ -71,7 +75,10 @@ defmodule LlamaCppEx.Server.Config do
   defp path({:ok, p}) when not is_binary(p), do: {:error, {:invalid_model_path, p}}
 
   defp path({:ok, p}) do
-    if File.regular?(p), do: {:ok, p}, else: {:error, {:model_not_found, p}}
+    # a GGUF file, or a Hugging Face checkpoint directory
+    if File.regular?(p) or File.regular?(Path.join(p, "config.json")),
+      do: {:ok, p},
+      else: {:error, {:model_not_found, p}}
   end
 
   defp strategy(mod) when not is_atom(mod) or is_nil(mod),

@@ -9,6 +9,8 @@ pub enum EngineError {
     Load { path: String, reason: String },
     #[error("invalid GGUF file: {0}")]
     InvalidGguf(String),
+    #[error("invalid Hugging Face checkpoint: {0}")]
+    InvalidCheckpoint(String),
     #[error("unsupported model architecture: {0}")]
     UnsupportedArchitecture(String),
     /// A feature of a model file that the engine does not implement ("rope scaling: yarn",

@@ -139,7 +139,7 @@ impl StrArray {
         (0..self.len()).filter_map(|i| self.get(i))
     }
 
-    fn push(&mut self, s: &str) {
+    pub(crate) fn push(&mut self, s: &str) {
         self.data.push_str(s);
         self.ends.push(self.data.len());
     }
@@ -396,6 +396,71 @@ fn ggml_dtype(t: u32) -> Result<GgmlDType> {
         30 => GgmlDType::BF16,
         other => return Err(bad(format!("unsupported tensor type {other}"))),
     })
+}
+
+/// Builds a GGUF file in memory (a Hugging Face checkpoint converted at load): metadata,
+/// then tensors appended one by one into a single buffer.
+pub struct GgufBuilder {
+    metadata: HashMap<String, Value>,
+    tensors: HashMap<String, TensorInfo>,
+    data: Vec<u8>,
+}
+
+impl GgufBuilder {
+    pub fn new(metadata: HashMap<String, Value>) -> Self {
+        GgufBuilder {
+            metadata,
+            tensors: HashMap::new(),
+            data: Vec::new(),
+        }
+    }
+
+    /// Appends a tensor of `dtype` (whose bytes must be `shape`'s worth; `shape` in candle
+    /// order, outermost first).
+    pub fn add(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        dtype: GgmlDType,
+        bytes: &[u8],
+    ) -> Result<()> {
+        let n: usize = shape.iter().product();
+        let block = dtype.block_size();
+        let row = shape.last().copied().unwrap_or(0);
+        if row % block != 0 || n / block * dtype.type_size() != bytes.len() {
+            return Err(bad(format!(
+                "tensor {name}: {} bytes do not hold {shape:?} of {dtype:?}",
+                bytes.len()
+            )));
+        }
+        let offset =
+            self.data.len().div_ceil(DEFAULT_ALIGNMENT as usize) * DEFAULT_ALIGNMENT as usize;
+        self.data.resize(offset, 0);
+        self.data.extend_from_slice(bytes);
+        self.tensors.insert(
+            name.to_string(),
+            TensorInfo {
+                name: name.to_string(),
+                shape: shape.to_vec(),
+                dtype,
+                converted: None,
+                offset,
+                n_bytes: bytes.len(),
+            },
+        );
+        Ok(())
+    }
+
+    pub fn finish(mut self) -> GgufFile {
+        self.data.shrink_to_fit();
+        GgufFile {
+            version: 3,
+            metadata: self.metadata,
+            tensors: self.tensors,
+            file_size: self.data.len(),
+            data: Storage::Owned(self.data),
+        }
+    }
 }
 
 impl GgufFile {

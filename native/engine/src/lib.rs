@@ -11,6 +11,7 @@ pub mod embedding;
 pub mod error;
 pub mod gguf;
 pub mod grammar;
+pub mod hf;
 pub mod kernels;
 pub mod kv;
 pub mod limits;

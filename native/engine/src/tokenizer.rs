@@ -67,6 +67,64 @@ pub enum VocabKind {
     Gpt2,
     /// SentencePiece-style vocabulary with scores.
     Spm,
+    /// BERT's WordPiece ("##" continuations); from tokenizer.json only.
+    Wpm,
+}
+
+/// What a Hugging Face checkpoint says about its special tokens outside tokenizer.json
+/// (`tokenizer_config.json`, `generation_config.json`).
+#[derive(Debug, Clone, Default)]
+pub struct HfSpecials {
+    pub bos: Option<String>,
+    pub eos: Option<String>,
+    pub add_bos: Option<bool>,
+    pub add_eos: Option<bool>,
+    /// `generation_config.json`'s `eos_token_id`s: each ends a generation.
+    pub eos_ids: Vec<TokenId>,
+}
+
+/// The pieces [`Tokenizer::assemble`] builds a tokenizer from.
+struct Parts {
+    kind: VocabKind,
+    tokens: StrArray,
+    types: Vec<TokenType>,
+    model: TextModel,
+    bos: Option<TokenId>,
+    eos: Option<TokenId>,
+    extra_eog: Vec<TokenId>,
+    add_bos: bool,
+    add_eos: bool,
+    add_space_prefix: bool,
+}
+
+/// The special tokens a tokenizer.json post-processor puts before and after a single
+/// sequence: `TemplateProcessing`'s leading and trailing `SpecialToken`s, BERT's and
+/// RoBERTa's CLS/SEP, searched inside a `Sequence` of processors.
+fn post_processor_specials(pp: &serde_json::Value) -> (Option<TokenId>, Option<TokenId>) {
+    let id_of = |v: &serde_json::Value| v.get(1).and_then(|i| i.as_u64()).map(|i| i as TokenId);
+    match pp["type"].as_str() {
+        Some("TemplateProcessing") => {
+            let single = pp["single"].as_array().cloned().unwrap_or_default();
+            let special_id = |item: Option<&serde_json::Value>| -> Option<TokenId> {
+                let name = item?.get("SpecialToken")?["id"].as_str()?;
+                pp["special_tokens"][name]["ids"][0]
+                    .as_u64()
+                    .map(|i| i as TokenId)
+            };
+            (special_id(single.first()), special_id(single.last()))
+        }
+        Some("BertProcessing") | Some("RobertaProcessing") => {
+            (id_of(&pp["cls"]), id_of(&pp["sep"]))
+        }
+        Some("Sequence") => pp["processors"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(post_processor_specials)
+            .find(|(a, b)| a.is_some() || b.is_some())
+            .unwrap_or((None, None)),
+        _ => (None, None),
+    }
 }
 
 /// Token texts that llama.cpp detects as end-of-generation besides EOS/EOT/EOM; it also
@@ -318,7 +376,7 @@ impl Tokenizer {
         if n_vocab == 0 || n_vocab > u32::MAX as usize {
             return Err(meta_err("empty or oversized vocabulary"));
         }
-        let mut types: Vec<TokenType> = match gguf
+        let types: Vec<TokenType> = match gguf
             .get("tokenizer.ggml.token_type")
             .and_then(|v| v.numbers())
         {
@@ -350,16 +408,143 @@ impl Tokenizer {
             .get_bool("tokenizer.ggml.add_space_prefix")
             .unwrap_or(kind == VocabKind::Spm);
 
+        let model = match kind {
+            VocabKind::Gpt2 => TextModel::Bpe(Box::new(Self::build_gpt2(gguf, &tokens)?)),
+            VocabKind::Spm => TextModel::Spm(Box::new(Self::build_spm(gguf, &tokens)?)),
+            VocabKind::Wpm => return Err(meta_err("bert vocabularies load from tokenizer.json")),
+        };
+        Ok(Self::assemble(Parts {
+            kind,
+            tokens,
+            types,
+            model,
+            bos,
+            eos,
+            extra_eog: [eot, eom].into_iter().flatten().collect(),
+            add_bos,
+            add_eos,
+            add_space_prefix,
+        }))
+    }
+
+    /// A tokenizer from a Hugging Face `tokenizer.json` (normalizer, pre-tokenizer and model
+    /// run by the tokenizers crate; its added tokens split out by [`Tokenizer::partition`]
+    /// like GGUF special tokens). `n_vocab` pads the vocabulary to the embedding's rows, as
+    /// llama.cpp's converter does ("[PAD<id>]" tokens).
+    pub fn from_hf_json(json: &[u8], n_vocab: usize, sp: &HfSpecials) -> Result<Self> {
+        let hf =
+            HfTokenizer::from_bytes(json).map_err(|e| meta_err(format!("tokenizer.json: {e}")))?;
+        let raw: serde_json::Value =
+            serde_json::from_slice(json).map_err(|e| meta_err(format!("tokenizer.json: {e}")))?;
+        let vocab = hf.get_vocab(true);
+        let max_id = vocab.values().copied().max().unwrap_or(0) as usize;
+        let n_vocab = n_vocab.max(max_id + 1);
+        if vocab.is_empty() || n_vocab > 1 << 22 {
+            return Err(meta_err(format!(
+                "tokenizer.json: empty or oversized vocabulary ({n_vocab})"
+            )));
+        }
+        let model_type = raw["model"]["type"].as_str().unwrap_or("");
+        let mentions = |key: &str, what: &str| raw[key].to_string().contains(what);
+        let kind = match model_type {
+            "WordPiece" => VocabKind::Wpm,
+            "BPE" if mentions("pre_tokenizer", "ByteLevel") || mentions("decoder", "ByteLevel") => {
+                VocabKind::Gpt2
+            }
+            "BPE" | "Unigram" => VocabKind::Spm,
+            other => {
+                return Err(meta_err(format!(
+                    "tokenizer.json model type {other:?} (BPE, Unigram and WordPiece load)"
+                )))
+            }
+        };
+        let mut texts: Vec<Option<String>> = vec![None; n_vocab];
+        for (text, id) in vocab {
+            texts[id as usize] = Some(text);
+        }
+        let added = hf.get_added_tokens_decoder();
+        let mut types = Vec::with_capacity(n_vocab);
+        let mut tokens = StrArray::default();
+        for (id, text) in texts.into_iter().enumerate() {
+            let ty = match (&text, added.get(&(id as u32))) {
+                (None, _) => TokenType::Unused,
+                (_, Some(a)) if a.special => TokenType::Control,
+                (_, Some(_)) => TokenType::UserDefined,
+                (Some(t), None) if kind == VocabKind::Spm && parse_byte_token(t).is_some() => {
+                    TokenType::Byte
+                }
+                _ => TokenType::Normal,
+            };
+            tokens.push(text.as_deref().unwrap_or(&format!("[PAD{id}]")));
+            types.push(ty);
+        }
+        let id_of = |text: &Option<String>, what: &str| -> Result<Option<TokenId>> {
+            match text {
+                None => Ok(None),
+                Some(t) => hf
+                    .token_to_id(t)
+                    .map(Some)
+                    .ok_or_else(|| meta_err(format!("{what} {t:?} is not in the vocabulary"))),
+            }
+        };
+        let (mut bos, mut eos) = (id_of(&sp.bos, "bos_token")?, id_of(&sp.eos, "eos_token")?);
+        // what the post-processor wraps a single sequence in (Llama 3's BOS, BERT's CLS/SEP)
+        let (pp_first, pp_last) = post_processor_specials(&raw["post_processor"]);
+        let add_bos = sp.add_bos.unwrap_or(pp_first.is_some());
+        let add_eos = sp.add_eos.unwrap_or(pp_last.is_some());
+        if add_bos && pp_first.is_some() {
+            bos = pp_first.or(bos);
+        }
+        if add_eos && pp_last.is_some() {
+            eos = pp_last.or(eos);
+        }
+        let mut extra_eog: Vec<TokenId> = Vec::new();
+        for &id in &sp.eos_ids {
+            if (id as usize) < n_vocab {
+                eos = eos.or(Some(id));
+                extra_eog.push(id);
+            }
+        }
+        if kind == VocabKind::Wpm {
+            // an encoder's SEP ends its input, never a generation
+            extra_eog.clear();
+        }
+        let mut text_model = HfTokenizer::new(hf.get_model().clone());
+        text_model.with_normalizer(hf.get_normalizer().cloned());
+        text_model.with_pre_tokenizer(hf.get_pre_tokenizer().cloned());
+        Ok(Self::assemble(Parts {
+            kind,
+            tokens,
+            types,
+            model: TextModel::Bpe(Box::new(text_model)),
+            bos,
+            eos,
+            extra_eog,
+            add_bos,
+            add_eos,
+            // the normalizer / pre-tokenizer of tokenizer.json own the space handling
+            add_space_prefix: false,
+        }))
+    }
+
+    fn assemble(p: Parts) -> Self {
+        let Parts {
+            kind,
+            tokens,
+            mut types,
+            model,
+            bos,
+            eos,
+            extra_eog,
+            add_bos,
+            add_eos,
+            add_space_prefix,
+        } = p;
         for (i, t) in tokens.iter().enumerate() {
             if EOG_TEXTS.contains(&t) {
                 types[i] = TokenType::Control;
             }
         }
-
-        let model = match kind {
-            VocabKind::Gpt2 => TextModel::Bpe(Box::new(Self::build_gpt2(gguf, &tokens)?)),
-            VocabKind::Spm => TextModel::Spm(Box::new(Self::build_spm(gguf, &tokens)?)),
-        };
 
         let b2u = byte_to_unicode();
         let mut u2b: HashMap<char, u8> = HashMap::with_capacity(256);
@@ -367,7 +552,7 @@ impl Tokenizer {
             u2b.insert(*c, b as u8);
         }
         let mut pieces: Vec<u8> = Vec::new();
-        let mut piece_ends: Vec<usize> = Vec::with_capacity(n_vocab);
+        let mut piece_ends: Vec<usize> = Vec::with_capacity(tokens.len());
         for (text, ty) in tokens.iter().zip(&types) {
             match (kind, ty) {
                 (_, TokenType::Control | TokenType::Unknown | TokenType::UserDefined) => {
@@ -387,6 +572,14 @@ impl Tokenizer {
                 (VocabKind::Spm, TokenType::Byte) => match parse_byte_token(text) {
                     Some(b) => pieces.push(b),
                     None => pieces.extend_from_slice(text.as_bytes()),
+                },
+                (VocabKind::Wpm, _) => match text.strip_prefix("##") {
+                    // WordPiece continuations join the previous piece; words start with a space
+                    Some(rest) => pieces.extend_from_slice(rest.as_bytes()),
+                    None => {
+                        pieces.push(b' ');
+                        pieces.extend_from_slice(text.as_bytes());
+                    }
                 },
                 (VocabKind::Spm, _) => {
                     pieces.extend_from_slice(text.replace(SPM_SPACE, " ").as_bytes())
@@ -410,7 +603,7 @@ impl Tokenizer {
             .collect();
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
 
-        let mut eog: Vec<TokenId> = [eos, eot, eom].into_iter().flatten().collect();
+        let mut eog: Vec<TokenId> = eos.into_iter().chain(extra_eog).collect();
         for (i, t) in tokens.iter().enumerate() {
             if EOG_TEXTS.contains(&t) {
                 eog.push(i as TokenId);
@@ -419,7 +612,7 @@ impl Tokenizer {
         eog.sort_unstable();
         eog.dedup();
 
-        Ok(Tokenizer {
+        Tokenizer {
             kind,
             tokens,
             types,
@@ -433,7 +626,7 @@ impl Tokenizer {
             add_eos,
             add_space_prefix,
             eog,
-        })
+        }
     }
 
     fn build_gpt2(gguf: &GgufFile, tokens: &StrArray) -> Result<HfTokenizer> {

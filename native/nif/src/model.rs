@@ -2,7 +2,7 @@
 
 use crate::atoms;
 use crate::error::{guard, message, Out};
-use llama_cpp_ex_engine::{EngineError, LoadOptions, Model, Requantize};
+use llama_cpp_ex_engine::{hf, EngineError, LoadOptions, Model, Requantize};
 use rustler::{Atom, Encoder, Env, NifMap, ResourceArc, Term};
 use std::path::Path;
 use std::sync::Arc;
@@ -35,7 +35,13 @@ pub struct ModelInfo {
 }
 
 #[rustler::nif(schedule = "DirtyIo")]
-fn model_load<'a>(env: Env<'a>, path: String, requantize: Atom, vocab_only: bool) -> Term<'a> {
+fn model_load<'a>(
+    env: Env<'a>,
+    path: String,
+    requantize: Atom,
+    vocab_only: bool,
+    quantize: String,
+) -> Term<'a> {
     let r: Out<ResourceArc<ModelRes>> = guard(|| {
         let opts = LoadOptions {
             requantize: if requantize == atoms::all() {
@@ -47,7 +53,15 @@ fn model_load<'a>(env: Env<'a>, path: String, requantize: Atom, vocab_only: bool
             },
             vocab_only,
         };
-        let model = Model::load(Path::new(&path), &opts).map_err(|e| match e {
+        let p = Path::new(&path);
+        let loaded = if hf::is_checkpoint(p) {
+            let q = hf::Quantize::parse(&quantize)
+                .ok_or_else(|| message(format!("invalid quantize: {quantize}")))?;
+            hf::load(p, q, &opts)
+        } else {
+            Model::load(p, &opts)
+        };
+        let model = loaded.map_err(|e| match e {
             EngineError::UnsupportedArchitecture(_) => message(e.to_string()),
             other => message(format!("failed to load model from: {path}: {other}")),
         })?;

@@ -504,6 +504,14 @@ impl Model {
             ));
         }
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
+        Self::from_parts(gguf, tokenizer, opts)
+    }
+
+    /// A model from GGUF weights and metadata and a tokenizer built elsewhere (a Hugging
+    /// Face checkpoint's tokenizer.json).
+    pub fn from_parts(gguf: GgufFile, tokenizer: Tokenizer, opts: &LoadOptions) -> Result<Self> {
+        let arch_name = gguf.get_str("general.architecture").unwrap_or("");
+        let spec = arch_spec(arch_name);
         let config = Config::from_gguf(&gguf, tokenizer.n_vocab())?;
         let loader = TensorLoader::new(&gguf, opts.requantize);
         let arch = match spec {
