@@ -53,9 +53,11 @@ ARCHS = ["llama", "llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
 
 
 def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128,
-          seed=0, extra_tensor=None, rope_scaling=None, std=None):
+          seed=0, extra_tensor=None, rope_scaling=None, std=None, longrope=False):
     """Writes one model. `extra_tensor` (a name) adds a tensor no architecture reads, and
-    `rope_scaling` a `rope.scaling.type`: files that must be refused. `std`: weights drawn
+    `rope_scaling` a `rope.scaling.type`: files that must be refused. `longrope` (phi3): Phi-3's
+    LongRoPE factor sets (`rope_factors_long` / `rope_factors_short`), an original context of 64
+    and the converter's attention factor (a trained context of 2048 = 4 × 512). `std`: weights drawn
     with standard deviation std/sqrt(columns) (a well-conditioned network, where rounding
     differences stay small) instead of 0.2."""
     rng = np.random.default_rng(seed + ARCHS.index(arch))
@@ -67,7 +69,7 @@ def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=
     # Qwen 3 decouples the head size from the width, as its real models do
     head_dim = 2 * d // n_head if arch == "qwen3" else d // n_head
     w = gguf.GGUFWriter(path, arch)
-    w.add_context_length(256)
+    w.add_context_length(2048 if longrope else 256)
     w.add_embedding_length(d)
     w.add_block_count(n_layer)
     w.add_feed_forward_length(n_ff)
@@ -122,6 +124,13 @@ def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     matrix("token_embd.weight", n_vocab, d)
     norm("output_norm.weight", d)
+    if longrope:
+        # convert_hf_to_gguf's Phi-3 128k keys: factors per rotated pair for contexts beyond
+        # the original one and within it, and sqrt(1 + ln(scale) / ln(original)) for scale 4
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", 512)
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", float(np.sqrt(1 + np.log(4) / np.log(512))))
+        w.add_tensor("rope_factors_long.weight", np.linspace(1.0, 6.0, head_dim // 2).astype(np.float32))
+        w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 1.5, head_dim // 2).astype(np.float32))
     if variant == "llama3":
         matrix("output.weight", n_vocab, d)
         # Llama 3's per-dimension rope factors: 1 for high frequencies, up to 8 for low ones

@@ -67,11 +67,11 @@ def post(port, body):
         return json.load(r)
 
 
-def run_model(bin_dir, path, n_vocab):
+def run_model(bin_dir, path, n_vocab, n_ctx=256):
     port = free_port()
     server = subprocess.Popen(
         [os.path.join(bin_dir, "llama-server"), "-m", path, "--port", str(port), "-np", "1",
-         "-c", "256", "-t", "1", "--no-warmup"] + os.environ.get("LLAMA_SERVER_ARGS", "-fa off").split(),
+         "-c", str(n_ctx), "-t", "1", "--no-warmup"] + os.environ.get("LLAMA_SERVER_ARGS", "-fa off").split(),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
@@ -100,6 +100,13 @@ def run_model(bin_dir, path, n_vocab):
         server.wait()
 
 
+def longrope(bin_dir, out, result, n_vocab):
+    """Phi-3 LongRoPE: llama.cpp picks the long factors when the context exceeds the original
+    512 positions (-c 1024) and the short ones otherwise (-c 256)."""
+    path = tiny_gguf.write(os.path.join(out, "phi3-longrope.gguf"), "phi3", "f32", longrope=True)
+    result["longrope"] = {str(c): run_model(bin_dir, path, n_vocab, n_ctx=c) for c in (1024, 256)}
+
+
 def main():
     bin_dir = os.environ.get("LLAMA_CPP_BIN")
     if not bin_dir:
@@ -116,6 +123,7 @@ def main():
         path = tiny_gguf.write(os.path.join(out, f"tiny-{arch}-f32.gguf"), arch, "f32")
         result["models"][arch] = run_model(bin_dir, path, n_vocab)
         print(arch, [len(c["tokens"]) for c in result["models"][arch]])
+    longrope(bin_dir, out, result, n_vocab)
     # every quantization type, made by llama-quantize from one F32 llama of width 256 (the
     # K-quants' and IQ4_XS's super-block)
     # (the F32 base is not kept: F32 is covered by the families above)

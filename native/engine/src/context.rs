@@ -105,13 +105,17 @@ impl Context {
             params.n_seq_max,
             params.kv_type,
         )?;
+        let n_ctx_seq = params.n_ctx;
         Ok(Context {
             model,
             params,
             kv,
             logits: Vec::new(),
             output_rows: Vec::new(),
-            ws: Workspace::default(),
+            ws: Workspace {
+                n_ctx_seq,
+                ..Workspace::default()
+            },
             next_pos: Vec::new(),
             ranges: Vec::new(),
         })

@@ -61,7 +61,12 @@ fn cases(arch: &str) -> Vec<serde_json::Value> {
 
 /// Logits of every position of `tokens` evaluated alone.
 fn alone(model: &Arc<Model>, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut c = ctx(model, 256, 1);
+    alone_in(model, tokens, 256)
+}
+
+/// The same in a context of `n_ctx` positions.
+fn alone_in(model: &Arc<Model>, tokens: &[u32], n_ctx: usize) -> Vec<Vec<f32>> {
+    let mut c = ctx(model, n_ctx, 1);
     let mut b = Batch::with_capacity(tokens.len());
     for (i, &t) in tokens.iter().enumerate() {
         b.push(t, i, 0, true);
@@ -75,13 +80,23 @@ fn alone(model: &Arc<Model>, tokens: &[u32]) -> Vec<Vec<f32>> {
 /// Teacher-forces llama.cpp's continuations: (argmax agreements, positions with a clear
 /// winner, largest |Δ logprob| over llama.cpp's top-5).
 fn compare(arch: &str, model: &Arc<Model>, cases: &[serde_json::Value]) -> (usize, usize, f64) {
+    compare_in(arch, model, cases, 256)
+}
+
+/// [`compare`] in a context of `n_ctx` positions.
+fn compare_in(
+    arch: &str,
+    model: &Arc<Model>,
+    cases: &[serde_json::Value],
+    n_ctx: usize,
+) -> (usize, usize, f64) {
     let (mut agree, mut total, mut max_diff) = (0, 0, 0f64);
     for case in cases {
         let prompt = ids(&case["prompt"]);
         let generated = ids(&case["tokens"]);
         let mut all = prompt.clone();
         all.extend_from_slice(&generated);
-        let rows = alone(model, &all);
+        let rows = alone_in(model, &all, n_ctx);
         for (k, top) in case["top"].as_array().unwrap().iter().enumerate() {
             let top = top.as_array().unwrap();
             let row = &rows[prompt.len() - 1 + k];
@@ -122,6 +137,24 @@ fn every_family_matches_llama_cpp_teacher_forced() {
         let model = tiny(arch);
         let result = compare(arch, &model, &cases(arch));
         assert_matches(arch, result, MAX_LOGPROB_DIFF);
+    }
+}
+
+/// Phi-3 LongRoPE (`rope_factors_long` / `_short`, `rope.scaling.attn_factor`): llama.cpp's
+/// continuations in a context beyond the original 512 positions (long factors) and within it
+/// (short factors), which differ by up to 1.9 in log-probability.
+#[test]
+fn phi3_longrope_matches_llama_cpp_at_both_context_sizes() {
+    let model = load_tiny("phi3-longrope");
+    let fx = fixture("tiny/parity.json");
+    for n_ctx in [1024usize, 256] {
+        let cases = fx["longrope"][n_ctx.to_string()].as_array().unwrap();
+        let result = compare_in("phi3-longrope", &model, cases, n_ctx);
+        assert_matches(
+            &format!("phi3 LongRoPE, n_ctx {n_ctx}"),
+            result,
+            MAX_LOGPROB_DIFF,
+        );
     }
 }
 

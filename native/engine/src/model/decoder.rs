@@ -141,13 +141,6 @@ fn configure(g: &GgufFile, cfg: &mut Config) -> Result<()> {
             cfg.arch
         )));
     }
-    if cfg.arch == "phi3" && g.has_tensor("rope_factors_long.weight") {
-        // LongRoPE switches factor sets with the context size; the engine has one rope
-        // table per model (the 4k Phi-3 variants have no factors and load).
-        return Err(EngineError::Unsupported(
-            "rope scaling: phi3 LongRoPE factors (rope_factors_long)".into(),
-        ));
-    }
     let Some(swa) = family.swa else {
         // llama.cpp runs `llama` (Mistral included) and `phi3` with full attention even when
         // the metadata names a sliding window; so does the engine, to give the same results.
@@ -248,6 +241,9 @@ pub struct Decoder {
     output_bias: Option<Vec<f32>>,
     inv_freq_global: Vec<f32>,
     inv_freq_local: Vec<f32>,
+    /// Phi-3 LongRoPE: the frequencies for contexts beyond `n_ctx_orig` (the short factor set
+    /// is in `inv_freq_global`).
+    inv_freq_long: Option<Vec<f32>>,
 }
 
 impl Decoder {
@@ -302,15 +298,21 @@ impl Decoder {
                 local: cfg.layer_windows[i].is_some(),
             });
         }
-        // Llama 3.x: per-dimension frequency factors (one tensor shared by every layer)
-        let factors = l.optional_vector("rope_freqs.weight", cfg.n_rot / 2)?;
-        let freqs = |base| {
-            let mut f = inv_freq(cfg.n_rot, base, factors.as_deref());
+        // Llama 3.x: per-dimension frequency factors (one tensor shared by every layer);
+        // Phi-3 LongRoPE: a short and a long set, chosen by the context size
+        let long = l.optional_vector("rope_factors_long.weight", cfg.n_rot / 2)?;
+        let factors = match &long {
+            Some(_) => Some(l.vector("rope_factors_short.weight", cfg.n_rot / 2)?),
+            None => l.optional_vector("rope_freqs.weight", cfg.n_rot / 2)?,
+        };
+        let freqs_with = |base, factors: Option<&[f32]>| {
+            let mut f = inv_freq(cfg.n_rot, base, factors);
             for x in &mut f {
                 *x *= cfg.rope_freq_scale;
             }
             f
         };
+        let freqs = |base| freqs_with(base, factors.as_deref());
         let model = Decoder {
             cfg: cfg.clone(),
             family,
@@ -321,6 +323,7 @@ impl Decoder {
             output_bias: l.optional_vector("output.bias", cfg.n_vocab)?,
             inv_freq_global: freqs(cfg.rope_base),
             inv_freq_local: freqs(cfg.rope_base_local),
+            inv_freq_long: long.as_deref().map(|f| freqs_with(cfg.rope_base, Some(f))),
         };
         l.check_all_used()?;
         Ok(model)
@@ -356,9 +359,14 @@ impl Architecture for Decoder {
                 *v *= scale;
             }
         }
-        ws.rope.fill(&batch.pos, &self.inv_freq_global);
+        let global = match &self.inv_freq_long {
+            Some(long) if ws.n_ctx_seq > c.n_ctx_orig => long,
+            _ => &self.inv_freq_global,
+        };
+        ws.rope.fill(&batch.pos, global, c.rope_attn_factor);
         if f.swa.is_some() {
-            ws.rope_local.fill(&batch.pos, &self.inv_freq_local);
+            ws.rope_local
+                .fill(&batch.pos, &self.inv_freq_local, c.rope_attn_factor);
         }
         tiles_into(batch, &mut ws.tiles);
         let attn = AttnParams {
@@ -386,6 +394,7 @@ impl Architecture for Decoder {
             logits,
             hidden_only,
             hidden,
+            n_ctx_seq: _,
         } = ws;
         for (li, layer) in self.layers.iter().enumerate() {
             let rope = if layer.local {

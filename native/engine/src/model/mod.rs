@@ -65,6 +65,12 @@ pub struct Config {
     pub layer_windows: Vec<Option<usize>>,
     /// Linear rope scaling: positions are multiplied by this (`1 / rope.scaling.factor`).
     pub rope_freq_scale: f32,
+    /// Rope's magnitude scale (`rope.scaling.attn_factor`, Phi-3 LongRoPE's
+    /// `√(1 + ln(scale) / ln(original context))`): cos and sin are multiplied by it.
+    pub rope_attn_factor: f32,
+    /// The context the model was pre-trained with before its rope was extended
+    /// (`rope.scaling.original_context_length`; LongRoPE switches factor sets past it).
+    pub n_ctx_orig: usize,
     /// Scale of attention scores (`1/√head_dim`).
     pub attn_scale: f32,
     /// `cap · tanh(x / cap)` on attention scores and on the final logits (Gemma 2).
@@ -182,6 +188,18 @@ impl Config {
                 )))
             }
         };
+        let rope_attn_factor = match g.get_f64(&key("rope.scaling.attn_factor")) {
+            None => 1.0,
+            Some(f) if f.is_finite() && f > 0.0 && f < 16.0 => f as f32,
+            Some(f) => {
+                return Err(EngineError::InvalidGguf(format!(
+                    "bad rope.scaling.attn_factor {f}"
+                )))
+            }
+        };
+        let n_ctx_orig = g
+            .get_u64(&key("rope.scaling.original_context_length"))
+            .map_or(n_ctx_train, |v| v.min(1 << 24) as usize);
         let mut cfg = Config {
             arch,
             n_vocab,
@@ -198,6 +216,8 @@ impl Config {
             n_ctx_train,
             layer_windows: vec![None; n_layer],
             rope_freq_scale,
+            rope_attn_factor,
+            n_ctx_orig,
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             attn_softcap: None,
             final_softcap: None,
@@ -238,6 +258,9 @@ pub struct Workspace {
     pub(crate) stacked: Vec<f32>,
     pub(crate) rope: ops::Rope,
     pub(crate) rope_local: ops::Rope,
+    /// Positions one sequence may reach (the context's `n_ctx`): Phi-3's LongRoPE picks its
+    /// factor set by it, as llama.cpp does by its per-sequence context.
+    pub(crate) n_ctx_seq: usize,
     pub(crate) tiles: Vec<(usize, usize)>,
     /// Logits of the last pass.
     pub logits: Vec<f32>,

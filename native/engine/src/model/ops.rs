@@ -333,16 +333,17 @@ pub struct Rope {
 }
 
 impl Rope {
-    /// Recomputes the tables for `positions`, reusing their allocations.
-    pub fn fill(&mut self, positions: &[usize], inv_freq: &[f32]) {
+    /// Recomputes the tables for `positions`, reusing their allocations; `mscale` multiplies
+    /// cos and sin (1 unless the rope was extended).
+    pub fn fill(&mut self, positions: &[usize], inv_freq: &[f32], mscale: f32) {
         self.half = inv_freq.len();
         self.cos.clear();
         self.sin.clear();
         for &p in positions {
             for &f in inv_freq {
                 let a = p as f32 * f;
-                self.cos.push(a.cos());
-                self.sin.push(a.sin());
+                self.cos.push(a.cos() * mscale);
+                self.sin.push(a.sin() * mscale);
             }
         }
     }
