@@ -37,12 +37,14 @@ defmodule Bench.Generate do
 
   def decode_tps(model, n, threads) do
     {:ok, ctx} = Context.create(model, n_ctx: n + 16, n_threads: threads)
+    # token ids inside any vocabulary (tiny test models have ~100)
+    vocab = LlamaCppEx.Tokenizer.vocab_size(model)
 
     times =
       for _ <- 1..@reps do
         Context.clear(ctx)
         :ok = Context.decode(ctx, [1])
-        time_ms(fn -> for i <- 1..n, do: :ok = NIF.decode(ctx.ref, [rem(i * 31, 1000) + 100]) end)
+        time_ms(fn -> for i <- 1..n, do: :ok = NIF.decode(ctx.ref, [rem(i * 31 + 100, vocab)]) end)
       end
 
     n / (median(times) / 1000)

@@ -53,7 +53,7 @@ ARCHS = ["llama", "llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
 
 
 def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128,
-          seed=0, extra_tensor=None, rope_scaling=None, std=None, longrope=False):
+          seed=0, extra_tensor=None, rope_scaling=None, std=None, longrope=False, n_ctx=256):
     """Writes one model. `extra_tensor` (a name) adds a tensor no architecture reads, and
     `rope_scaling` a `rope.scaling.type`: files that must be refused. `longrope` (phi3): Phi-3's
     LongRoPE factor sets (`rope_factors_long` / `rope_factors_short`), an original context of 64
@@ -69,7 +69,7 @@ def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=
     # Qwen 3 decouples the head size from the width, as its real models do
     head_dim = 2 * d // n_head if arch == "qwen3" else d // n_head
     w = gguf.GGUFWriter(path, arch)
-    w.add_context_length(2048 if longrope else 256)
+    w.add_context_length(2048 if longrope else n_ctx)
     w.add_embedding_length(d)
     w.add_block_count(n_layer)
     w.add_feed_forward_length(n_ff)
