@@ -44,6 +44,7 @@ defmodule Bench.Generate do
       for _ <- 1..@reps do
         Context.clear(ctx)
         :ok = Context.decode(ctx, [1])
+
         time_ms(fn -> for i <- 1..n, do: :ok = NIF.decode(ctx.ref, [rem(i * 31 + 100, vocab)]) end)
       end
 

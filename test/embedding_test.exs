@@ -62,4 +62,42 @@ defmodule LlamaCppEx.EmbeddingTest do
       LlamaCppEx.embed(model, "x", pooling: :mean)
     end
   end
+
+  describe "a BERT encoder (all-MiniLM-L6-v2, Hugging Face layout)" do
+    setup do
+      dir = Path.join(TestModels.dir(), "all-minilm-l6-v2")
+      {:ok, minilm} = LlamaCppEx.load_model(dir, quantize: :none)
+      %{minilm: minilm}
+    end
+
+    test "embeds like the float64 reference, one text or many per pass", %{minilm: minilm} do
+      fx =
+        Path.expand("fixtures/minilm_embeddings.json", __DIR__)
+        |> File.read!()
+        |> LlamaCppEx.JSON.decode()
+        |> elem(1)
+
+      assert Model.architecture(minilm) == "bert"
+      {:ok, batch} = LlamaCppEx.embed_batch(minilm, fx["texts"])
+
+      for {v, want} <- Enum.zip(batch, fx["embeddings"]) do
+        assert length(v) == 384
+        assert cosine(v, want) > 0.9999
+      end
+
+      [first | _] = fx["texts"]
+      {:ok, alone} = LlamaCppEx.embed(minilm, first)
+      assert cosine(alone, hd(batch)) > 0.99999
+    end
+
+    test "limits and misuse are errors", %{minilm: minilm} do
+      long = String.duplicate("word ", 600)
+      assert {:error, msg} = LlamaCppEx.embed(minilm, long)
+      assert msg =~ "512"
+      assert {:ok, [_ | _]} = LlamaCppEx.embed(minilm, long, truncate: true)
+      assert {:error, "cannot embed an empty text"} = LlamaCppEx.embed(minilm, "")
+      assert {:error, msg} = LlamaCppEx.generate(minilm, "hello", max_tokens: 4)
+      assert msg =~ "encoder"
+    end
+  end
 end

@@ -73,8 +73,14 @@ defmodule LlamaCppEx.HfCheckpointTest do
     assert msg =~ "no model.safetensors"
     File.rm_rf!(dir)
 
-    minilm = Path.join(LlamaCppEx.TestModels.dir(), "all-minilm-l6-v2")
-    assert {:error, msg} = LlamaCppEx.load_model(minilm)
-    assert msg =~ "unsupported model architecture: bert"
+    dir =
+      Path.join(System.tmp_dir!(), "llama_cpp_ex_hf_type_#{System.unique_integer([:positive])}")
+
+    File.mkdir_p!(dir)
+    File.cp_r!(Path.join(@hf, "qwen2"), dir)
+    File.write!(Path.join(dir, "config.json"), ~s({"model_type": "mamba"}))
+    assert {:error, msg} = LlamaCppEx.load_model(dir)
+    assert msg =~ "unsupported model architecture: mamba"
+    File.rm_rf!(dir)
   end
 end

@@ -67,6 +67,7 @@ const ARCHITECTURES: &[(&str, &str)] = &[
     ("qwen2", "qwen2"),
     ("qwen3", "qwen3"),
     ("gemma3_text", "gemma3"),
+    ("bert", "bert"),
 ];
 
 /// Loads a checkpoint directory as a model.
@@ -368,6 +369,9 @@ impl HfDir {
                     }
                 ))
             })?;
+        if arch == "bert" {
+            return self.convert_bert(quantize, weights);
+        }
         let gemma = arch == "gemma3";
         let d = self.cfg_u64("hidden_size")? as usize;
         let n_layer = self.cfg_u64("num_hidden_layers")? as usize;
@@ -591,6 +595,103 @@ impl HfDir {
         Ok(out.finish())
     }
 
+    /// A BERT encoder as llama.cpp's converter writes it (`bert`), with the pooling of the
+    /// sentence-transformers layout when the directory has one (`1_Pooling/config.json`;
+    /// mean otherwise).
+    fn convert_bert(&self, quantize: Quantize, weights: bool) -> Result<GgufFile> {
+        let act = self.config["hidden_act"].as_str().unwrap_or("gelu");
+        if act != "gelu" {
+            return Err(EngineError::Unsupported(format!(
+                "activation: {act} (config.json hidden_act)"
+            )));
+        }
+        let pos_type = self.config["position_embedding_type"]
+            .as_str()
+            .unwrap_or("absolute");
+        if pos_type != "absolute" {
+            return Err(EngineError::Unsupported(format!(
+                "position embeddings: {pos_type} (config.json position_embedding_type)"
+            )));
+        }
+        let pooling = read_json(&self.dir, "1_Pooling/config.json")?
+            .map(|p| {
+                if p["pooling_mode_cls_token"] == true {
+                    2
+                } else if p["pooling_mode_lasttoken"] == true {
+                    3
+                } else {
+                    1
+                }
+            })
+            .unwrap_or(1);
+        let n_head = self.cfg_u64("num_attention_heads")?;
+        let mut meta: HashMap<String, Value> = HashMap::new();
+        for (k, v) in [
+            ("general.architecture", Value::String("bert".into())),
+            (
+                "bert.context_length",
+                Value::U64(self.cfg_u64("max_position_embeddings")?),
+            ),
+            (
+                "bert.embedding_length",
+                Value::U64(self.cfg_u64("hidden_size")?),
+            ),
+            (
+                "bert.block_count",
+                Value::U64(self.cfg_u64("num_hidden_layers")?),
+            ),
+            (
+                "bert.feed_forward_length",
+                Value::U64(self.cfg_u64("intermediate_size")?),
+            ),
+            ("bert.attention.head_count", Value::U64(n_head)),
+            ("bert.attention.head_count_kv", Value::U64(n_head)),
+            (
+                "bert.attention.layer_norm_epsilon",
+                Value::F64(self.cfg_f64("layer_norm_eps", 1e-12)),
+            ),
+            ("bert.attention.causal", Value::Bool(false)),
+            ("bert.pooling_type", Value::U32(pooling)),
+            (
+                "general.file_type",
+                Value::U32(quantize.file_type(GgmlDType::F32)),
+            ),
+        ] {
+            meta.insert(k.to_string(), v);
+        }
+        meta.insert(
+            "general.name".into(),
+            Value::String(
+                self.dir
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+            ),
+        );
+        let mut out = GgufBuilder::new(meta);
+        for (name, t) in self.tensors.iter().filter(|_| weights) {
+            let short = name.strip_prefix("bert.").unwrap_or(name);
+            if short == "embeddings.position_ids" || short.starts_with("pooler.") {
+                continue;
+            }
+            let gguf = bert_name(short).ok_or_else(|| {
+                EngineError::Unsupported(format!(
+                    "tensor: {name} in {} (no bert tensor corresponds to it)",
+                    self.file_of(t)
+                ))
+            })?;
+            let values = self.values(name, t)?;
+            // the embedding tables are looked up, not multiplied: kept as stored
+            let q = if gguf.starts_with("blk.") {
+                quantize
+            } else {
+                Quantize::None
+            };
+            self.put_tensor(&mut out, &gguf, &t.shape, t.dtype, values, q)?;
+        }
+        Ok(out.finish())
+    }
+
     fn put_tensor(
         &self,
         out: &mut GgufBuilder,
@@ -720,6 +821,43 @@ fn gguf_name(hf: &str, gemma: bool) -> Option<String> {
         "post_attention_layernorm" if gemma => "post_attention_norm",
         "post_attention_layernorm" => "ffn_norm",
         m => LAYER_NAMES.iter().find(|(h, _)| *h == m)?.1,
+    };
+    Some(format!("blk.{layer}.{mapped}.{suffix}"))
+}
+
+/// The GGUF name of a BERT tensor (its Hugging Face name without the `bert.` prefix).
+fn bert_name(hf: &str) -> Option<String> {
+    let (stem, suffix) = hf.rsplit_once('.')?;
+    // old checkpoints name layer-norm parameters gamma/beta
+    let suffix = match suffix {
+        "gamma" => "weight",
+        "beta" => "bias",
+        s @ ("weight" | "bias") => s,
+        _ => return None,
+    };
+    let top = match stem {
+        "embeddings.word_embeddings" => Some("token_embd"),
+        "embeddings.position_embeddings" => Some("position_embd"),
+        "embeddings.token_type_embeddings" => Some("token_types"),
+        "embeddings.LayerNorm" => Some("token_embd_norm"),
+        _ => None,
+    };
+    if let Some(t) = top {
+        return Some(format!("{t}.{suffix}"));
+    }
+    let rest = stem.strip_prefix("encoder.layer.")?;
+    let (layer, module) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let mapped = match module {
+        "attention.self.query" => "attn_q",
+        "attention.self.key" => "attn_k",
+        "attention.self.value" => "attn_v",
+        "attention.output.dense" => "attn_output",
+        "attention.output.LayerNorm" => "attn_output_norm",
+        "intermediate.dense" => "ffn_up",
+        "output.dense" => "ffn_down",
+        "output.LayerNorm" => "layer_output_norm",
+        _ => return None,
     };
     Some(format!("blk.{layer}.{mapped}.{suffix}"))
 }

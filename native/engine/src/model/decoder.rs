@@ -68,7 +68,7 @@ pub struct Family {
 const fn spec(name: &'static str, family: &'static Family) -> ArchSpec {
     ArchSpec {
         name,
-        family,
+        family: Some(family),
         configure,
         load: |cfg, l| Ok(Box::new(Decoder::load(cfg, l)?)),
     }
@@ -133,7 +133,7 @@ pub const GEMMA3: ArchSpec = spec(
 /// The family's own hyper-parameters, after the common ones.
 fn configure(g: &GgufFile, cfg: &mut Config) -> Result<()> {
     let family = super::arch_spec(&cfg.arch)
-        .map(|s| s.family)
+        .and_then(|s| s.family)
         .ok_or_else(|| EngineError::UnsupportedArchitecture(cfg.arch.clone()))?;
     if g.get_u64(&cfg.key("expert_count")).unwrap_or(0) > 0 {
         return Err(EngineError::Unsupported(format!(
@@ -249,7 +249,7 @@ pub struct Decoder {
 impl Decoder {
     pub(crate) fn load(cfg: &Config, l: &TensorLoader) -> Result<Self> {
         let family = super::arch_spec(&cfg.arch)
-            .map(|s| s.family)
+            .and_then(|s| s.family)
             .ok_or_else(|| EngineError::UnsupportedArchitecture(cfg.arch.clone()))?;
         let d = cfg.n_embd;
         let hd = cfg.head_dim;

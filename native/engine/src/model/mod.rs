@@ -1,6 +1,7 @@
 //! Model loading and the architecture trait.
 
 pub mod attention;
+pub mod bert;
 pub mod decoder;
 pub mod ops;
 
@@ -83,8 +84,8 @@ pub struct Config {
 pub struct ArchSpec {
     /// `general.architecture` in GGUF files.
     pub name: &'static str,
-    /// How its block differs from the other decoder families.
-    pub family: &'static decoder::Family,
+    /// How its block differs from the other decoder families (`None`: not a decoder).
+    pub family: Option<&'static decoder::Family>,
     pub configure: fn(&GgufFile, &mut Config) -> Result<()>,
     pub(crate) load: fn(&Config, &TensorLoader) -> Result<Box<dyn Architecture>>,
 }
@@ -97,6 +98,7 @@ pub const ARCHITECTURES: &[&ArchSpec] = &[
     &decoder::PHI3,
     &decoder::GEMMA2,
     &decoder::GEMMA3,
+    &bert::BERT,
 ];
 
 /// The architecture named `name`, if implemented.
