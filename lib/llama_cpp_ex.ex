@@ -146,6 +146,12 @@ defmodule LlamaCppEx do
   def embed_batch(%Model{} = model, texts, opts \\ []),
     do: LlamaCppEx.Embedding.embed_batch(model, texts, opts)
 
+  @doc "Relevance scores of `documents` for `query`; see `LlamaCppEx.Embedding.rerank/4`."
+  @spec rerank(Model.t(), String.t(), [String.t()], keyword()) ::
+          {:ok, [float()]} | {:error, String.t()}
+  def rerank(%Model{} = model, query, documents, opts \\ []),
+    do: LlamaCppEx.Embedding.rerank(model, query, documents, opts)
+
   @doc """
   Generates text for `prompt`.
 

@@ -90,6 +90,22 @@ defmodule LlamaCppEx.EmbeddingTest do
       assert cosine(alone, hd(batch)) > 0.99999
     end
 
+    test "thousands of texts go in bounded passes; bad inputs are errors", %{minilm: minilm} do
+      texts = for i <- 1..2000, do: "note #{i}"
+      assert {:ok, vectors} = LlamaCppEx.embed_batch(minilm, texts)
+      assert length(vectors) == 2000
+      {:ok, last} = LlamaCppEx.embed(minilm, List.last(texts))
+      assert cosine(List.last(vectors), last) > 0.99999
+
+      assert {:ok, []} = LlamaCppEx.embed_batch(minilm, [])
+      assert {:error, _} = LlamaCppEx.embed(minilm, <<0xFF, 0xFE, 0x41>>)
+      assert {:error, _} = LlamaCppEx.embed_batch(minilm, ["ok", :not_text])
+      assert {:error, msg} = LlamaCppEx.embed(minilm, "x", pooling_type: :rank)
+      assert msg =~ "classification head"
+      assert {:error, msg} = LlamaCppEx.rerank(minilm, "q", ["d"])
+      assert msg =~ "classification head"
+    end
+
     test "limits and misuse are errors", %{minilm: minilm} do
       long = String.duplicate("word ", 600)
       assert {:error, msg} = LlamaCppEx.embed(minilm, long)
@@ -98,6 +114,42 @@ defmodule LlamaCppEx.EmbeddingTest do
       assert {:error, "cannot embed an empty text"} = LlamaCppEx.embed(minilm, "")
       assert {:error, msg} = LlamaCppEx.generate(minilm, "hello", max_tokens: 4)
       assert msg =~ "encoder"
+    end
+  end
+
+  describe "BERT GGUFs and reranking (tiny models, llama.cpp's outputs in test/fixtures/tiny)" do
+    setup do
+      fx =
+        Path.expand("fixtures/tiny/bert.json", __DIR__)
+        |> File.read!()
+        |> LlamaCppEx.JSON.decode()
+        |> elem(1)
+
+      %{fx: fx, dir: Path.expand("fixtures/tiny", __DIR__)}
+    end
+
+    test "a bert GGUF embeds like llama-embedding", %{fx: fx, dir: dir} do
+      {:ok, bert} = LlamaCppEx.load_model(Path.join(dir, "tiny-bert-f32.gguf"))
+
+      for {text, want} <- Enum.zip(fx["texts"], fx["embeddings"]) do
+        {:ok, v} = LlamaCppEx.embed(bert, text)
+        assert cosine(v, want) > 0.999
+      end
+
+      assert {:error, msg} = LlamaCppEx.rerank(bert, "q", ["d"])
+      assert msg =~ "classification head"
+    end
+
+    test "rerank gives llama-server's relevance scores in document order", %{fx: fx, dir: dir} do
+      {:ok, reranker} = LlamaCppEx.load_model(Path.join(dir, "tiny-bert-rerank-f32.gguf"))
+      %{"query" => q, "documents" => docs, "scores" => want} = fx["rerank"]
+      assert {:ok, scores} = LlamaCppEx.rerank(reranker, q, docs)
+
+      for {got, w} <- Enum.zip(scores, want), do: assert_in_delta(got, w, 5.0e-3)
+
+      assert {:ok, [_]} = LlamaCppEx.embed_batch(reranker, ["x"], pooling_type: :rank)
+      assert {:error, _} = LlamaCppEx.rerank(reranker, "", docs)
+      assert {:error, _} = LlamaCppEx.rerank(reranker, q, [<<0xFF>>])
     end
   end
 end

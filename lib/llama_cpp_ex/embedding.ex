@@ -4,8 +4,9 @@ defmodule LlamaCppEx.Embedding do
 
   Each text is tokenized (with the model's BOS, as `llama-embedding` does) and evaluated; the
   final-normed hidden states of its tokens are pooled into one vector and normalised.
-  `embed_batch/3` evaluates all texts in ONE forward pass, each as its own sequence (causal
-  attention within each text), so a batch costs about as much as its longest texts together.
+  `embed_batch/3` evaluates many texts per forward pass, each as its own sequence (attention
+  within each text), in passes of up to 4096 tokens, so a batch costs about as much as its
+  texts together and memory stays bounded however many texts there are.
 
       {:ok, model} = LlamaCppEx.load_model("SmolLM2-135M-Instruct.Q4_1.gguf")
       {:ok, v} = LlamaCppEx.embed(model, "The capital of France is Paris.")
@@ -28,8 +29,8 @@ defmodule LlamaCppEx.Embedding do
 
     * `:pooling_type` - `:unspecified` (default: the model's own `pooling_type` metadata,
       else `:mean`), `:mean`, `:cls` (the first token), `:last`, or `:none` (one vector per
-      token: `embed/3` returns a list of vectors). `:rank` needs a classification head, which
-      decoder models do not have: an error.
+      token: `embed/3` returns a list of vectors), or `:rank` (a reranker's scores through its
+      classification head; models without one give an error). See also `rerank/4`.
     * `:normalize` - `2` (default, Euclidean), `0` (max absolute value scaled to 32760, as
       llama.cpp), `-1` (none), or another p > 0 for a p-norm.
     * `:format` - `:list` (default) or `:binary` (f32 native-endian, for `Nx.from_binary/2`).
@@ -40,15 +41,24 @@ defmodule LlamaCppEx.Embedding do
 
   Decoder models (every architecture of `LlamaCppEx.load_model/2`) are supported; their
   vectors match llama.cpp's `llama-embedding` (cosine ≥ 0.999 on SmolLM2, ≥ 0.995 on Gemma 3,
-  whose very large hidden dimensions magnify activation rounding). Encoder models (BERT) and
-  reranking are not implemented yet.
+  whose very large hidden dimensions magnify activation rounding). BERT encoders load from
+  GGUF files (llama.cpp's `bert`) and from Hugging Face directories.
+
+  ## Reranking
+
+  `rerank/4` scores documents against a query with a cross-encoder (a BERT reranker whose
+  GGUF has pooling `rank` and a classification head): each (query, document) pair is one
+  sequence of a pass, formatted as llama-server's `/v1/rerank` formats it, and the scores are
+  its raw `relevance_score`s.
+
+      {:ok, [s1, s2]} = LlamaCppEx.rerank(reranker, "what is a cat?", ["A cat is a feline.", "Paris"])
   """
 
   alias LlamaCppEx.{Context, Model, NIF, Options}
 
   @type t :: [float()] | binary()
 
-  @pooling %{unspecified: -1, none: 0, mean: 1, cls: 2, last: 3}
+  @pooling %{unspecified: -1, none: 0, mean: 1, cls: 2, last: 3, rank: 4}
 
   @defaults [
     pooling_type: :unspecified,
@@ -68,8 +78,8 @@ defmodule LlamaCppEx.Embedding do
   end
 
   @doc """
-  The embeddings of `texts`, in order, from one forward pass; results equal `embed/3` on each
-  text (cosine > 0.99999). Options as `embed/3`.
+  The embeddings of `texts`, in order, from forward passes of up to 4096 tokens; results
+  equal `embed/3` on each text (cosine > 0.99999). Options as `embed/3`.
   """
   @spec embed_batch(Model.t(), [String.t()], keyword()) ::
           {:ok, [t() | [t()]]} | {:error, String.t()}
@@ -82,7 +92,7 @@ defmodule LlamaCppEx.Embedding do
 
     with :ok <-
            Options.check_all(opts,
-             pooling_type: {:in, [:rank | Map.keys(@pooling)]},
+             pooling_type: {:in, Map.keys(@pooling)},
              normalize: {:int, -1, 1_000},
              format: {:in, [:list, :binary]},
              n_ctx: {:int, 1, 16_777_216},
@@ -92,7 +102,6 @@ defmodule LlamaCppEx.Embedding do
          opts = Keyword.merge(@defaults, opts),
          # never past the positions the model was trained with (an encoder has no more)
          opts = Keyword.update!(opts, :n_ctx, &min(&1, Model.n_ctx_train(model))),
-         :ok <- check_pooling(opts[:pooling_type]),
          {:ok, ids} <- tokenize_all(model, texts, opts),
          {:ok, bins} <-
            NIF.embed(
@@ -109,10 +118,37 @@ defmodule LlamaCppEx.Embedding do
     end
   end
 
-  defp check_pooling(:rank),
-    do: {:error, "pooling_type :rank needs a classification head (reranking models)"}
+  @doc """
+  Relevance scores of `documents` for `query` from a reranker, in document order:
+  `{:ok, [float]}` or `{:error, message}`. Options: `:n_ctx` (the longest pair, default
+  2048, at most the model's training context), `:n_threads`.
+  """
+  @spec rerank(Model.t(), String.t(), [String.t()], keyword()) ::
+          {:ok, [float()]} | {:error, String.t()}
+  def rerank(%Model{} = model, query, documents, opts \\ [])
+      when is_binary(query) and is_list(documents) do
+    opts =
+      Options.validate!(opts, [:n_ctx, :n_threads], "LlamaCppEx.Embedding.rerank/4")
+      |> Keyword.put_new(:n_ctx, 2048)
+      |> Keyword.update!(:n_ctx, &min(&1, Model.n_ctx_train(model)))
 
-  defp check_pooling(_), do: :ok
+    cond do
+      not Enum.all?([query | documents], &(is_binary(&1) and String.valid?(&1))) ->
+        {:error, "query and documents must be UTF-8 strings"}
+
+      query == "" or Enum.any?(documents, &(&1 == "")) ->
+        {:error, "cannot rerank an empty query or document"}
+
+      true ->
+        NIF.rerank(
+          model.ref,
+          query,
+          documents,
+          opts[:n_ctx],
+          opts[:n_threads] || Context.default_threads()
+        )
+    end
+  end
 
   defp tokenize_all(model, texts, opts) do
     Enum.reduce_while(texts, {:ok, []}, fn

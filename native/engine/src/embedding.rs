@@ -19,6 +19,8 @@ pub enum Pooling {
     Cls,
     /// The last token's state.
     Last,
+    /// A reranker's score: the first token's hidden state through the classification head.
+    Rank,
 }
 
 impl Pooling {
@@ -29,6 +31,7 @@ impl Pooling {
             1 => Some(Pooling::Mean),
             2 => Some(Pooling::Cls),
             3 => Some(Pooling::Last),
+            4 => Some(Pooling::Rank),
             _ => None,
         }
     }
@@ -74,7 +77,8 @@ pub fn normalize(v: &mut [f32], mode: i32) {
 
 /// The embeddings of `texts` (token ids each, non-empty), in order: one vector of
 /// `n_embd` values per text, or with [`Pooling::None`] `n_tokens × n_embd` values per text.
-/// All texts go through one forward pass as separate sequences; `n_ctx` bounds each text.
+/// Texts go through forward passes of up to [`PASS_TOKENS`] tokens, each text its own
+/// sequence; `n_ctx` bounds each text.
 pub fn embed(
     model: &Arc<Model>,
     texts: &[Vec<TokenId>],
@@ -97,6 +101,61 @@ pub fn embed(
             t.len()
         )));
     }
+    // passes of at most PASS_TOKENS tokens (a longer text alone), so that memory stays bounded
+    // whatever the number of texts
+    let mut out = Vec::with_capacity(texts.len());
+    let mut start = 0;
+    while start < texts.len() {
+        let mut end = start + 1;
+        let mut tokens = texts[start].len();
+        while end < texts.len() && tokens + texts[end].len() <= PASS_TOKENS {
+            tokens += texts[end].len();
+            end += 1;
+        }
+        out.extend(embed_pass(
+            model,
+            &texts[start..end],
+            pooling,
+            norm,
+            n_threads,
+        )?);
+        start = end;
+    }
+    Ok(out)
+}
+
+/// Relevance scores of `documents` for `query` from a reranker (a cross-encoder with a
+/// classification head), in document order: each pair is one sequence of a pass, formatted
+/// as llama-server formats it ([`Tokenizer::rerank_input`](crate::Tokenizer::rerank_input)).
+pub fn rerank(
+    model: &Arc<Model>,
+    query: &str,
+    documents: &[String],
+    n_ctx: usize,
+    n_threads: usize,
+) -> Result<Vec<f32>> {
+    let inputs = documents
+        .iter()
+        .map(|d| model.tokenizer.rerank_input(query, d))
+        .collect::<Result<Vec<_>>>()?;
+    let scores = embed(model, &inputs, Pooling::Rank, -1, n_ctx, n_threads)?;
+    Ok(scores
+        .into_iter()
+        .map(|s| s.first().copied().unwrap_or(f32::NAN))
+        .collect())
+}
+
+/// Tokens evaluated together by one pass of [`embed`].
+pub const PASS_TOKENS: usize = 4096;
+
+/// One forward pass over `texts`, each its own sequence.
+fn embed_pass(
+    model: &Arc<Model>,
+    texts: &[Vec<TokenId>],
+    pooling: Pooling,
+    norm: i32,
+    n_threads: usize,
+) -> Result<Vec<Vec<f32>>> {
     let total: usize = texts.iter().map(Vec::len).sum();
     let mut ctx = Context::new(
         model.clone(),
@@ -145,6 +204,7 @@ pub fn embed(
                 normalize(&mut sum, norm);
                 sum
             }
+            Pooling::Rank => model.architecture()?.classify(row(0))?,
             Pooling::Cls | Pooling::Last => {
                 let i = if pooling == Pooling::Cls {
                     0

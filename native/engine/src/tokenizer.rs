@@ -94,6 +94,8 @@ struct Parts {
     extra_eog: Vec<TokenId>,
     add_bos: bool,
     add_eos: bool,
+    sep: Option<TokenId>,
+    add_sep: bool,
     add_space_prefix: bool,
 }
 
@@ -159,6 +161,10 @@ pub struct Tokenizer {
     pub eos: Option<TokenId>,
     pub add_bos: bool,
     pub add_eos: bool,
+    /// BERT's separator: closes a WordPiece input and, with `add_sep`, separates a
+    /// reranker's query from its document.
+    pub sep: Option<TokenId>,
+    pub add_sep: bool,
     add_space_prefix: bool,
     eog: Vec<TokenId>,
 }
@@ -364,9 +370,10 @@ impl Tokenizer {
         let kind = match model {
             "gpt2" => VocabKind::Gpt2,
             "llama" => VocabKind::Spm,
+            "bert" => VocabKind::Wpm,
             other => return Err(meta_err(format!("tokenizer model {other:?}"))),
         };
-        let tokens: StrArray = gguf
+        let mut tokens: StrArray = gguf
             .get("tokenizer.ggml.tokens")
             .ok_or_else(|| meta_err("missing tokenizer.ggml.tokens"))?
             .as_strings()
@@ -394,16 +401,25 @@ impl Tokenizer {
                 None => Ok(None),
             }
         };
-        let bos = token_id("tokenizer.ggml.bos_token_id")?;
+        let mut bos = token_id("tokenizer.ggml.bos_token_id")?;
         let eos = token_id("tokenizer.ggml.eos_token_id")?;
         let eot = token_id("tokenizer.ggml.eot_token_id")?;
         let eom = token_id("tokenizer.ggml.eom_token_id")?;
         let add_bos = gguf
             .get_bool("tokenizer.ggml.add_bos_token")
-            .unwrap_or(kind == VocabKind::Spm);
+            .unwrap_or(kind != VocabKind::Gpt2);
         let add_eos = gguf
             .get_bool("tokenizer.ggml.add_eos_token")
             .unwrap_or(false);
+        // (llama.cpp spells the key "seperator")
+        let sep = token_id("tokenizer.ggml.seperator_token_id")?;
+        let add_sep = gguf
+            .get_bool("tokenizer.ggml.add_sep_token")
+            .unwrap_or(kind == VocabKind::Wpm);
+        if kind == VocabKind::Wpm {
+            // llama.cpp wraps WordPiece input in CLS … SEP
+            bos = bos.or(token_id("tokenizer.ggml.cls_token_id")?);
+        }
         let add_space_prefix = gguf
             .get_bool("tokenizer.ggml.add_space_prefix")
             .unwrap_or(kind == VocabKind::Spm);
@@ -411,7 +427,11 @@ impl Tokenizer {
         let model = match kind {
             VocabKind::Gpt2 => TextModel::Bpe(Box::new(Self::build_gpt2(gguf, &tokens)?)),
             VocabKind::Spm => TextModel::Spm(Box::new(Self::build_spm(gguf, &tokens)?)),
-            VocabKind::Wpm => return Err(meta_err("bert vocabularies load from tokenizer.json")),
+            VocabKind::Wpm => {
+                let (hf, hf_tokens) = Self::build_wpm(gguf, &tokens, &types)?;
+                tokens = hf_tokens;
+                TextModel::Bpe(Box::new(hf))
+            }
         };
         Ok(Self::assemble(Parts {
             kind,
@@ -421,8 +441,10 @@ impl Tokenizer {
             bos,
             eos,
             extra_eog: [eot, eom].into_iter().flatten().collect(),
-            add_bos,
+            add_bos: add_bos || kind == VocabKind::Wpm,
             add_eos,
+            sep,
+            add_sep,
             add_space_prefix,
         }))
     }
@@ -490,8 +512,11 @@ impl Tokenizer {
         let (mut bos, mut eos) = (id_of(&sp.bos, "bos_token")?, id_of(&sp.eos, "eos_token")?);
         // what the post-processor wraps a single sequence in (Llama 3's BOS, BERT's CLS/SEP)
         let (pp_first, pp_last) = post_processor_specials(&raw["post_processor"]);
+        let wpm = kind == VocabKind::Wpm;
         let add_bos = sp.add_bos.unwrap_or(pp_first.is_some());
-        let add_eos = sp.add_eos.unwrap_or(pp_last.is_some());
+        // BERT's closing SEP is its separator, not an EOS (as llama.cpp's conversion has it)
+        let add_eos = sp.add_eos.unwrap_or(pp_last.is_some() && !wpm);
+        let sep = if wpm { pp_last } else { None };
         if add_bos && pp_first.is_some() {
             bos = pp_first.or(bos);
         }
@@ -522,6 +547,8 @@ impl Tokenizer {
             extra_eog,
             add_bos,
             add_eos,
+            sep,
+            add_sep: sep.is_some(),
             // the normalizer / pre-tokenizer of tokenizer.json own the space handling
             add_space_prefix: false,
         }))
@@ -538,6 +565,8 @@ impl Tokenizer {
             extra_eog,
             add_bos,
             add_eos,
+            sep,
+            add_sep,
             add_space_prefix,
         } = p;
         for (i, t) in tokens.iter().enumerate() {
@@ -624,6 +653,8 @@ impl Tokenizer {
             eos,
             add_bos,
             add_eos,
+            sep,
+            add_sep,
             add_space_prefix,
             eog,
         }
@@ -690,6 +721,61 @@ impl Tokenizer {
         let mut hf = HfTokenizer::new(ModelWrapper::BPE(bpe));
         hf.with_pre_tokenizer(Some(pre_tokenizer));
         Ok(hf)
+    }
+
+    /// llama.cpp's WordPiece (`bert` vocabularies): tokens in phantom-space form ("▁word"
+    /// starts a word, a bare piece continues one) become the tokenizers crate's WordPiece
+    /// ("word", "##piece"), with BERT's normalizer (lower-casing and accent stripping unless
+    /// `tokenizer.ggml.normalizer.lowercase` is false) and pre-tokenizer (whitespace and
+    /// punctuation). Returns the tokenizer and the vocabulary in WordPiece form.
+    fn build_wpm(
+        gguf: &GgufFile,
+        tokens: &StrArray,
+        types: &[TokenType],
+    ) -> Result<(HfTokenizer, StrArray)> {
+        use tokenizers::models::wordpiece::WordPiece;
+        use tokenizers::normalizers::bert::BertNormalizer;
+        use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
+        // (the same map type as WordPiece's, whose alias is private)
+        let mut vocab = tokenizers::models::bpe::Vocab::default();
+        let mut hf_tokens = StrArray::default();
+        for (i, (t, ty)) in tokens.iter().zip(types).enumerate() {
+            let text = match (ty, t.strip_prefix(SPM_SPACE)) {
+                (TokenType::Control | TokenType::Unknown | TokenType::UserDefined, _) => {
+                    t.to_string()
+                }
+                (_, Some(word)) => word.to_string(),
+                (_, None) => format!("##{t}"),
+            };
+            vocab.insert(text.clone(), i as u32);
+            hf_tokens.push(&text);
+        }
+        let unk = gguf
+            .get_u64("tokenizer.ggml.unknown_token_id")
+            .and_then(|id| hf_tokens.get(id as usize))
+            .unwrap_or("[UNK]")
+            .to_string();
+        let wp = WordPiece::builder()
+            .vocab(vocab)
+            .unk_token(unk)
+            .continuing_subword_prefix("##".into())
+            .build()
+            .map_err(|e| meta_err(format!("WordPiece: {e}")))?;
+        let lowercase = gguf
+            .get_bool("tokenizer.ggml.normalizer.lowercase")
+            .unwrap_or(true);
+        let strip = gguf
+            .get_bool("tokenizer.ggml.normalizer.strip_accents")
+            .unwrap_or(lowercase);
+        let mut hf = HfTokenizer::new(ModelWrapper::WordPiece(wp));
+        hf.with_normalizer(Some(BertNormalizer::new(
+            true,
+            true,
+            Some(strip),
+            lowercase,
+        )));
+        hf.with_pre_tokenizer(Some(BertPreTokenizer));
+        Ok((hf, hf_tokens))
     }
 
     fn build_spm(gguf: &GgufFile, tokens: &StrArray) -> Result<Spm> {
@@ -794,6 +880,34 @@ impl Tokenizer {
             if let Some(eos) = self.eos {
                 out.push(eos);
             }
+        }
+        if add_special && self.kind == VocabKind::Wpm {
+            out.extend(self.sep);
+        }
+        Ok(out)
+    }
+
+    /// A reranker's input for `query` and `document`, as llama-server's
+    /// `format_prompt_rerank` builds it without a rerank template: BOS, query, EOS, SEP,
+    /// document, EOS (each special where the vocabulary adds it; SEP for EOS when it has none).
+    pub fn rerank_input(&self, query: &str, document: &str) -> Result<Vec<TokenId>> {
+        let q = self.encode(query, false, false)?;
+        let d = self.encode(document, false, false)?;
+        let eos = self.eos.or(self.sep);
+        let mut out = Vec::with_capacity(q.len() + d.len() + 4);
+        if self.add_bos {
+            out.extend(self.bos);
+        }
+        out.extend(q);
+        if self.add_eos {
+            out.extend(eos);
+        }
+        if self.add_sep {
+            out.extend(self.sep);
+        }
+        out.extend(d);
+        if self.add_eos {
+            out.extend(eos);
         }
         Ok(out)
     }

@@ -74,3 +74,87 @@ fn bad_inputs_are_errors() {
     let none = embed(&model, &[vec![1, 2, 3]], Pooling::None, 2, 512, 1).unwrap();
     assert_eq!(none[0].len(), 3 * model.config.n_embd);
 }
+
+/// A BERT GGUF (llama.cpp's `bert` architecture and WordPiece vocabulary; a tiny random model
+/// made by `scripts/tiny_bert.py`, `test/fixtures/tiny`): token ids equal `llama-tokenize`'s
+/// and mean-pooled, L2-normalised embeddings equal `llama-embedding`'s.
+#[test]
+fn bert_gguf_matches_llama_cpp() {
+    use llama_cpp_ex_engine::Model;
+    use std::sync::Arc;
+    let path = fixtures_dir().join("tiny/tiny-bert-f32.gguf");
+    let opts = llama_cpp_ex_engine::LoadOptions {
+        requantize: Requantize::Off,
+        vocab_only: false,
+    };
+    let model = Arc::new(Model::load(&path, &opts).unwrap());
+    assert_eq!(Pooling::default_for(&model), Pooling::Mean);
+    let fx = fixture("tiny/bert.json");
+    let texts = fx["texts"].as_array().unwrap();
+    for (k, text) in texts.iter().enumerate() {
+        let ids = model
+            .tokenizer
+            .encode(text.as_str().unwrap(), true, false)
+            .unwrap();
+        assert_eq!(ids, common::ids(&fx["ids"][k]), "{text}");
+        let want: Vec<f32> = fx["embeddings"][k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        let got = embed(&model, &[ids], Pooling::Mean, 2, 64, 1).unwrap();
+        let dot: f32 = got[0].iter().zip(&want).map(|(a, b)| a * b).sum();
+        println!("{text}: cosine {dot:.7}");
+        assert!(dot > 0.999, "{text}: cosine {dot}");
+    }
+}
+
+/// A BERT cross-encoder (tiny, random: `scripts/tiny_bert.py`): scores equal llama-server's
+/// `/v1/rerank` relevance scores within 5e-3 (measured 2e-5…1.2e-3: llama-server keeps K/V
+/// in f16), in document order, ranking the documents identically.
+#[test]
+fn bert_reranker_matches_llama_server() {
+    use llama_cpp_ex_engine::embedding::rerank;
+    use llama_cpp_ex_engine::Model;
+    use std::sync::Arc;
+    let path = fixtures_dir().join("tiny/tiny-bert-rerank-f32.gguf");
+    let opts = llama_cpp_ex_engine::LoadOptions {
+        requantize: Requantize::Off,
+        vocab_only: false,
+    };
+    let model = Arc::new(Model::load(&path, &opts).unwrap());
+    assert_eq!(Pooling::default_for(&model), Pooling::Rank);
+    let fx = &fixture("tiny/bert.json")["rerank"];
+    let docs: Vec<String> = fx["documents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_str().unwrap().to_string())
+        .collect();
+    let scores = rerank(&model, fx["query"].as_str().unwrap(), &docs, 64, 1).unwrap();
+    for (got, want) in scores.iter().zip(fx["scores"].as_array().unwrap()) {
+        let want = want.as_f64().unwrap() as f32;
+        println!("score {got:.6} llama-server {want:.6}");
+        assert!((got - want).abs() < 5e-3, "{got} vs {want}");
+    }
+    let order = |v: &[f32]| {
+        let mut idx: Vec<usize> = (0..v.len()).collect();
+        idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]));
+        idx
+    };
+    let want: Vec<f32> = fx["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect();
+    assert_eq!(order(&scores), order(&want));
+    // an embedding model has no classification head
+    let embedder =
+        Arc::new(Model::load(&fixtures_dir().join("tiny/tiny-bert-f32.gguf"), &opts).unwrap());
+    let e = rerank(&embedder, "q", &docs, 64, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("classification head"), "{e}");
+}

@@ -2,7 +2,7 @@
 
 use crate::error::{binary, guard, message, Out};
 use crate::model::ModelRes;
-use llama_cpp_ex_engine::embedding::{embed as engine_embed, Pooling};
+use llama_cpp_ex_engine::embedding::{embed as engine_embed, rerank as engine_rerank, Pooling};
 use rustler::{Encoder, Env, ResourceArc, Term};
 
 /// `{:ok, [binary]}` (f32 native-endian, one per text) or `{:error, reason}`. `pooling`:
@@ -49,4 +49,23 @@ fn embed<'a>(
         }
         Err(e) => (crate::atoms::error(), e).encode(env),
     }
+}
+
+/// `{:ok, [score]}` (document order) or `{:error, reason}`.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn rerank<'a>(
+    env: Env<'a>,
+    m: ResourceArc<ModelRes>,
+    query: String,
+    documents: Vec<String>,
+    n_ctx: usize,
+    n_threads: usize,
+) -> Term<'a> {
+    let r: Out<Vec<f64>> = guard(|| {
+        let model = &m.model;
+        model.architecture()?;
+        let scores = engine_rerank(model, &query, &documents, n_ctx, n_threads.max(1))?;
+        Ok(scores.into_iter().map(f64::from).collect())
+    });
+    r.encode(env)
 }

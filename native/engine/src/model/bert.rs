@@ -104,6 +104,9 @@ pub struct Bert {
     token_type: Vec<f32>,
     embd_norm: Norm,
     layers: Vec<Layer>,
+    /// A cross-encoder's head: `cls` (dense + tanh, BERT's pooler) then `cls.output`.
+    cls: Option<Dense>,
+    cls_out: Option<Dense>,
 }
 
 impl Bert {
@@ -155,6 +158,15 @@ impl Bert {
             token_type,
             embd_norm: Norm::load(l, "token_embd_norm", d)?,
             layers,
+            cls: if l.gguf.has_tensor("cls.weight") {
+                Some(Dense::load(l, "cls", d, d)?)
+            } else {
+                None
+            },
+            cls_out: match l.gguf.tensor_info("cls.output.weight") {
+                Ok(info) => Some(Dense::load(l, "cls.output", info.shape[0], d)?),
+                Err(_) => None,
+            },
         };
         l.check_all_used()?;
         Ok(model)
@@ -185,6 +197,26 @@ fn gelu(x: &mut [f32]) {
 }
 
 impl Architecture for Bert {
+    fn classify(&self, pooled: &[f32]) -> Result<Vec<f32>> {
+        if self.cls.is_none() && self.cls_out.is_none() {
+            return Err(EngineError::Unsupported(
+                "pooling rank: this bert has no classification head (cls, cls.output)".into(),
+            ));
+        }
+        let mut x = pooled.to_vec();
+        let mut y = Vec::new();
+        if let Some(cls) = &self.cls {
+            cls.forward(&x, 1, &mut y)?;
+            y.iter_mut().for_each(|v| *v = v.tanh());
+            std::mem::swap(&mut x, &mut y);
+        }
+        if let Some(out) = &self.cls_out {
+            out.forward(&x, 1, &mut y)?;
+            std::mem::swap(&mut x, &mut y);
+        }
+        Ok(x)
+    }
+
     fn forward(&self, batch: &Batch, _kv: &mut KvCache, ws: &mut Workspace) -> Result<()> {
         if !ws.hidden_only {
             return Err(EngineError::Unsupported(

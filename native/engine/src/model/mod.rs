@@ -242,6 +242,14 @@ pub trait Architecture: Send + Sync {
     /// logits of the tokens whose logits flag is set in `ws.logits`, in batch order
     /// (`[n_outputs, n_vocab]`).
     fn forward(&self, batch: &Batch, kv: &mut KvCache, ws: &mut Workspace) -> Result<()>;
+
+    /// A reranker's classification head over a pooled hidden state (llama.cpp's pooling
+    /// `rank`): one score per output label.
+    fn classify(&self, _pooled: &[f32]) -> Result<Vec<f32>> {
+        Err(EngineError::Unsupported(
+            "pooling rank: the model has no classification head (not a reranker)".into(),
+        ))
+    }
 }
 
 /// The buffers of a forward pass, kept by the context from one pass to the next: once they
