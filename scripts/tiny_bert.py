@@ -94,15 +94,16 @@ RERANK_QUERY = "the quick cat"
 RERANK_DOCS = ["a cat jumped", "hello world", "the dogs sing", "quick test 42"]
 
 
-def rerank_scores(bin_dir, out):
+def rerank_scores(bin_dir, out, path=None):
     """llama-server --rerank's /v1/rerank relevance scores (document order) on a tiny
-    cross-encoder."""
+    cross-encoder (the BERT one unless `path` names another)."""
     import socket
     import time
     import urllib.request
 
-    path = os.path.join(out, "tiny-bert-rerank-f32.gguf")
-    write(path, rerank=True)
+    if path is None:
+        path = os.path.join(out, "tiny-bert-rerank-f32.gguf")
+        write(path, rerank=True)
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
@@ -146,6 +147,12 @@ def main():
                            capture_output=True, text=True, check=True)
         result["embeddings"].append(json.loads(r.stdout[r.stdout.index("[["):])[0])
     result["rerank"] = rerank_scores(bin_dir, out)
+    # a Qwen3-Reranker-style decoder: last token, cls.output over yes/no, softmax
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tiny_gguf
+    qwen = os.path.join(out, "tiny-qwen3-rerank-f32.gguf")
+    tiny_gguf.write(qwen, "qwen3", "f32", std=1.0, rerank=True)
+    result["qwen3_rerank"] = rerank_scores(bin_dir, out, qwen)
     with open(os.path.join(out, "bert.json"), "w") as f:
         json.dump(result, f)
     print(path, result["ids"])

@@ -53,9 +53,11 @@ ARCHS = ["llama", "llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
 
 
 def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128,
-          seed=0, extra_tensor=None, rope_scaling=None, std=None, longrope=False, n_ctx=256):
+          seed=0, extra_tensor=None, rope_scaling=None, std=None, longrope=False, n_ctx=256, rerank=False):
     """Writes one model. `extra_tensor` (a name) adds a tensor no architecture reads, and
-    `rope_scaling` a `rope.scaling.type`: files that must be refused. `longrope` (phi3): Phi-3's
+    `rope_scaling` a `rope.scaling.type`: files that must be refused. `rerank`: a
+    Qwen3-Reranker-style model (pooling rank, `cls.output` over the labels yes/no, a rerank
+    chat template). `longrope` (phi3): Phi-3's
     LongRoPE factor sets (`rope_factors_long` / `rope_factors_short`), an original context of 64
     and the converter's attention factor (a trained context of 2048 = 4 × 512). `std`: weights drawn
     with standard deviation std/sqrt(columns) (a well-conditioned network, where rounding
@@ -124,6 +126,11 @@ def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     matrix("token_embd.weight", n_vocab, d)
     norm("output_norm.weight", d)
+    if rerank:
+        w.add_uint32(f"{arch}.pooling_type", 4)
+        w.add_array(f"{arch}.classifier.output_labels", ["yes", "no"])
+        w.add_string("tokenizer.chat_template.rerank",
+                     "<|im_start|>system\njudge<|im_end|>\n<|im_start|>user\nq: {query}\nd: {document}<|im_end|>\n<|im_start|>assistant\n")
     if longrope:
         # convert_hf_to_gguf's Phi-3 128k keys: factors per rotated pair for contexts beyond
         # the original one and within it, and sqrt(1 + ln(scale) / ln(original)) for scale 4
@@ -164,6 +171,8 @@ def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=
             norm(f"{b}.post_attention_norm.weight", d)
             norm(f"{b}.post_ffw_norm.weight", d)
 
+    if rerank:
+        matrix("cls.output.weight", 2, d, quantize=False)
     if extra_tensor:
         vector(extra_tensor, n_ff)
     w.write_header_to_file()

@@ -148,6 +148,12 @@ defmodule LlamaCppEx.EmbeddingTest do
       for {got, w} <- Enum.zip(scores, want), do: assert_in_delta(got, w, 5.0e-3)
 
       assert {:ok, [_]} = LlamaCppEx.embed_batch(reranker, ["x"], pooling_type: :rank)
+
+      # a Qwen3-Reranker-style decoder: its rerank template, last token, softmax over yes/no
+      {:ok, qwen} = LlamaCppEx.load_model(Path.join(dir, "tiny-qwen3-rerank-f32.gguf"))
+      %{"query" => q3, "documents" => d3, "scores" => w3} = fx["qwen3_rerank"]
+      assert {:ok, s3} = LlamaCppEx.rerank(qwen, q3, d3)
+      for {got, w} <- Enum.zip(s3, w3), do: assert_in_delta(got, w, 1.0e-3)
       assert {:error, _} = LlamaCppEx.rerank(reranker, "", docs)
       assert {:error, _} = LlamaCppEx.rerank(reranker, q, [<<0xFF>>])
     end

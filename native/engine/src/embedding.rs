@@ -134,9 +134,22 @@ pub fn rerank(
     n_ctx: usize,
     n_threads: usize,
 ) -> Result<Vec<f32>> {
+    // the model's rerank template (Qwen3 rerankers), else the tokenizer's pair format
+    let template = model
+        .metadata
+        .iter()
+        .find(|(k, _)| k == "tokenizer.chat_template.rerank")
+        .map(|(_, v)| v.clone());
     let inputs = documents
         .iter()
-        .map(|d| model.tokenizer.rerank_input(query, d))
+        .map(|d| match &template {
+            Some(t) => model.tokenizer.encode(
+                &t.replace("{query}", query).replace("{document}", d),
+                false,
+                true,
+            ),
+            None => model.tokenizer.rerank_input(query, d),
+        })
         .collect::<Result<Vec<_>>>()?;
     let scores = embed(model, &inputs, Pooling::Rank, -1, n_ctx, n_threads)?;
     Ok(scores
@@ -204,7 +217,11 @@ fn embed_pass(
                 normalize(&mut sum, norm);
                 sum
             }
-            Pooling::Rank => model.architecture()?.classify(row(0))?,
+            Pooling::Rank => {
+                let arch = model.architecture()?;
+                let i = if arch.causal() { t.len() - 1 } else { 0 };
+                arch.classify(row(i))?
+            }
             Pooling::Cls | Pooling::Last => {
                 let i = if pooling == Pooling::Cls {
                     0

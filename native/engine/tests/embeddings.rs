@@ -158,3 +158,37 @@ fn bert_reranker_matches_llama_server() {
         .to_string();
     assert!(e.contains("classification head"), "{e}");
 }
+
+/// A Qwen3-Reranker-style decoder (tiny, random: `scripts/tiny_bert.py`): its rerank template,
+/// the last token's final-normed state through `cls.output` (yes / no) and a softmax give
+/// llama-server's `/v1/rerank` scores.
+#[test]
+fn qwen3_reranker_matches_llama_server() {
+    use llama_cpp_ex_engine::embedding::rerank;
+    use llama_cpp_ex_engine::Model;
+    use std::sync::Arc;
+    let opts = llama_cpp_ex_engine::LoadOptions {
+        requantize: Requantize::Off,
+        vocab_only: false,
+    };
+    let model = Arc::new(
+        Model::load(
+            &fixtures_dir().join("tiny/tiny-qwen3-rerank-f32.gguf"),
+            &opts,
+        )
+        .unwrap(),
+    );
+    let fx = &fixture("tiny/bert.json")["qwen3_rerank"];
+    let docs: Vec<String> = fx["documents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_str().unwrap().to_string())
+        .collect();
+    let scores = rerank(&model, fx["query"].as_str().unwrap(), &docs, 256, 1).unwrap();
+    for (got, want) in scores.iter().zip(fx["scores"].as_array().unwrap()) {
+        let want = want.as_f64().unwrap() as f32;
+        println!("score {got:.6} llama-server {want:.6}");
+        assert!((got - want).abs() < 5e-3, "{got} vs {want}");
+    }
+}

@@ -197,6 +197,10 @@ fn gelu(x: &mut [f32]) {
 }
 
 impl Architecture for Bert {
+    fn causal(&self) -> bool {
+        false
+    }
+
     fn classify(&self, pooled: &[f32]) -> Result<Vec<f32>> {
         if self.cls.is_none() && self.cls_out.is_none() {
             return Err(EngineError::Unsupported(

@@ -239,6 +239,9 @@ pub struct Decoder {
     norm: Vec<f32>,
     output: Arc<Linear>,
     output_bias: Option<Vec<f32>>,
+    /// A reranker's head (`cls.output`: one row per `classifier.output_labels` entry; Qwen3
+    /// rerankers have yes/no rows of the vocabulary head, turned into a softmax).
+    cls_out: Option<Linear>,
     inv_freq_global: Vec<f32>,
     inv_freq_local: Vec<f32>,
     /// Phi-3 LongRoPE: the frequencies for contexts beyond `n_ctx_orig` (the short factor set
@@ -321,6 +324,14 @@ impl Decoder {
             norm: l.vector("output_norm.weight", d)?,
             output,
             output_bias: l.optional_vector("output.bias", cfg.n_vocab)?,
+            cls_out: match l.gguf.tensor_info("cls.output.weight") {
+                Ok(info) => Some(Linear::new(l.matrix(
+                    "cls.output.weight",
+                    info.shape[0],
+                    d,
+                )?)?),
+                Err(_) => None,
+            },
             inv_freq_global: freqs(cfg.rope_base),
             inv_freq_local: freqs(cfg.rope_base_local),
             inv_freq_long: long.as_deref().map(|f| freqs_with(cfg.rope_base, Some(f))),
@@ -346,6 +357,23 @@ fn soft_cap(x: &mut [f32], cap: f32) {
 }
 
 impl Architecture for Decoder {
+    fn classify(&self, pooled: &[f32]) -> Result<Vec<f32>> {
+        let head = self.cls_out.as_ref().ok_or_else(|| {
+            EngineError::Unsupported(
+                "pooling rank: the model has no classification head (cls.output)".into(),
+            )
+        })?;
+        let mut out = Vec::new();
+        head.forward_into(pooled, 1, &mut out)?;
+        if self.cfg.arch == "qwen3" {
+            // llama.cpp's Qwen3 reranker: a softmax over its labels (yes / no)
+            let max = out.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f32 = out.iter().map(|v| (v - max).exp()).sum();
+            out.iter_mut().for_each(|v| *v = (*v - max).exp() / sum);
+        }
+        Ok(out)
+    }
+
     fn forward(&self, batch: &Batch, kv: &mut KvCache, ws: &mut Workspace) -> Result<()> {
         let c = &self.cfg;
         let f = self.family;

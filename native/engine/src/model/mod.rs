@@ -243,6 +243,12 @@ pub trait Architecture: Send + Sync {
     /// (`[n_outputs, n_vocab]`).
     fn forward(&self, batch: &Batch, kv: &mut KvCache, ws: &mut Workspace) -> Result<()>;
 
+    /// Whether attention is causal: a decoder's reranker reads its last token, an encoder's
+    /// its first.
+    fn causal(&self) -> bool {
+        true
+    }
+
     /// A reranker's classification head over a pooled hidden state (llama.cpp's pooling
     /// `rank`): one score per output label.
     fn classify(&self, _pooled: &[f32]) -> Result<Vec<f32>> {
