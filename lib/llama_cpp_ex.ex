@@ -48,7 +48,7 @@ defmodule LlamaCppEx do
     Tokenizer
   }
 
-  @own_keys [:max_tokens, :n_ctx, :timeout, :grammar, :json_schema, :stop]
+  @own_keys [:max_tokens, :n_ctx, :timeout, :grammar, :json_schema, :stop, :speculative]
 
   @doc false
   def generation_option_keys,
@@ -168,6 +168,9 @@ defmodule LlamaCppEx do
     * context tuning options such as `:n_threads`, see `LlamaCppEx.Context.create/2`.
     * `:timeout` - the longest one step may take, in ms (default 60_000); past it the result
       is `{:error, :timeout}`.
+    * `:speculative` - `[mode: :prompt_lookup, n_draft: 8]` drafts tokens from the prompt and
+      the output so far and verifies them in one pass; the text is the same as without it
+      (lossless for every sampler). Off by default; `mode: :draft` is not implemented yet.
 
   ## Example
 

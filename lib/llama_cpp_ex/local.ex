@@ -7,7 +7,22 @@ defmodule LlamaCppEx.Local do
 
   alias LlamaCppEx.{Context, Model, NIF, Pipeline, Sampler}
 
-  defstruct [:ctx, :sampler, :pipeline, :prompt, :pos, :chunk, :next_token, :n_prompt]
+  defstruct [
+    :ctx,
+    :sampler,
+    :pipeline,
+    :prompt,
+    :pos,
+    :chunk,
+    :next_token,
+    :n_prompt,
+    # prompt-lookup speculation: draft length (nil = off), the sequence so far (newest
+    # first) and counters
+    :n_draft,
+    rev_history: [],
+    n_drafted: 0,
+    n_accepted: 0
+  ]
 
   @type t :: %__MODULE__{}
 
@@ -22,6 +37,7 @@ defmodule LlamaCppEx.Local do
   """
   @spec start(Model.t(), [non_neg_integer()], keyword()) :: {:ok, t()} | {:error, term()}
   def start(%Model{} = model, tokens, opts) do
+    n_draft = speculative(Keyword.get(opts, :speculative))
     n_prompt = length(tokens)
     max_tokens = Keyword.fetch!(opts, :max_tokens)
     explicit = Keyword.get(opts, :n_ctx)
@@ -56,7 +72,9 @@ defmodule LlamaCppEx.Local do
              prompt: tokens,
              pos: 0,
              chunk: min(Keyword.get(opts, :n_batch) || @default_chunk, size),
-             n_prompt: n_prompt
+             n_prompt: n_prompt,
+             n_draft: n_draft,
+             rev_history: if(n_draft, do: Enum.reverse(tokens), else: [])
            }}
         end
     end
@@ -78,15 +96,82 @@ defmodule LlamaCppEx.Local do
     run(s, entries, last)
   end
 
-  def step(%__MODULE__{next_token: token} = s) do
+  def step(%__MODULE__{next_token: token, n_draft: nil} = s) do
     run(%{s | pos: s.pos + 1}, [{token, s.pos, 0, true}], true)
   end
+
+  def step(%__MODULE__{next_token: token, n_draft: n_draft} = s) do
+    history = Enum.reverse(s.rev_history)
+
+    case NIF.context_speculate(s.ctx.ref, s.sampler.ref, token, s.pos, history, n_draft) do
+      {:ok, {tokens, n_drafted}} ->
+        s = %{
+          s
+          | pos: s.pos + length(tokens),
+            n_drafted: s.n_drafted + n_drafted,
+            n_accepted: s.n_accepted + length(tokens) - 1
+        }
+
+        push_all(s, tokens, [])
+
+      {:error, reason} ->
+        {:done, Pipeline.fail(s.pipeline, reason), s}
+    end
+  end
+
+  # the verified tokens through the pipeline, in order, until it ends
+  defp push_all(s, [], events), do: {:cont, events, s}
+
+  defp push_all(s, [{token, piece, eog, logprobs} | rest], events) do
+    s = %{s | rev_history: [token | s.rev_history], next_token: token}
+
+    case Pipeline.push(s.pipeline, piece, eog, logprobs) do
+      {:cont, more, p} -> push_all(%{s | pipeline: p}, rest, events ++ more)
+      {:done, more, p} -> {:done, events ++ more, %{s | pipeline: p}}
+    end
+  end
+
+  defp speculative(nil), do: nil
+  defp speculative(false), do: nil
+
+  defp speculative(opts) when is_list(opts) do
+    opts = Keyword.validate!(opts, mode: :prompt_lookup, n_draft: 8)
+
+    case opts[:mode] do
+      :prompt_lookup ->
+        :ok
+
+      :draft ->
+        raise ArgumentError,
+              "speculative mode :draft (a draft model) is not implemented yet; use :prompt_lookup"
+
+      other ->
+        raise ArgumentError, "unknown speculative mode #{inspect(other)}, expected :prompt_lookup"
+    end
+
+    case opts[:n_draft] do
+      n when is_integer(n) and n in 1..64 ->
+        n
+
+      n ->
+        raise ArgumentError, "speculative :n_draft must be an integer in 1..64, got #{inspect(n)}"
+    end
+  end
+
+  defp speculative(other),
+    do: raise(ArgumentError, "invalid :speculative #{inspect(other)}, expected a keyword list")
+
+  @doc "Draft tokens proposed and accepted so far (prompt-lookup speculation)."
+  @spec speculation(t()) :: {non_neg_integer(), non_neg_integer()}
+  def speculation(%__MODULE__{n_drafted: d, n_accepted: a}), do: {d, a}
 
   defp run(s, entries, sample?) do
     samplers = if sample?, do: [{0, s.sampler.ref}], else: []
 
     case NIF.context_step(s.ctx.ref, {[], entries, samplers, []}) do
       {:ok, {[{0, token, piece, eog, logprobs}], _, _, _, _}} ->
+        s = if s.n_draft, do: %{s | rev_history: [token | s.rev_history]}, else: s
+
         case Pipeline.push(s.pipeline, piece, eog, logprobs) do
           {:cont, events, p} -> {:cont, events, %{s | pipeline: p, next_token: token}}
           {:done, events, p} -> {:done, events, %{s | pipeline: p}}

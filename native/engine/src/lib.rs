@@ -18,6 +18,7 @@ pub mod limits;
 pub mod model;
 pub mod pool;
 pub mod sampler;
+pub mod speculative;
 pub mod stack;
 pub mod step;
 pub mod tokenizer;

@@ -133,3 +133,43 @@ fn context_step<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, step: StepTerm) ->
         Ok(encode_outcome(env, &ctx.model, &outcome))
     })
 }
+
+/// One prompt-lookup speculative step of sequence 0 (local generation): evaluates `token` at
+/// `pos` with a draft from `history` and returns `{[{token, piece, eog, logprobs}], n_drafted}`
+/// — the accepted draft tokens and the token sampled after them (see the engine's
+/// `speculative` module).
+#[rustler::nif(schedule = "DirtyCpu")]
+fn context_speculate<'a>(
+    env: Env<'a>,
+    c: ResourceArc<ContextRes>,
+    s: ResourceArc<crate::sampler::SamplerRes>,
+    token: u32,
+    pos: usize,
+    history: Vec<u32>,
+    n_draft: usize,
+) -> Out<Term<'a>> {
+    use llama_cpp_ex_engine::speculative::PromptLookup;
+    guard(|| {
+        let mut ctx = lock(&c.ctx);
+        let mut sampler = lock(&s.sampler);
+        let lookup = PromptLookup {
+            n_draft,
+            ..PromptLookup::default()
+        };
+        let outcome = ctx.speculate(0, token, pos, &history, &mut sampler, &lookup)?;
+        let model = ctx.model.clone();
+        let tokens: Vec<Term> = outcome
+            .tokens
+            .iter()
+            .map(|t| {
+                let piece = model.tokenizer.token_to_piece(t.token).unwrap_or(&[]);
+                let lp = match &t.logprobs {
+                    Some(lp) => crate::step::encode_logprobs(env, &model, lp),
+                    None => rustler::types::atom::nil().encode(env),
+                };
+                (t.token, crate::error::binary(env, piece), t.is_eog, lp).encode(env)
+            })
+            .collect();
+        Ok((tokens, outcome.n_drafted).encode(env))
+    })
+}

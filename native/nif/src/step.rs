@@ -52,7 +52,7 @@ impl StepTerm {
 }
 
 /// `{logprob, [{id, piece, logprob}]}`.
-fn encode_logprobs<'a>(env: Env<'a>, model: &Model, lp: &TokenLogprobs) -> Term<'a> {
+pub fn encode_logprobs<'a>(env: Env<'a>, model: &Model, lp: &TokenLogprobs) -> Term<'a> {
     let top: Vec<Term> = lp
         .top
         .iter()

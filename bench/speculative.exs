@@ -1,0 +1,60 @@
+# Prompt-lookup speculative decoding on the model route: an extraction workload (copy a
+# ~110-token paragraph) where drafts hit, and a poem where they rarely do; greedy, 128 tokens,
+# median of 3. Decode time = the request's time minus a max_tokens: 1 request's (prefill).
+#
+#   [LLAMA_MODEL_PATH=model.gguf] [LLAMA_THREADS=2] mix run bench/speculative.exs
+
+path =
+  System.get_env("LLAMA_MODEL_PATH") ||
+    Path.join(
+      System.get_env("LLAMA_CACHE_DIR") ||
+        Path.join(System.user_home!(), ".cache/llama_cpp_ex/models"),
+      "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+
+threads = String.to_integer(System.get_env("LLAMA_THREADS", "2"))
+{:ok, model} = LlamaCppEx.load_model(path)
+
+paragraph =
+  "The committee met on Tuesday to review the budget for the new library. After a long " <>
+    "discussion, the members agreed to fund the children's reading room, to extend the opening " <>
+    "hours on weekends, and to replace the old heating system before winter. The treasurer noted " <>
+    "that the reserve fund would cover most of the cost, and the rest would come from a small " <>
+    "increase in membership fees. The chair thanked the volunteers who had organised the book " <>
+    "sale in the spring, which raised more than expected."
+
+workloads = [
+  {"extraction (copy a paragraph)",
+   [%{role: "user", content: "Repeat this text exactly:\n" <> paragraph}]},
+  {"no hits (a poem)", [%{role: "user", content: "Write a short poem about the sea."}]}
+]
+
+median = fn xs -> xs |> Enum.sort() |> Enum.at(div(length(xs), 2)) end
+
+time = fn msgs, opts ->
+  median.(
+    for _ <- 1..3 do
+      {us, {:ok, _}} =
+        :timer.tc(fn -> LlamaCppEx.chat(model, msgs, [temp: 0.0, n_threads: threads] ++ opts) end)
+
+      us / 1000
+    end
+  )
+end
+
+IO.puts("model: #{LlamaCppEx.Model.desc(model)}, #{threads} threads")
+IO.puts("| workload | tokens | plain decode ms | speculative decode ms | speedup |")
+IO.puts("|---|---:|---:|---:|---:|")
+
+for {label, msgs} <- workloads do
+  _ = time.(msgs, max_tokens: 8)
+  prefill = time.(msgs, max_tokens: 1)
+  {:ok, text} = LlamaCppEx.chat(model, msgs, max_tokens: 128, temp: 0.0)
+  {:ok, ids} = LlamaCppEx.Tokenizer.encode(model, text, add_special: false)
+  plain = time.(msgs, max_tokens: 128) - prefill
+  spec = time.(msgs, max_tokens: 128, speculative: [mode: :prompt_lookup, n_draft: 8]) - prefill
+
+  IO.puts(
+    "| #{label} | #{length(ids)} | #{Float.round(plain, 1)} | #{Float.round(spec, 1)} | #{Float.round(plain / spec, 2)} |"
+  )
+end

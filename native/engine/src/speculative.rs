@@ -1,0 +1,160 @@
+//! Prompt-lookup speculative decoding (no draft model): when the last tokens of a sequence
+//! occurred earlier in its prompt or output, the tokens that followed them then are proposed
+//! as a draft, and the sequence's next token and the whole draft are evaluated in ONE forward
+//! pass with logits at every position.
+//!
+//! Verification samples the positions in order with the request's own sampler and stops at
+//! the first sampled token that differs from the draft. This is lossless for every sampler,
+//! not only greedy: a prompt-lookup draft is a single token per position (a one-hot draft
+//! distribution q), for which the rejection-sampling rule "accept with min(1, p/q), else
+//! resample from the normalised residual" is exactly "sample x ~ p; keep the draft if x
+//! equals it, else emit x". The sampler sees the same logits, the same accepted tokens and
+//! draws the same random numbers (one per emitted token) as without speculation, so a seeded
+//! request gives the same text, and penalties, grammars and logit biases the same states.
+//! Rejected positions are rolled back from the KV cache before the step returns.
+
+use crate::batch::Batch;
+use crate::context::Context;
+use crate::error::{EngineError, Result};
+use crate::sampler::{Sampler, TokenLogprobs};
+use crate::tokenizer::TokenId;
+
+/// How drafts are looked up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptLookup {
+    /// Most draft tokens per step.
+    pub n_draft: usize,
+    /// Longest and shortest suffix searched for (longest first).
+    pub ngram_max: usize,
+    pub ngram_min: usize,
+}
+
+impl Default for PromptLookup {
+    fn default() -> Self {
+        PromptLookup {
+            n_draft: 8,
+            ngram_max: 4,
+            ngram_min: 2,
+        }
+    }
+}
+
+impl PromptLookup {
+    /// The draft after `history` (which ends with the token about to be evaluated): the
+    /// tokens that followed the latest earlier occurrence of its longest matching suffix.
+    pub fn draft(&self, history: &[TokenId]) -> Vec<TokenId> {
+        let n = history.len();
+        for len in (self.ngram_min.max(1)..=self.ngram_max).rev() {
+            if len >= n {
+                continue;
+            }
+            let pattern = &history[n - len..];
+            // latest earlier occurrence (not the suffix itself), with at least one follower
+            for start in (0..n - len).rev() {
+                if &history[start..start + len] == pattern {
+                    let from = start + len;
+                    let to = (from + self.n_draft).min(n);
+                    return history[from..to].to_vec();
+                }
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// One verified token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verified {
+    pub token: TokenId,
+    pub is_eog: bool,
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// What one speculative step did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SpecOutcome {
+    /// The tokens emitted, in order: accepted draft tokens, then the token sampled where the
+    /// draft stopped (or after the whole draft). At least one.
+    pub tokens: Vec<Verified>,
+    /// Draft tokens proposed (accepted: `tokens.len() - 1`).
+    pub n_drafted: usize,
+}
+
+impl Context {
+    /// Evaluates `token` at `pos` of `seq` together with a prompt-lookup draft taken from
+    /// `history` (the sequence's tokens so far, `token` last), verifies the draft with
+    /// `sampler` and rolls back the rejected positions: the cache then holds `seq` up to
+    /// `pos + tokens.len()` and the last emitted token is the next one to evaluate.
+    pub fn speculate(
+        &mut self,
+        seq: usize,
+        token: TokenId,
+        pos: usize,
+        history: &[TokenId],
+        sampler: &mut Sampler,
+        lookup: &PromptLookup,
+    ) -> Result<SpecOutcome> {
+        if history.last() != Some(&token) {
+            return Err(EngineError::InvalidArgument(
+                "speculate: the history must end with the token being evaluated".into(),
+            ));
+        }
+        let mut draft = lookup.draft(history);
+        // the draft must fit the context and the batch
+        let room = self.params.n_ctx.saturating_sub(pos + 1);
+        draft.truncate(room.min(self.params.n_batch.saturating_sub(1)));
+        let mut batch = Batch::with_capacity(draft.len() + 1);
+        batch.push(token, pos, seq, true);
+        for (i, &d) in draft.iter().enumerate() {
+            batch.push(d, pos + 1 + i, seq, true);
+        }
+        self.decode(&batch)?;
+        let mut out = SpecOutcome {
+            tokens: Vec::with_capacity(draft.len() + 1),
+            n_drafted: draft.len(),
+        };
+        for i in 0..=draft.len() {
+            let (t, logprobs) = sampler.sample_with_logprobs(self.logits_ith(i as i64)?);
+            let is_eog = self.model.tokenizer.is_eog(t);
+            out.tokens.push(Verified {
+                token: t,
+                is_eog,
+                logprobs,
+            });
+            if i == draft.len() || t != draft[i] || is_eog {
+                break;
+            }
+        }
+        // keep the evaluated token and the accepted drafts; drop the rest
+        let keep = pos + out.tokens.len();
+        if keep < pos + 1 + draft.len() {
+            if !self.kv.seq_rm(seq, keep, None)? {
+                return Err(EngineError::Internal(
+                    "speculate: the rejected draft could not be rolled back".into(),
+                ));
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draft_is_what_followed_the_latest_match() {
+        let l = PromptLookup {
+            n_draft: 3,
+            ngram_max: 3,
+            ngram_min: 1,
+        };
+        // "... 1 2 3 9 9 ... 1 2 3 7 8 ... 1 2 3" → after the latest "1 2 3": 7 8 5
+        let h = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3];
+        assert_eq!(l.draft(&h), vec![7, 8, 5]);
+        // no earlier occurrence of any suffix
+        assert_eq!(l.draft(&[4, 5, 6]), Vec::<TokenId>::new());
+        // a shorter suffix when the longer ones never occurred
+        assert_eq!(l.draft(&[5, 6, 1, 7, 6]), vec![1, 7, 6]);
+    }
+}

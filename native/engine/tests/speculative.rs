@@ -1,0 +1,121 @@
+//! Prompt-lookup speculative decoding on SmolLM2: the tokens are exactly those of plain
+//! one-token-per-step decoding — greedy, and seeded sampling with penalties (the same random
+//! draws) — drafts are accepted on a copying workload, and rejected drafts leave no KV blocks
+//! behind.
+
+mod common;
+use common::*;
+use llama_cpp_ex_engine::sampler::{Sampler, SamplerParams};
+use llama_cpp_ex_engine::speculative::PromptLookup;
+use llama_cpp_ex_engine::{Batch, Context, Model, Requantize};
+use std::sync::Arc;
+
+const PARAGRAPH: &str = "The committee met on Tuesday to review the budget for the new \
+library. After a long discussion, the members agreed to fund the children's reading room, \
+to extend the opening hours on weekends, and to replace the old heating system before winter.";
+
+fn prompt(model: &Model) -> Vec<u32> {
+    let text = format!(
+        "<|im_start|>user\nRepeat this text exactly:\n{PARAGRAPH}<|im_end|>\n<|im_start|>assistant\n"
+    );
+    model.tokenizer.encode(&text, true, true).unwrap()
+}
+
+fn prefill(ctx: &mut Context, tokens: &[u32], sampler: &mut Sampler) -> u32 {
+    let mut b = Batch::with_capacity(tokens.len());
+    for (i, &t) in tokens.iter().enumerate() {
+        b.push(t, i, 0, i + 1 == tokens.len());
+    }
+    ctx.decode(&b).unwrap();
+    sampler.sample(ctx.logits_ith(-1).unwrap())
+}
+
+/// `n` tokens one per step.
+fn plain(model: &Arc<Model>, tokens: &[u32], params: SamplerParams, n: usize) -> Vec<u32> {
+    let mut ctx = ctx(model, 1024, 1);
+    let mut s = Sampler::new(params);
+    let mut out = vec![prefill(&mut ctx, tokens, &mut s)];
+    while out.len() < n {
+        let mut b = Batch::with_capacity(1);
+        b.push(*out.last().unwrap(), tokens.len() + out.len() - 1, 0, true);
+        ctx.decode(&b).unwrap();
+        out.push(s.sample(ctx.logits_ith(-1).unwrap()));
+    }
+    out
+}
+
+/// `n` tokens (at least) with speculation: (tokens, drafted, accepted, forward passes).
+fn speculative(
+    model: &Arc<Model>,
+    tokens: &[u32],
+    params: SamplerParams,
+    n: usize,
+) -> (Vec<u32>, usize, usize, usize, Context) {
+    let mut ctx = ctx(model, 1024, 1);
+    let mut s = Sampler::new(params);
+    let lookup = PromptLookup::default();
+    let mut history = tokens.to_vec();
+    let mut out = vec![prefill(&mut ctx, tokens, &mut s)];
+    history.push(out[0]);
+    let (mut drafted, mut accepted, mut passes) = (0, 0, 0);
+    while out.len() < n {
+        let pos = tokens.len() + out.len() - 1;
+        let step = ctx
+            .speculate(0, *out.last().unwrap(), pos, &history, &mut s, &lookup)
+            .unwrap();
+        passes += 1;
+        drafted += step.n_drafted;
+        accepted += step.tokens.len() - 1;
+        for t in step.tokens {
+            out.push(t.token);
+            history.push(t.token);
+        }
+    }
+    (out, drafted, accepted, passes, ctx)
+}
+
+#[test]
+fn speculation_changes_nothing_but_the_number_of_passes() {
+    let model = load(SMOLLM2, Requantize::Q8_0);
+    let p = prompt(&model);
+    let n = 72;
+    for (label, params) in [
+        ("greedy", SamplerParams::greedy()),
+        (
+            "seeded sampling with penalties",
+            SamplerParams {
+                temp: 0.7,
+                top_k: 40,
+                top_p: 0.95,
+                penalty_repeat: 1.1,
+                seed: 7,
+                ..Default::default()
+            },
+        ),
+    ] {
+        let want = plain(&model, &p, params.clone(), n);
+        let (got, drafted, accepted, passes, ctx) = speculative(&model, &p, params, n);
+        println!(
+            "{label}: {passes} passes for {} tokens, {accepted}/{drafted} drafts accepted",
+            got.len()
+        );
+        assert_eq!(
+            &got[..n],
+            &want[..],
+            "{label}: speculation changed the output"
+        );
+        // nothing past the last evaluated position is left in the cache
+        let held = p.len() + got.len() - 1;
+        let usage = ctx.kv_usage();
+        let blocks: usize = usage.owners[0].iter().map(|(_, b)| b).sum();
+        assert_eq!(blocks, held.div_ceil(16), "{label}: leaked KV blocks");
+        if label == "greedy" {
+            // copying a paragraph: most drafts hit
+            assert!(
+                accepted * 3 > drafted,
+                "{label}: {accepted}/{drafted} accepted"
+            );
+            assert!(passes * 2 < n, "{label}: {passes} passes for {n} tokens");
+        }
+    }
+}
