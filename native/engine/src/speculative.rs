@@ -127,12 +127,10 @@ impl Context {
         }
         // keep the evaluated token and the accepted drafts; drop the rest
         let keep = pos + out.tokens.len();
-        if keep < pos + 1 + draft.len() {
-            if !self.kv.seq_rm(seq, keep, None)? {
-                return Err(EngineError::Internal(
-                    "speculate: the rejected draft could not be rolled back".into(),
-                ));
-            }
+        if keep < pos + 1 + draft.len() && !self.kv.seq_rm(seq, keep, None)? {
+            return Err(EngineError::Internal(
+                "speculate: the rejected draft could not be rolled back".into(),
+            ));
         }
         Ok(out)
     }
