@@ -288,6 +288,11 @@ impl Context {
         }
     }
 
+    /// Every output row of the last decode, in batch order (`[n_outputs, n_vocab]`).
+    pub(crate) fn last_logits(&self) -> &[f32] {
+        &self.logits
+    }
+
     /// Logits of entry `i` of the last batch (`-1` = the last entry with logits).
     pub fn logits_ith(&self, i: i64) -> Result<&[f32]> {
         if self.ws.hidden_only {

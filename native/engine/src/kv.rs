@@ -88,6 +88,10 @@ struct Group {
 }
 
 impl Group {
+    fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
     fn alloc(&mut self) -> Option<u32> {
         let b = self.free.pop()?;
         self.refcount[b as usize] = 1;
@@ -372,6 +376,20 @@ impl KvCache {
         }
         self.lens[seq] = truncate_to;
         Ok(truncate_to == p0)
+    }
+
+    /// Positions `seq` can still add: the unused part of the blocks it holds, plus the free
+    /// blocks (the smallest figure over the layer groups).
+    pub fn room(&self, seq: usize) -> usize {
+        let len = self.lens[seq];
+        self.groups
+            .iter()
+            .map(|g| {
+                let held = g.seqs[seq].blocks.len() * KV_BLOCK_SIZE;
+                held.saturating_sub(len) + g.free_blocks() * KV_BLOCK_SIZE
+            })
+            .min()
+            .unwrap_or(0)
     }
 
     /// Frees blocks reserved beyond the valid positions of `seq` (after a failed batch).

@@ -156,3 +156,63 @@ mod tests {
         assert_eq!(l.draft(&[5, 6, 1, 7, 6]), vec![1, 7, 6]);
     }
 }
+
+/// The decoder interface speculative decoding is built on (ferrum's `forward_verify`,
+/// `truncate_kv`, `prepare`, `kv_capacity`).
+impl Context {
+    /// Evaluates `tokens` of `seq` from position `pos` in one pass and returns the logits of
+    /// every position (`[tokens.len(), n_vocab]`), borrowed from the context (no copy).
+    pub fn forward_verify(&mut self, seq: usize, pos: usize, tokens: &[TokenId]) -> Result<&[f32]> {
+        if tokens.is_empty() {
+            return Err(EngineError::InvalidArgument(
+                "forward_verify: no tokens".into(),
+            ));
+        }
+        let mut batch = Batch::with_capacity(tokens.len());
+        for (i, &t) in tokens.iter().enumerate() {
+            batch.push(t, pos + i, seq, true);
+        }
+        self.decode(&batch)?;
+        Ok(self.last_logits())
+    }
+
+    /// Rolls `seq` back to its first `new_len` positions, freeing the blocks past them
+    /// (O(blocks)); blocks shared with other sequences are only released by this one, so a
+    /// shared prefix stays intact for its other holders.
+    pub fn truncate_kv(&mut self, seq: usize, new_len: usize) -> Result<()> {
+        let seq = self.kv.check_seq(seq as i64)?;
+        if self.kv.seq_rm(seq, new_len, None)? {
+            Ok(())
+        } else {
+            Err(EngineError::Unsupported(format!(
+                "truncate_kv: sequence {seq} cannot be rolled back to {new_len} positions \
+                 (its sliding-window layers already dropped what that needs); it was cleared"
+            )))
+        }
+    }
+
+    /// Reserves the blocks `seq` needs to grow by `max_tokens` positions, so that those
+    /// steps cannot fail for lack of KV blocks; `{:context_full}` now if they do not fit.
+    pub fn prepare(&mut self, seq: usize, max_tokens: usize) -> Result<()> {
+        let seq = self.kv.check_seq(seq as i64)?;
+        let len = self.kv.seq_len(seq);
+        if len + max_tokens > self.params.n_ctx {
+            return Err(EngineError::PastContext {
+                seq,
+                held: len,
+                more: max_tokens,
+                n_ctx: self.params.n_ctx,
+            });
+        }
+        self.kv.reserve(seq, len, len + max_tokens)
+    }
+
+    /// How many more positions `seq` can grow by: the context's `n_ctx` minus what it holds,
+    /// bounded by its reserved room plus the free blocks.
+    pub fn kv_capacity(&self, seq: usize) -> Result<usize> {
+        let seq = self.kv.check_seq(seq as i64)?;
+        let len = self.kv.seq_len(seq);
+        let by_ctx = self.params.n_ctx.saturating_sub(len);
+        Ok(by_ctx.min(self.kv.room(seq)))
+    }
+}

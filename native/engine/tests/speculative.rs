@@ -119,3 +119,94 @@ fn speculation_changes_nothing_but_the_number_of_passes() {
         }
     }
 }
+
+/// ferrum's decoder interface: `forward_verify` gives the logits one-token steps give,
+/// `truncate_kv` rolls back without touching a prefix shared with another sequence, `prepare`
+/// reserves ahead and `kv_capacity` reports what is left.
+#[test]
+fn decoder_interface() {
+    use llama_cpp_ex_engine::{ContextParams, KvOp, Step};
+    let model = load(SMOLLM2, Requantize::Q8_0);
+    let p = prompt(&model);
+    let extra: Vec<u32> = p[5..25].to_vec();
+
+    // one pass over 20 tokens == 20 one-token steps
+    let mut a = ctx(&model, 1024, 2);
+    let mut b = ctx(&model, 1024, 2);
+    let mut batch = Batch::with_capacity(p.len());
+    for (i, &t) in p.iter().enumerate() {
+        batch.push(t, i, 0, false);
+    }
+    a.decode(&batch).unwrap();
+    b.decode(&batch).unwrap();
+    let verified = a.forward_verify(0, p.len(), &extra).unwrap().to_vec();
+    let n_vocab = model.tokenizer.n_vocab();
+    assert_eq!(verified.len(), extra.len() * n_vocab);
+    for (i, &t) in extra.iter().enumerate() {
+        let mut one = Batch::with_capacity(1);
+        one.push(t, p.len() + i, 0, true);
+        b.decode(&one).unwrap();
+        let row = &verified[i * n_vocab..(i + 1) * n_vocab];
+        let diff = row
+            .iter()
+            .zip(b.logits_ith(-1).unwrap())
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(diff < 1e-3, "position {i}: logits differ by {diff}");
+    }
+
+    // share the prompt with sequence 1, roll sequence 0 back into the shared part: sequence
+    // 1's prefix is untouched and sequence 0 continues exactly as before
+    a.step(&Step {
+        ops: vec![KvOp::Share {
+            src: 0,
+            dst: 1,
+            len: p.len(),
+        }],
+        ..Default::default()
+    })
+    .unwrap();
+    a.truncate_kv(0, p.len() - 3).unwrap();
+    assert_eq!(a.kv.seq_len(0), p.len() - 3);
+    assert_eq!(a.kv.seq_len(1), p.len());
+    a.kv.audit().unwrap();
+    let again = a
+        .forward_verify(0, p.len() - 3, &p[p.len() - 3..])
+        .unwrap()
+        .to_vec();
+    let mut fresh = ctx(&model, 1024, 1);
+    let mut all = Batch::with_capacity(p.len());
+    for (i, &t) in p.iter().enumerate() {
+        all.push(t, i, 0, i + 3 >= p.len());
+    }
+    fresh.decode(&all).unwrap();
+    let last = fresh.logits_ith(-1).unwrap();
+    let diff = again[2 * n_vocab..]
+        .iter()
+        .zip(last)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(diff < 1e-3, "after truncation the logits differ by {diff}");
+
+    // capacity and reservation
+    let mut c = Context::new(
+        model.clone(),
+        ContextParams {
+            n_ctx: 256,
+            n_batch: 256,
+            n_seq_max: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(c.kv_capacity(0).unwrap(), 256);
+    c.prepare(0, 100).unwrap();
+    assert_eq!(c.kv_capacity(0).unwrap(), 256);
+    assert!(c.kv_capacity(1).unwrap() <= 256);
+    assert!(c.prepare(0, 300).is_err(), "more than n_ctx");
+    c.forward_verify(0, 0, &p[..40]).unwrap();
+    assert_eq!(c.kv_capacity(0).unwrap(), 256 - 40);
+    c.truncate_kv(0, 10).unwrap();
+    assert_eq!(c.kv_capacity(0).unwrap(), 256 - 10);
+    c.kv.audit().unwrap();
+}
