@@ -136,27 +136,6 @@ impl Context {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn draft_is_what_followed_the_latest_match() {
-        let l = PromptLookup {
-            n_draft: 3,
-            ngram_max: 3,
-            ngram_min: 1,
-        };
-        // "... 1 2 3 9 9 ... 1 2 3 7 8 ... 1 2 3" → after the latest "1 2 3": 7 8 5
-        let h = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3];
-        assert_eq!(l.draft(&h), vec![7, 8, 5]);
-        // no earlier occurrence of any suffix
-        assert_eq!(l.draft(&[4, 5, 6]), Vec::<TokenId>::new());
-        // a shorter suffix when the longer ones never occurred
-        assert_eq!(l.draft(&[5, 6, 1, 7, 6]), vec![1, 7, 6]);
-    }
-}
-
 /// The decoder interface speculative decoding is built on (ferrum's `forward_verify`,
 /// `truncate_kv`, `prepare`, `kv_capacity`).
 impl Context {
@@ -214,5 +193,26 @@ impl Context {
         let len = self.kv.seq_len(seq);
         let by_ctx = self.params.n_ctx.saturating_sub(len);
         Ok(by_ctx.min(self.kv.room(seq)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draft_is_what_followed_the_latest_match() {
+        let l = PromptLookup {
+            n_draft: 3,
+            ngram_max: 3,
+            ngram_min: 1,
+        };
+        // "... 1 2 3 9 9 ... 1 2 3 7 8 ... 1 2 3" → after the latest "1 2 3": 7 8 5
+        let h = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3];
+        assert_eq!(l.draft(&h), vec![7, 8, 5]);
+        // no earlier occurrence of any suffix
+        assert_eq!(l.draft(&[4, 5, 6]), Vec::<TokenId>::new());
+        // a shorter suffix when the longer ones never occurred
+        assert_eq!(l.draft(&[5, 6, 1, 7, 6]), vec![1, 7, 6]);
     }
 }
