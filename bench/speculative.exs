@@ -4,13 +4,8 @@
 #
 #   [LLAMA_MODEL_PATH=model.gguf] [LLAMA_THREADS=2] mix run bench/speculative.exs
 
-path =
-  System.get_env("LLAMA_MODEL_PATH") ||
-    Path.join(
-      System.get_env("LLAMA_CACHE_DIR") ||
-        Path.join(System.user_home!(), ".cache/llama_cpp_ex/models"),
-      "SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
+Code.require_file("support/models.exs", __DIR__)
+path = Bench.Models.default_path()
 
 threads = String.to_integer(System.get_env("LLAMA_THREADS", "2"))
 {:ok, model} = LlamaCppEx.load_model(path)

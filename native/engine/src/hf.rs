@@ -335,6 +335,16 @@ impl HfDir {
         })
     }
 
+    /// `general.name`: the directory's name.
+    fn name(&self) -> Value {
+        Value::String(
+            self.dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        )
+    }
+
     fn cfg_u64(&self, key: &str) -> Result<u64> {
         self.config[key]
             .as_u64()
@@ -418,15 +428,7 @@ impl HfDir {
             meta.insert(k, v);
         };
         put("general.architecture".into(), Value::String(arch.into()));
-        put(
-            "general.name".into(),
-            Value::String(
-                self.dir
-                    .file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_default(),
-            ),
-        );
+        put("general.name".into(), self.name());
         put(
             key("context_length"),
             Value::U64(
@@ -659,15 +661,7 @@ impl HfDir {
         ] {
             meta.insert(k.to_string(), v);
         }
-        meta.insert(
-            "general.name".into(),
-            Value::String(
-                self.dir
-                    .file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_default(),
-            ),
-        );
+        meta.insert("general.name".into(), self.name());
         let mut out = GgufBuilder::new(meta);
         for (name, t) in self.tensors.iter().filter(|_| weights) {
             let short = name.strip_prefix("bert.").unwrap_or(name);

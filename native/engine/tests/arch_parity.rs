@@ -66,15 +66,7 @@ fn alone(model: &Arc<Model>, tokens: &[u32]) -> Vec<Vec<f32>> {
 
 /// The same in a context of `n_ctx` positions.
 fn alone_in(model: &Arc<Model>, tokens: &[u32], n_ctx: usize) -> Vec<Vec<f32>> {
-    let mut c = ctx(model, n_ctx, 1);
-    let mut b = Batch::with_capacity(tokens.len());
-    for (i, &t) in tokens.iter().enumerate() {
-        b.push(t, i, 0, true);
-    }
-    c.decode(&b).unwrap();
-    (0..tokens.len())
-        .map(|i| c.logits_ith(i as i64).unwrap().to_vec())
-        .collect()
+    logits_all(model, tokens, n_ctx)
 }
 
 /// Teacher-forces llama.cpp's continuations: (argmax agreements, positions with a clear

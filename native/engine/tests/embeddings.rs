@@ -80,14 +80,7 @@ fn bad_inputs_are_errors() {
 /// and mean-pooled, L2-normalised embeddings equal `llama-embedding`'s.
 #[test]
 fn bert_gguf_matches_llama_cpp() {
-    use llama_cpp_ex_engine::Model;
-    use std::sync::Arc;
-    let path = fixtures_dir().join("tiny/tiny-bert-f32.gguf");
-    let opts = llama_cpp_ex_engine::LoadOptions {
-        requantize: Requantize::Off,
-        vocab_only: false,
-    };
-    let model = Arc::new(Model::load(&path, &opts).unwrap());
+    let model = tiny_model("tiny-bert-f32.gguf");
     assert_eq!(Pooling::default_for(&model), Pooling::Mean);
     let fx = fixture("tiny/bert.json");
     let texts = fx["texts"].as_array().unwrap();
@@ -110,50 +103,58 @@ fn bert_gguf_matches_llama_cpp() {
     }
 }
 
-/// A BERT cross-encoder (tiny, random: `scripts/tiny_bert.py`): scores equal llama-server's
-/// `/v1/rerank` relevance scores within 5e-3 (measured 2e-5…1.2e-3: llama-server keeps K/V
-/// in f16), in document order, ranking the documents identically.
-#[test]
-fn bert_reranker_matches_llama_server() {
-    use llama_cpp_ex_engine::embedding::rerank;
-    use llama_cpp_ex_engine::Model;
-    use std::sync::Arc;
-    let path = fixtures_dir().join("tiny/tiny-bert-rerank-f32.gguf");
+/// `test/fixtures/tiny/<file>` with its weights as stored.
+fn tiny_model(file: &str) -> std::sync::Arc<llama_cpp_ex_engine::Model> {
     let opts = llama_cpp_ex_engine::LoadOptions {
         requantize: Requantize::Off,
         vocab_only: false,
     };
-    let model = Arc::new(Model::load(&path, &opts).unwrap());
-    assert_eq!(Pooling::default_for(&model), Pooling::Rank);
-    let fx = &fixture("tiny/bert.json")["rerank"];
+    let path = fixtures_dir().join("tiny").join(file);
+    std::sync::Arc::new(llama_cpp_ex_engine::Model::load(&path, &opts).unwrap())
+}
+
+/// Scores `model` gives the `bert.json` rerank case `key`, checked against llama-server's
+/// (5e-3: measured 2e-5…1.2e-3, llama-server keeps K/V in f16) and its ranking; the
+/// documents.
+fn check_rerank(model: &std::sync::Arc<llama_cpp_ex_engine::Model>, key: &str) -> Vec<String> {
+    use llama_cpp_ex_engine::embedding::rerank;
+    let fx = &fixture("tiny/bert.json")[key];
     let docs: Vec<String> = fx["documents"]
         .as_array()
         .unwrap()
         .iter()
         .map(|d| d.as_str().unwrap().to_string())
         .collect();
-    let scores = rerank(&model, fx["query"].as_str().unwrap(), &docs, 64, 1).unwrap();
-    for (got, want) in scores.iter().zip(fx["scores"].as_array().unwrap()) {
-        let want = want.as_f64().unwrap() as f32;
-        println!("score {got:.6} llama-server {want:.6}");
-        assert!((got - want).abs() < 5e-3, "{got} vs {want}");
-    }
-    let order = |v: &[f32]| {
-        let mut idx: Vec<usize> = (0..v.len()).collect();
-        idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]));
-        idx
-    };
     let want: Vec<f32> = fx["scores"]
         .as_array()
         .unwrap()
         .iter()
         .map(|x| x.as_f64().unwrap() as f32)
         .collect();
-    assert_eq!(order(&scores), order(&want));
+    let scores = rerank(model, fx["query"].as_str().unwrap(), &docs, 256, 1).unwrap();
+    for (got, want) in scores.iter().zip(&want) {
+        println!("{key}: score {got:.6} llama-server {want:.6}");
+        assert!((got - want).abs() < 5e-3, "{key}: {got} vs {want}");
+    }
+    let order = |v: &[f32]| {
+        let mut idx: Vec<usize> = (0..v.len()).collect();
+        idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]));
+        idx
+    };
+    assert_eq!(order(&scores), order(&want), "{key}: ranking");
+    docs
+}
+
+/// A BERT cross-encoder (tiny, random: `scripts/tiny_bert.py`): the CLS state through
+/// `cls` + tanh + `cls.output` gives llama-server's `/v1/rerank` scores in document order.
+#[test]
+fn bert_reranker_matches_llama_server() {
+    let model = tiny_model("tiny-bert-rerank-f32.gguf");
+    assert_eq!(Pooling::default_for(&model), Pooling::Rank);
+    let docs = check_rerank(&model, "rerank");
     // an embedding model has no classification head
-    let embedder =
-        Arc::new(Model::load(&fixtures_dir().join("tiny/tiny-bert-f32.gguf"), &opts).unwrap());
-    let e = rerank(&embedder, "q", &docs, 64, 1)
+    let embedder = tiny_model("tiny-bert-f32.gguf");
+    let e = llama_cpp_ex_engine::embedding::rerank(&embedder, "q", &docs, 64, 1)
         .unwrap_err()
         .to_string();
     assert!(e.contains("classification head"), "{e}");
@@ -164,31 +165,5 @@ fn bert_reranker_matches_llama_server() {
 /// llama-server's `/v1/rerank` scores.
 #[test]
 fn qwen3_reranker_matches_llama_server() {
-    use llama_cpp_ex_engine::embedding::rerank;
-    use llama_cpp_ex_engine::Model;
-    use std::sync::Arc;
-    let opts = llama_cpp_ex_engine::LoadOptions {
-        requantize: Requantize::Off,
-        vocab_only: false,
-    };
-    let model = Arc::new(
-        Model::load(
-            &fixtures_dir().join("tiny/tiny-qwen3-rerank-f32.gguf"),
-            &opts,
-        )
-        .unwrap(),
-    );
-    let fx = &fixture("tiny/bert.json")["qwen3_rerank"];
-    let docs: Vec<String> = fx["documents"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d.as_str().unwrap().to_string())
-        .collect();
-    let scores = rerank(&model, fx["query"].as_str().unwrap(), &docs, 256, 1).unwrap();
-    for (got, want) in scores.iter().zip(fx["scores"].as_array().unwrap()) {
-        let want = want.as_f64().unwrap() as f32;
-        println!("score {got:.6} llama-server {want:.6}");
-        assert!((got - want).abs() < 5e-3, "{got} vs {want}");
-    }
+    check_rerank(&tiny_model("tiny-qwen3-rerank-f32.gguf"), "qwen3_rerank");
 }

