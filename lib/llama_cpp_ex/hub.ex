@@ -127,7 +127,7 @@ defmodule LlamaCppEx.Hub do
     opts = LlamaCppEx.Options.validate!(opts, @request_keys, "LlamaCppEx.Hub.list_gguf_files/2")
     rev = Keyword.get(opts, :revision, "main")
 
-    with :ok <- guard(fn -> validate_component!(repo_id, "repository id", true) end),
+    with :ok <- guard(fn -> validate_component!(repo_id, "repository id") end),
          {:ok, body} <- api(repo_id, "/tree/#{rev}", opts),
          {:ok, entries} when is_list(entries) <- decode(body) do
       {:ok,
@@ -147,7 +147,7 @@ defmodule LlamaCppEx.Hub do
     opts = LlamaCppEx.Options.validate!(opts, @request_keys, "LlamaCppEx.Hub.get_model_info/2")
     rev = Keyword.get(opts, :revision, "main")
 
-    with :ok <- guard(fn -> validate_component!(repo_id, "repository id", true) end),
+    with :ok <- guard(fn -> validate_component!(repo_id, "repository id") end),
          {:ok, body} <- api(repo_id, "/revision/#{rev}?blobs=true", opts),
          {:ok, info} when is_map(info) <- decode(body) do
       {:ok, info}
@@ -213,9 +213,9 @@ defmodule LlamaCppEx.Hub do
   @spec cache_path(String.t(), String.t(), keyword()) :: String.t()
   def cache_path(repo_id, filename, opts \\ []) do
     rev = Keyword.get(opts, :revision, "main")
-    validate_component!(repo_id, "repository id", true)
-    validate_component!(filename, "filename", true)
-    validate_component!(rev, "revision", true)
+    validate_component!(repo_id, "repository id")
+    validate_component!(filename, "filename")
+    validate_component!(rev, "revision")
     Path.join([cache_dir(opts), repo_id, rev, filename])
   end
 
@@ -402,13 +402,18 @@ defmodule LlamaCppEx.Hub do
       http_opts = [timeout: :infinity, connect_timeout: 30_000, autoredirect: true] ++ ssl(url)
 
       case :httpc.request(:get, request, http_opts, [sync: false, stream: :self], profile) do
-        {:ok, ref} -> stream_loop(ref, io, where, progress, nil, 0, :crypto.hash_init(:sha256))
-        {:error, reason} -> {:error, "network error: #{inspect(reason)}"}
+        {:ok, ref} ->
+          t = %{headers: [], total: nil, got: 0, hash: :crypto.hash_init(:sha256)}
+          stream_loop(ref, io, where, progress, t)
+
+        {:error, reason} ->
+          {:error, "network error: #{inspect(reason)}"}
       end
     end
   end
 
-  defp stream_loop(ref, io, where, progress, total, got, hash) do
+  # The transfer so far: the reply's headers, its announced length, the bytes and their hash.
+  defp stream_loop(ref, io, where, progress, t) do
     receive do
       {:http, {^ref, :stream_start, headers}} ->
         total =
@@ -417,42 +422,34 @@ defmodule LlamaCppEx.Hub do
             n -> String.to_integer(n)
           end
 
-        Process.put({__MODULE__, ref}, headers)
         progress.({0, total})
-        stream_loop(ref, io, where, progress, total, got, hash)
+        stream_loop(ref, io, where, progress, %{t | headers: headers, total: total})
 
       {:http, {^ref, :stream, chunk}} ->
         :ok = IO.binwrite(io, chunk)
-        got = got + byte_size(chunk)
-        progress.({got, total})
-        stream_loop(ref, io, where, progress, total, got, :crypto.hash_update(hash, chunk))
+        got = t.got + byte_size(chunk)
+        progress.({got, t.total})
+        t = %{t | got: got, hash: :crypto.hash_update(t.hash, chunk)}
+        stream_loop(ref, io, where, progress, t)
 
       {:http, {^ref, :stream_end, _trailers}} ->
-        headers = Process.delete({__MODULE__, ref}) || []
-
-        if total != nil and got != total do
-          {:error, "download of #{where} truncated: got #{got} of #{total} bytes"}
+        if t.total != nil and t.got != t.total do
+          {:error, "download of #{where} truncated: got #{t.got} of #{t.total} bytes"}
         else
-          {:ok, hex(:crypto.hash_final(hash)), headers}
+          {:ok, hex(:crypto.hash_final(t.hash)), t.headers}
         end
 
       {:http, {^ref, {{_, status, _}, _headers, _body}}} ->
-        Process.delete({__MODULE__, ref})
         {:error, status_error(status, where)}
 
+      {:http, {^ref, {:error, {:failed_connect, _} = reason}}} ->
+        {:error, "network error: #{inspect(reason)}"}
+
       {:http, {^ref, {:error, reason}}} ->
-        Process.delete({__MODULE__, ref})
-
-        case reason do
-          {:failed_connect, _} ->
-            {:error, "network error: #{inspect(reason)}"}
-
-          _ ->
-            # the connection ended mid-body (httpc may not have passed any of it on yet)
-            {:error,
-             "download of #{where} truncated: the connection closed after #{got} of " <>
-               "#{total || "?"} bytes (#{inspect(reason)})"}
-        end
+        # the connection ended mid-body (httpc may not have passed any of it on yet)
+        {:error,
+         "download of #{where} truncated: the connection closed after #{t.got} of " <>
+           "#{t.total || "?"} bytes (#{inspect(reason)})"}
     end
   end
 
@@ -663,13 +660,13 @@ defmodule LlamaCppEx.Hub do
     e in ArgumentError -> {:error, Exception.message(e)}
   end
 
-  defp validate_component!(value, what, _nested) when not is_binary(value),
+  defp validate_component!(value, what) when not is_binary(value),
     do: raise(ArgumentError, "invalid #{what} #{inspect(value)}: expected a string")
 
-  defp validate_component!("", what, _),
+  defp validate_component!("", what),
     do: raise(ArgumentError, "invalid #{what}: must not be empty")
 
-  defp validate_component!(value, what, _) do
+  defp validate_component!(value, what) do
     bad =
       cond do
         String.contains?(value, <<0>>) -> "contains a null byte"

@@ -75,8 +75,8 @@ defmodule LlamaCppEx.Server.Config do
   defp path({:ok, p}) when not is_binary(p), do: {:error, {:invalid_model_path, p}}
 
   defp path({:ok, p}) do
-    # a GGUF file, or a Hugging Face checkpoint directory
-    if File.regular?(p) or File.regular?(Path.join(p, "config.json")),
+    # a GGUF file or a checkpoint directory: which one is the loader's business
+    if File.exists?(p),
       do: {:ok, p},
       else: {:error, {:model_not_found, p}}
   end

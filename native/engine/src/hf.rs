@@ -335,6 +335,20 @@ impl HfDir {
         })
     }
 
+    /// The type the weights are stored in (the first non-f32 tensor's; f32 if all are).
+    fn stored_type(&self) -> GgmlDType {
+        match self
+            .tensors
+            .values()
+            .map(|t| t.dtype)
+            .find(|t| *t != safetensors::Dtype::F32)
+        {
+            None => GgmlDType::F32,
+            Some(safetensors::Dtype::BF16) => GgmlDType::BF16,
+            Some(_) => GgmlDType::F16,
+        }
+    }
+
     /// `general.name`: the directory's name.
     fn name(&self) -> Value {
         Value::String(
@@ -512,22 +526,9 @@ impl HfDir {
                 }
             }
         }
-        let stored = self
-            .tensors
-            .values()
-            .map(|t| t.dtype)
-            .find(|t| *t != safetensors::Dtype::F32)
-            .map(|t| {
-                if t == safetensors::Dtype::BF16 {
-                    GgmlDType::BF16
-                } else {
-                    GgmlDType::F16
-                }
-            })
-            .unwrap_or(GgmlDType::F32);
         put(
             "general.file_type".into(),
-            Value::U32(quantize.file_type(stored)),
+            Value::U32(quantize.file_type(self.stored_type())),
         );
         if let Some(t) = &self.chat_template {
             put("tokenizer.chat_template".into(), Value::String(t.clone()));
@@ -656,7 +657,7 @@ impl HfDir {
             ("bert.pooling_type", Value::U32(pooling)),
             (
                 "general.file_type",
-                Value::U32(quantize.file_type(GgmlDType::F32)),
+                Value::U32(quantize.file_type(self.stored_type())),
             ),
         ] {
             meta.insert(k.to_string(), v);

@@ -6,22 +6,10 @@ use common::*;
 use llama_cpp_ex_engine::embedding::{embed, Pooling};
 use llama_cpp_ex_engine::Requantize;
 
-fn cosine(a: &[f32], b: &[f64]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * y).sum();
-    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt();
-    dot / (na * nb)
-}
-
 #[test]
 fn decoder_embeddings_match_llama_cpp() {
     let fx = fixture("embeddings.json");
-    let texts: Vec<&str> = fx["texts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_str().unwrap())
-        .collect();
+    let texts = strs(&fx["texts"]);
     for (name, file) in [("smollm2", SMOLLM2), ("gemma3", GEMMA3)] {
         let model = load(file, Requantize::Off);
         let ids: Vec<Vec<u32>> = texts
@@ -36,13 +24,7 @@ fn decoder_embeddings_match_llama_cpp() {
             let ours = embed(&model, &ids, pooling, 2, 512, 2).unwrap();
             let theirs = fx["models"][name][pname].as_array().unwrap();
             for (i, (o, t)) in ours.iter().zip(theirs).enumerate() {
-                let t: Vec<f64> = t
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap())
-                    .collect();
-                let c = cosine(o, &t);
+                let c = cosine(o, &floats(t));
                 println!("{name} {pname} text {i}: cosine {c:.6}");
                 // Gemma 3's hidden states carry a few very large dimensions, and the engine's
                 // K-quant kernels quantize activations per 32 values where ggml uses Q8_K
@@ -56,10 +38,7 @@ fn decoder_embeddings_match_llama_cpp() {
             // one text alone equals the same text inside the batch
             for (i, t) in ids.iter().enumerate() {
                 let alone = embed(&model, std::slice::from_ref(t), pooling, 2, 512, 2).unwrap();
-                let c = cosine(
-                    &alone[0],
-                    &ours[i].iter().map(|x| *x as f64).collect::<Vec<_>>(),
-                );
+                let c = cosine(&alone[0], &ours[i]);
                 assert!(c > 0.99999, "{name} {pname} text {i} alone vs batch: {c}");
             }
         }
@@ -90,12 +69,7 @@ fn bert_gguf_matches_llama_cpp() {
             .encode(text.as_str().unwrap(), true, false)
             .unwrap();
         assert_eq!(ids, common::ids(&fx["ids"][k]), "{text}");
-        let want: Vec<f32> = fx["embeddings"][k]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect();
+        let want = floats(&fx["embeddings"][k]);
         let got = embed(&model, &[ids], Pooling::Mean, 2, 64, 1).unwrap();
         let dot: f32 = got[0].iter().zip(&want).map(|(a, b)| a * b).sum();
         println!("{text}: cosine {dot:.7}");
@@ -119,18 +93,11 @@ fn tiny_model(file: &str) -> std::sync::Arc<llama_cpp_ex_engine::Model> {
 fn check_rerank(model: &std::sync::Arc<llama_cpp_ex_engine::Model>, key: &str) -> Vec<String> {
     use llama_cpp_ex_engine::embedding::rerank;
     let fx = &fixture("tiny/bert.json")[key];
-    let docs: Vec<String> = fx["documents"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d.as_str().unwrap().to_string())
+    let docs: Vec<String> = strs(&fx["documents"])
+        .into_iter()
+        .map(String::from)
         .collect();
-    let want: Vec<f32> = fx["scores"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect();
+    let want = floats(&fx["scores"]);
     let scores = rerank(model, fx["query"].as_str().unwrap(), &docs, 256, 1).unwrap();
     for (got, want) in scores.iter().zip(&want) {
         println!("{key}: score {got:.6} llama-server {want:.6}");

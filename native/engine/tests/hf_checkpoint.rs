@@ -389,12 +389,7 @@ fn minilm_embeddings_match_the_reference() {
         .any(|(n, s, _)| n.contains("layer.5.output.dense.weight") && s == &[384, 1536]));
 
     let fx = fixture("minilm_embeddings.json");
-    let texts: Vec<&str> = fx["texts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_str().unwrap())
-        .collect();
+    let texts = strs(&fx["texts"]);
     for (q, bound) in [(Quantize::None, 1e-4), (Quantize::Q8_0, 1e-3)] {
         let model = load_hf(&dir, q);
         assert_eq!(model.config.arch, "bert");
@@ -408,12 +403,7 @@ fn minilm_embeddings_match_the_reference() {
         }
         let together = embed(&model, &ids, Pooling::Mean, 2, 512, 2).unwrap();
         for (k, want) in fx["embeddings"].as_array().unwrap().iter().enumerate() {
-            let want: Vec<f32> = want
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-                .collect();
+            let want = floats(want);
             let alone = embed(&model, &ids[k..k + 1], Pooling::Mean, 2, 512, 2).unwrap();
             let cos = cosine(&alone[0], &want);
             println!("{q:?} text {k}: cosine {cos:.7}");
