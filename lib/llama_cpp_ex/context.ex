@@ -65,6 +65,7 @@ defmodule LlamaCppEx.Context do
     :pooling_type,
     :ctx_type,
     :n_seq_max,
+    :n_seq_embd,
     :kv_unified,
     :n_rs_seq
   ]
@@ -104,6 +105,9 @@ defmodule LlamaCppEx.Context do
     * `:n_threads_batch` - the same for passes over several tokens (prompt processing,
       batches of sequences). Default `:n_threads`.
     * `:n_seq_max` - number of sequences. Default 1.
+    * `:n_seq_embd` - of those, how many (the last ones) hold embedding texts for one step
+      only (`LlamaCppEx.Server.embed/3`): they borrow KV blocks from the `:n_ctx` budget
+      instead of adding to it. Default 0.
     * `:type_k` / `:type_v` - KV precision, `:f16` (default) or `:f32`.
     * the options listed under "Options that do nothing here".
 
@@ -127,6 +131,7 @@ defmodule LlamaCppEx.Context do
         n_threads: n_threads,
         n_threads_batch: Keyword.get(opts, :n_threads_batch) || n_threads,
         n_seq_max: Keyword.get(opts, :n_seq_max, 1),
+        n_seq_embd: Keyword.get(opts, :n_seq_embd, 0),
         kv_type: kv_type
       }
 
@@ -156,6 +161,7 @@ defmodule LlamaCppEx.Context do
       n_threads: {:int, 1, 1024},
       n_threads_batch: {:int, 1, 1024},
       n_seq_max: {:int, 1, 4096},
+      n_seq_embd: {:int, 0, 4096},
       flash_attn: {:in, [:auto, :enabled, :disabled, true, false]},
       offload_kqv: :boolean,
       op_offload: :boolean,

@@ -65,9 +65,9 @@ defmodule LlamaCppEx.Embedding do
     normalize: 2,
     format: :list,
     n_ctx: 2048,
-    truncate: false,
-    n_threads: nil
+    truncate: false
   ]
+  @keys Keyword.keys(@defaults)
 
   @doc """
   The embedding of `text`; see the module documentation for the options.
@@ -88,7 +88,29 @@ defmodule LlamaCppEx.Embedding do
   end
 
   defp run(model, texts, opts, label) do
-    Options.validate!(opts, Keyword.keys(@defaults), label)
+    with {:ok, ids, opts} <- prepare(model, texts, opts, label, [:n_threads]),
+         {:ok, bins} <-
+           NIF.embed(
+             model.ref,
+             ids,
+             pooling_code(opts),
+             opts[:normalize],
+             opts[:n_ctx],
+             opts[:n_threads] || Context.default_threads()
+           ) do
+      {:ok, decode(bins, model, opts)}
+    end
+  end
+
+  @doc false
+  # The one home of the embedding options (checked, defaults merged, `:n_ctx` capped at the
+  # model's training context and at `max_ctx`) and of turning texts into token ids, for the
+  # model route and `LlamaCppEx.Server.embed/3`: `{:ok, ids, opts}` or `{:error, message}`.
+  # `extra` are the caller's own option keys (validated by name only).
+  @spec prepare(Model.t(), list(), keyword(), String.t(), [atom()], pos_integer() | :infinity) ::
+          {:ok, [[non_neg_integer()]], keyword()} | {:error, String.t()}
+  def prepare(model, texts, opts, label, extra \\ [], max_ctx \\ :infinity) do
+    Options.validate!(opts, @keys ++ extra, label)
 
     with :ok <-
            Options.check_all(opts,
@@ -101,21 +123,22 @@ defmodule LlamaCppEx.Embedding do
            ),
          opts = Keyword.merge(@defaults, opts),
          # never past the positions the model was trained with (an encoder has no more)
-         opts = Keyword.update!(opts, :n_ctx, &min(&1, Model.n_ctx_train(model))),
-         {:ok, ids} <- tokenize_all(model, texts, opts),
-         {:ok, bins} <-
-           NIF.embed(
-             model.ref,
-             ids,
-             @pooling[opts[:pooling_type]],
-             opts[:normalize],
-             opts[:n_ctx],
-             opts[:n_threads] || Context.default_threads()
-           ) do
-      # `:unspecified` never resolves to per-token vectors (see the engine's Pooling)
-      per_token = opts[:pooling_type] == :none
-      {:ok, Enum.map(bins, &format(&1, opts[:format], per_token, Model.n_embd(model)))}
+         opts = Keyword.update!(opts, :n_ctx, &min(min(&1, Model.n_ctx_train(model)), max_ctx)),
+         {:ok, ids} <- tokenize_all(model, texts, opts) do
+      {:ok, ids, opts}
     end
+  end
+
+  @doc false
+  # llama.cpp's pooling number for the engine (-1: the model's own).
+  def pooling_code(opts), do: @pooling[opts[:pooling_type]]
+
+  @doc false
+  # The engine's f32 binaries in the shape `opts` asks for.
+  def decode(bins, model, opts) do
+    # `:unspecified` never resolves to per-token vectors (see the engine's Pooling)
+    per_token = opts[:pooling_type] == :none
+    Enum.map(bins, &format(&1, opts[:format], per_token, Model.n_embd(model)))
   end
 
   @doc """

@@ -75,8 +75,19 @@ defmodule LlamaCppEx.Server do
   use GenServer
   require Logger
 
-  alias LlamaCppEx.{Context, Model, NIF, Options, Sampler, Source, StopMatcher, Tokenizer}
-  alias LlamaCppEx.Server.{Config, Request, Slot, State, Stats, Tick}
+  alias LlamaCppEx.{
+    Context,
+    Embedding,
+    Model,
+    NIF,
+    Options,
+    Sampler,
+    Source,
+    StopMatcher,
+    Tokenizer
+  }
+
+  alias LlamaCppEx.Server.{Config, EmbedJob, Request, Slot, State, Stats, Tick}
 
   @request_keys [:cache_prompt, :session, :cache_scope, :stop]
   @call_keys [:max_tokens, :timeout]
@@ -105,7 +116,14 @@ defmodule LlamaCppEx.Server do
     * `:n_ctx` - KV budget in tokens shared by all slots. Default 8192.
     * `:n_batch` - token budget of one forward pass. Default `min(n_ctx, 2048)`.
     * `:chunk_size` - most prompt tokens one slot feeds per tick. Default 512.
-    * `:max_queue` - waiting requests beyond the free slots; 0 = unlimited. Default 64.
+    * `:max_queue` - waiting requests beyond the free slots; 0 = unlimited. Default 64. It
+      bounds waiting `embed/3` calls too.
+    * `:embed_parallel` - most embedding texts one forward pass carries (each is a KV
+      sequence of its own for that pass). Default 32.
+    * `:embed_chunk` - most embedding tokens a pass carries while requests are generating
+      (every generating request waits for the whole pass, so this bounds the inter-token
+      latency embeddings add); a text longer than it goes whole. Without generation,
+      embeddings take up to half of `:n_batch`. Default 64.
     * `:cache_prompt` - keep a finished request's KV for prefix reuse. Default `true`.
     * `:kv_unified` - allow cross-slot prefix sharing. Default `true`.
     * `:batch_strategy` - a `LlamaCppEx.Server.BatchStrategy`. Default
@@ -217,7 +235,8 @@ defmodule LlamaCppEx.Server do
     {timeout, opts} = Keyword.pop(opts, :timeout, Options.stream_timeout())
 
     with :ok <- check_request(ids, max_tokens, opts),
-         {:ok, model, defaults} <- fetch_model_and_defaults(server),
+         {:ok, model, %{sampler_defaults: defaults}} <- fetch_model_and_config(server),
+         :ok <- check_generative(model),
          :ok <- check_ids(model, ids),
          {:ok, sampler} <-
            Sampler.create(model, Keyword.merge(defaults, Keyword.take(opts, Sampler.all_keys()))) do
@@ -238,6 +257,10 @@ defmodule LlamaCppEx.Server do
     end
   end
 
+  defp check_generative(model) do
+    if Model.info(model).generative, do: :ok, else: {:error, :not_generative_model}
+  end
+
   defp check_ids(model, ids) do
     n_vocab = Tokenizer.vocab_size(model)
     if Enum.all?(ids, &(&1 < n_vocab)), do: :ok, else: {:error, :invalid_token}
@@ -255,6 +278,90 @@ defmodule LlamaCppEx.Server do
       {:error, exit_reason(reason)}
   end
 
+  @doc """
+  Embeddings of `texts` (a list of strings), in order: `{:ok, [vector]}` or
+  `{:error, reason}`.
+
+  The texts ride in the server's forward passes next to the tokens of generating requests
+  (each text is a sequence of its own for one pass, its final-normed hidden states pooled
+  there), so embedding and generation share the model and the machine instead of competing
+  for them; no slot is taken and nothing stays in the KV cache after the reply. While
+  requests generate, a pass carries up to `:embed_chunk` embedding tokens (default 64) next
+  to their decode rows, bounding what embeddings add to their inter-token latency; otherwise
+  waiting texts get up to half of `:n_batch` before prompt chunks. A server whose model is
+  an encoder (BERT) serves embeddings only.
+
+      {:ok, [a, b]} = LlamaCppEx.Server.embed(MyApp.LLM, ["cats purr", "dogs bark"])
+
+  Options: `:pooling_type`, `:normalize`, `:format`, `:n_ctx`, `:truncate` as
+  `LlamaCppEx.Embedding` (a text longer than `min(n_ctx, n_batch)` tokens is an error unless
+  `truncate: true`), and `:timeout` (default 60_000 ms for the whole call; past it the call is
+  cancelled and returns `{:error, :timeout}`). Errors: `{:error, :queue_full}` when
+  `:max_queue` calls already wait, `{:error, :context_full}` when the KV budget cannot hold a
+  text, a message for bad input, `{:error, :server_down}` when the server dies.
+  """
+  @spec embed(GenServer.server(), [String.t()], keyword()) ::
+          {:ok, [Embedding.t() | [Embedding.t()]]} | {:error, term()}
+  def embed(server, texts, opts \\ []) when is_list(texts) do
+    timeout = Options.timeout(opts, :blocking)
+    opts = Keyword.delete(opts, :timeout)
+    label = "LlamaCppEx.Server.embed/3"
+
+    with {:ok, model, %{n_batch: n_batch}} <- fetch_model_and_config(server),
+         {:ok, ids, opts} <- Embedding.prepare(model, texts, opts, label, [], n_batch),
+         :ok <- check_lengths(ids, opts[:n_ctx]) do
+      if ids == [] do
+        {:ok, []}
+      else
+        ref = make_ref()
+        job = EmbedJob.new(ids, Embedding.pooling_code(opts), opts[:normalize], self(), ref)
+        await_embeddings(server, job, timeout, model, opts)
+      end
+    end
+  end
+
+  defp check_lengths(ids, max) do
+    case Enum.find_index(ids, &(length(&1) > max)) do
+      nil ->
+        :ok
+
+      i ->
+        {:error,
+         "text #{i} has #{length(Enum.at(ids, i))} tokens, more than #{max} (n_ctx, n_batch)"}
+    end
+  end
+
+  defp await_embeddings(server, job, timeout, model, opts) do
+    deadline = System.monotonic_time(:millisecond) + timeout
+    ref = job.ref
+    mon = Process.monitor(GenServer.whereis(server) || server)
+
+    result =
+      with :ok <- call(server, {:embed, job}, timeout, ref) do
+        left = max(deadline - System.monotonic_time(:millisecond), 0)
+
+        receive do
+          {^ref, {:ok, bins}} -> {:ok, Embedding.decode(bins, model, opts)}
+          {^ref, {:error, reason}} -> {:error, reason}
+          {:DOWN, ^mon, :process, _, _} -> {:error, :server_down}
+        after
+          left ->
+            cancel(server, ref)
+            {:error, :timeout}
+        end
+      end
+
+    Process.demonitor(mon, [:flush])
+    # a reply that raced the timeout
+    receive do
+      {^ref, _} -> :ok
+    after
+      0 -> :ok
+    end
+
+    result
+  end
+
   @doc "Cancels the request streaming to `ref` (or removes it from the queue)."
   @spec cancel(GenServer.server(), reference()) :: :ok
   def cancel(server, ref), do: GenServer.cast(server, {:cancel, ref})
@@ -262,14 +369,14 @@ defmodule LlamaCppEx.Server do
   @doc "The server's model, once loaded."
   @spec fetch_model(GenServer.server()) :: {:ok, Model.t()} | {:error, term()}
   def fetch_model(server) do
-    with {:ok, model, _defaults} <- fetch_model_and_defaults(server), do: {:ok, model}
+    with {:ok, model, _config} <- fetch_model_and_config(server), do: {:ok, model}
   end
 
-  defp fetch_model_and_defaults(server) do
+  defp fetch_model_and_config(server) do
     with pid when is_pid(pid) <- GenServer.whereis(server),
          [{_, model}] <- Registry.lookup(LlamaCppEx.Registry, {__MODULE__, pid}),
-         [{_, defaults}] <- Registry.lookup(LlamaCppEx.Registry, {Config, pid}) do
-      {:ok, model, defaults}
+         [{_, config}] <- Registry.lookup(LlamaCppEx.Registry, {Config, pid}) do
+      {:ok, model, config}
     else
       nil ->
         {:error, :noproc}
@@ -352,8 +459,15 @@ defmodule LlamaCppEx.Server do
          {:ok, engine} <- NIF.engine_start(ctx.ref) do
       Process.flag(:trap_exit, true)
       {:ok, _} = Registry.register(LlamaCppEx.Registry, {__MODULE__, self()}, model)
-      {:ok, _} = Registry.register(LlamaCppEx.Registry, {Config, self()}, cfg.sampler_defaults)
+
+      {:ok, _} =
+        Registry.register(LlamaCppEx.Registry, {Config, self()}, %{
+          sampler_defaults: cfg.sampler_defaults,
+          n_batch: cfg.n_batch
+        })
+
       slots = Map.new(0..(cfg.n_parallel - 1), &{&1, Slot.idle(&1)})
+      embed_seqs = Enum.to_list(cfg.n_parallel..(cfg.n_parallel + cfg.embed_parallel - 1))
 
       {:noreply,
        %{
@@ -362,6 +476,7 @@ defmodule LlamaCppEx.Server do
            ctx: ctx,
            engine: engine,
            slots: slots,
+           embed_free: embed_seqs,
            swa_window: Model.info(model).swa_window
        }}
     else
@@ -374,16 +489,40 @@ defmodule LlamaCppEx.Server do
     do: {:reply, {:error, :not_ready}, st}
 
   def handle_call(:fetch_model, _from, st),
-    do: {:reply, {:ok, st.model, st.config.sampler_defaults}, st}
+    do:
+      {:reply,
+       {:ok, st.model,
+        %{sampler_defaults: st.config.sampler_defaults, n_batch: st.config.n_batch}}, st}
 
-  def handle_call(:get_stats, _from, st),
-    do: {:reply, Stats.snapshot(st.stats, st.slots, :queue.len(st.queue), st.config), st}
+  def handle_call(:get_stats, _from, st) do
+    waiting = st.embed_jobs |> Map.values() |> Enum.map(&length(&1.todo)) |> Enum.sum()
+    {:reply, Stats.snapshot(st.stats, st.slots, :queue.len(st.queue), st.config, waiting), st}
+  end
 
   def handle_call(:reset_stats_window, _from, st),
     do: {:reply, :ok, %{st | stats: Stats.reset_window(st.stats)}}
 
   def handle_call(:kv_audit, from, st),
     do: {:noreply, answer_audits(%{st | audits: [from | st.audits]})}
+
+  def handle_call({:embed, %EmbedJob{}}, _from, %State{model: nil} = st),
+    do: {:reply, {:error, :not_ready}, st}
+
+  def handle_call({:embed, %EmbedJob{} = job}, _from, st) do
+    if st.config.max_queue > 0 and map_size(st.embed_jobs) >= st.config.max_queue do
+      {:reply, {:error, :queue_full}, st}
+    else
+      job = %{job | monitor_ref: Process.monitor(job.pid)}
+
+      st = %{
+        st
+        | embed_jobs: Map.put(st.embed_jobs, job.ref, job),
+          embed_order: st.embed_order ++ [job.ref]
+      }
+
+      {:reply, :ok, Tick.schedule(st)}
+    end
+  end
 
   def handle_call({:subscribe, %Request{} = request}, _from, st) do
     case admit(st, request) do

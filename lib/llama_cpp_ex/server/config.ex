@@ -15,6 +15,8 @@ defmodule LlamaCppEx.Server.Config do
     n_batch: nil,
     chunk_size: 512,
     max_queue: 64,
+    embed_parallel: 32,
+    embed_chunk: 64,
     cache_prompt: true,
     kv_unified: true,
     prompt_cache_ram_mb: 0,
@@ -63,7 +65,9 @@ defmodule LlamaCppEx.Server.Config do
             |> Keyword.merge(
               n_ctx: n_ctx,
               n_batch: own[:n_batch] || min(n_ctx, 2048),
-              n_seq_max: own[:n_parallel]
+              # slots first, then one sequence per embedding text of a step
+              n_seq_max: own[:n_parallel] + own[:embed_parallel],
+              n_seq_embd: own[:embed_parallel]
             )
         })
 
@@ -105,6 +109,8 @@ defmodule LlamaCppEx.Server.Config do
              n_batch: {:int, 1, 4_194_304},
              chunk_size: {:int, 1, 4_194_304},
              max_queue: {:int, 0, 1_000_000_000},
+             embed_parallel: {:int, 1, 1024},
+             embed_chunk: {:int, 1, 4_194_304},
              cache_prompt: :boolean,
              kv_unified: :boolean,
              prompt_cache_ram_mb: {:int, 0, 1_000_000_000}

@@ -19,6 +19,10 @@ defmodule LlamaCppEx.Server.State do
     # KV operations decided since the last step, shipped with the next one
     pending_ops: [],
     audits: [],
+    # Server.embed/3 calls: jobs by reply ref, their order, and the free embedding sequence ids
+    embed_jobs: %{},
+    embed_order: [],
+    embed_free: [],
     warned_instability: false
   ]
 

@@ -5,7 +5,11 @@ defmodule LlamaCppEx.Server.Stats do
 
   alias LlamaCppEx.Server.{Request, Slot}
 
-  defstruct tokens_generated: 0, requests_completed: 0, window_start: 0, window_tokens: 0
+  defstruct tokens_generated: 0,
+            requests_completed: 0,
+            embeddings_completed: 0,
+            window_start: 0,
+            window_tokens: 0
 
   @type t :: %__MODULE__{}
 
@@ -28,9 +32,14 @@ defmodule LlamaCppEx.Server.Stats do
     }
   end
 
+  @doc "Counts the texts of a finished embedding call."
+  @spec embeddings_done(t(), non_neg_integer()) :: t()
+  def embeddings_done(stats, n),
+    do: %{stats | embeddings_completed: stats.embeddings_completed + n}
+
   @doc "The map `LlamaCppEx.Server.get_stats/1` returns."
-  @spec snapshot(t(), map(), non_neg_integer(), map()) :: map()
-  def snapshot(stats, slots, queue_depth, config) do
+  @spec snapshot(t(), map(), non_neg_integer(), map(), non_neg_integer()) :: map()
+  def snapshot(stats, slots, queue_depth, config, embed_waiting \\ 0) do
     counts = Enum.frequencies_by(slots, fn {_, s} -> s.state end)
     window_ms = max(now_ms() - stats.window_start, 1)
     # tokens of requests still running count toward the totals too
@@ -51,6 +60,8 @@ defmodule LlamaCppEx.Server.Stats do
       ram_cache_bytes: 0,
       tokens_generated: stats.tokens_generated + running,
       requests_completed: stats.requests_completed,
+      embed_queue_depth: embed_waiting,
+      embeddings_completed: stats.embeddings_completed,
       window_tokens: stats.window_tokens,
       window_ms: window_ms,
       tokens_per_second: stats.window_tokens * 1000 / window_ms

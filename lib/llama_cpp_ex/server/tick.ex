@@ -8,7 +8,7 @@ defmodule LlamaCppEx.Server.Tick do
   # one step is in flight.
 
   alias LlamaCppEx.{NIF, Pipeline, Telemetry}
-  alias LlamaCppEx.Server.{Placement, Plan, Request, Slot, Stats}
+  alias LlamaCppEx.Server.{EmbedJob, Placement, Plan, Request, Slot, Stats}
 
   @doc "Sends `:tick` unless one is pending or a step is in flight."
   def schedule(%{tick_scheduled: true} = st), do: st
@@ -21,8 +21,10 @@ defmodule LlamaCppEx.Server.Tick do
 
   def has_work?(st) do
     Enum.any?(st.slots, fn {_, s} -> Slot.active?(s) end) or
-      not :queue.is_empty(st.queue) or st.pending_ops != []
+      not :queue.is_empty(st.queue) or st.pending_ops != [] or embeds_waiting?(st)
   end
+
+  defp embeds_waiting?(st), do: Enum.any?(st.embed_jobs, fn {_, j} -> j.todo != [] end)
 
   @doc "One tick: place, plan, submit."
   def run(st) do
@@ -36,11 +38,15 @@ defmodule LlamaCppEx.Server.Tick do
   defp submit(st) do
     cfg = st.config
     opts = [queue_depth: :queue.len(st.queue), tick: st.tick]
-    plan = cfg.batch_strategy.build_batch(st.slots, cfg.n_batch, cfg.chunk_size, opts)
-    plan = Plan.validate!(plan, st.slots, cfg.n_batch, cfg.chunk_size, cfg.batch_strategy)
+    share = embed_share(st)
+    budget = strategy_budget(st, share)
+    plan = cfg.batch_strategy.build_batch(st.slots, budget, cfg.chunk_size, opts)
+    plan = Plan.validate!(plan, st.slots, budget, cfg.chunk_size, cfg.batch_strategy)
     {entries, slots, samplers, counts} = Plan.to_step(plan, st.slots)
+    left = min(share, cfg.n_batch - counts.decode - counts.prefill)
+    {st, embed_entries, embeds} = place_embeds(st, left)
 
-    if entries == [] and st.pending_ops == [] do
+    if entries == [] and embed_entries == [] and st.pending_ops == [] do
       st
     else
       purgeable =
@@ -51,23 +57,97 @@ defmodule LlamaCppEx.Server.Tick do
 
       ref = make_ref()
 
-      :ok =
-        NIF.engine_submit(st.engine, self(), ref, {st.pending_ops, entries, samplers, purgeable})
+      wire_embeds =
+        Enum.map(embeds, fn {seq, _ref, _i, pooling, norm} -> {seq, pooling, norm} end)
 
-      %{
-        st
-        | slots: slots,
-          pending_ops: [],
-          tick: st.tick + 1,
-          in_flight: Map.put(counts, :ref, ref)
-      }
+      :ok =
+        NIF.engine_submit(
+          st.engine,
+          self(),
+          ref,
+          {st.pending_ops, entries ++ embed_entries, samplers, purgeable, wire_embeds}
+        )
+
+      flight =
+        counts
+        |> Map.put(:ref, ref)
+        |> Map.put(:embed, length(embed_entries))
+        |> Map.put(:embeds, Map.new(embeds, fn {seq, r, i, _, _} -> {seq, {r, i}} end))
+
+      %{st | slots: slots, pending_ops: [], tick: st.tick + 1, in_flight: flight}
     end
   end
 
+  # What waiting embedding texts may take of a pass: while requests generate, `:embed_chunk`
+  # tokens (their decode rows wait for the whole pass, so this bounds the inter-token
+  # latency embeddings add), else half the batch; always the first waiting text whole.
+  defp embed_share(st) do
+    case Enum.find_value(st.embed_order, &waiting_job(st, &1)) do
+      nil ->
+        0
+
+      job ->
+        [{first, _} | _] = job.todo
+        decoding = Enum.any?(st.slots, fn {_, s} -> s.state == :generating end)
+        share = if decoding, do: st.config.embed_chunk, else: div(st.config.n_batch, 2)
+
+        waiting =
+          st.embed_jobs |> Map.values() |> Enum.map(&EmbedJob.waiting_tokens/1) |> Enum.sum()
+
+        min(waiting, max(share, length(first)))
+    end
+  end
+
+  # The strategy plans what the embedding share leaves; generating slots always keep their
+  # one decode row each.
+  defp strategy_budget(st, share) do
+    decoding = Enum.count(st.slots, fn {_, s} -> s.state == :generating end)
+    min(max(st.config.n_batch - share, decoding), st.config.n_batch)
+  end
+
+  defp waiting_job(st, ref) do
+    case Map.fetch(st.embed_jobs, ref) do
+      {:ok, %EmbedJob{todo: [_ | _]} = job} -> job
+      _ -> nil
+    end
+  end
+
+  # Whole texts of the waiting jobs, first come first served, into the tokens `left` and the
+  # free embedding sequences: `{st, entries, [{seq, job_ref, index, pooling, normalize}]}`.
+  defp place_embeds(%{embed_order: []} = st, _left), do: {st, [], []}
+
+  defp place_embeds(st, left) do
+    {jobs, placed, _left, free} =
+      Enum.reduce_while(st.embed_order, {st.embed_jobs, [], left, st.embed_free}, fn
+        ref, {jobs, placed, left, free} ->
+          job = Map.fetch!(jobs, ref)
+          {job, taken, left, free} = EmbedJob.take(job, left, free)
+          placed = placed ++ Enum.map(taken, &{&1, job})
+          acc = {Map.put(jobs, ref, job), placed, left, free}
+          # a job whose next text does not fit holds the ones behind it (first come first served)
+          if job.todo == [], do: {:cont, acc}, else: {:halt, acc}
+      end)
+
+    entries =
+      Enum.flat_map(placed, fn {{seq, _i, ids}, _job} ->
+        ids |> Enum.with_index() |> Enum.map(fn {tok, pos} -> {tok, pos, seq, false} end)
+      end)
+
+    embeds =
+      Enum.map(placed, fn {{seq, i, _ids}, job} ->
+        {seq, job.ref, i, job.pooling, job.normalize}
+      end)
+
+    {%{st | embed_jobs: jobs, embed_free: free}, entries, embeds}
+  end
+
   @doc "Applies a step's outcome."
-  def apply_outcome(st, {sampled, purged, n_splits, failed, eval_us}) do
+  def apply_outcome(st, {sampled, purged, n_splits, failed, eval_us, embedded}) do
     flight = st.in_flight
-    st = %{st | in_flight: nil}
+    st = %{st | in_flight: nil, embed_free: Map.keys(flight.embeds) ++ st.embed_free}
+    {failed_embeds, failed} = Enum.split_with(failed, &Map.has_key?(flight.embeds, &1))
+    st = Enum.reduce(failed_embeds, st, &fail_embed(&2, flight.embeds[&1], :context_full))
+    st = Enum.reduce(embedded, st, &apply_embedding(&2, flight.embeds, &1))
 
     st = %{
       st
@@ -91,9 +171,10 @@ defmodule LlamaCppEx.Server.Tick do
     Telemetry.execute(
       [:llama_cpp_ex, :server, :tick],
       %{
-        batch_size: flight.decode + flight.prefill,
+        batch_size: flight.decode + flight.prefill + flight.embed,
         decode_tokens: flight.decode,
         prefill_tokens: flight.prefill,
+        embed_tokens: flight.embed,
         active_slots: Enum.count(st.slots, fn {_, s} -> Slot.active?(s) end),
         queue_depth: :queue.len(st.queue),
         eval_ms: eval_us / 1000
@@ -104,9 +185,15 @@ defmodule LlamaCppEx.Server.Tick do
     if has_work?(st), do: schedule(st), else: st
   end
 
-  @doc "A failed step fails every active request."
+  @doc "A failed step fails every active request and every embedding call it carried."
   def apply_error(st, reason) do
-    st = %{st | in_flight: nil}
+    embeds = st.in_flight.embeds
+    st = %{st | in_flight: nil, embed_free: Map.keys(embeds) ++ st.embed_free}
+
+    st =
+      embeds
+      |> Map.values()
+      |> Enum.reduce(st, &fail_embed(&2, &1, {:inference_failed, reason}))
 
     st =
       st.slots
@@ -114,6 +201,51 @@ defmodule LlamaCppEx.Server.Tick do
       |> Enum.reduce(st, fn {seq, _}, st -> fail(st, seq, {:inference_failed, reason}) end)
 
     if has_work?(st), do: schedule(st), else: st
+  end
+
+  # A text's vector; the call it belongs to may have ended meanwhile (cancelled, failed).
+  defp apply_embedding(st, placed, {seq, result}) do
+    {ref, i} = Map.fetch!(placed, seq)
+
+    case {Map.fetch(st.embed_jobs, ref), result} do
+      {:error, _} ->
+        st
+
+      {{:ok, job}, {:ok, bin}} ->
+        case EmbedJob.put(job, i, bin) do
+          {:cont, job} ->
+            %{st | embed_jobs: Map.put(st.embed_jobs, ref, job)}
+
+          {:done, job} ->
+            EmbedJob.reply(job, self())
+            st |> drop_embed(ref) |> Map.update!(:stats, &Stats.embeddings_done(&1, job.n_texts))
+        end
+
+      {{:ok, _job}, {:error, message}} ->
+        fail_embed(st, {ref, i}, message)
+    end
+  end
+
+  defp fail_embed(st, {ref, _i}, reason) do
+    case Map.fetch(st.embed_jobs, ref) do
+      {:ok, job} ->
+        EmbedJob.fail(job, reason, self())
+        drop_embed(st, ref)
+
+      :error ->
+        st
+    end
+  end
+
+  defp drop_embed(st, ref) do
+    case Map.pop(st.embed_jobs, ref) do
+      {nil, _} ->
+        st
+
+      {job, jobs} ->
+        if job.monitor_ref, do: Process.demonitor(job.monitor_ref, [:flush])
+        %{st | embed_jobs: jobs, embed_order: List.delete(st.embed_order, ref)}
+    end
   end
 
   defp apply_sample({seq, token, piece, eog, logprobs}, st) do
@@ -211,14 +343,14 @@ defmodule LlamaCppEx.Server.Tick do
     %{st | slots: slots, pending_ops: st.pending_ops ++ [{:clear, seq}]}
   end
 
-  @doc "Cancels the request streaming to `ref`, active or queued."
+  @doc "Cancels the request streaming to `ref` (active or queued) or the embedding call `ref`."
   def cancel(st, ref) do
     case Enum.find(st.slots, fn {_, s} -> s.request && s.request.stream_ref == ref end) do
       {seq, _} ->
         st |> finish(seq, :cancelled) |> schedule()
 
       nil ->
-        drop_queued(st, &(&1.stream_ref == ref))
+        st |> drop_queued(&(&1.stream_ref == ref)) |> drop_embed(ref)
     end
   end
 
@@ -229,6 +361,8 @@ defmodule LlamaCppEx.Server.Tick do
       |> Enum.filter(fn {_, s} -> s.request && s.request.monitor_ref == mref end)
       |> Enum.reduce(st, fn {seq, _}, st -> finish(st, seq, :cancelled) end)
 
+    embeds = for {ref, j} <- st.embed_jobs, j.monitor_ref == mref, do: ref
+    st = Enum.reduce(embeds, st, &drop_embed(&2, &1))
     st |> drop_queued(&(&1.monitor_ref == mref)) |> schedule()
   end
 

@@ -1,6 +1,7 @@
 //! A context: a model, a paged KV cache sized by `n_ctx`, and the logits of the last decode.
 
 use crate::batch::Batch;
+use crate::embedding::{pool, EmbedRequest};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvCache, KvType, KvUsage};
 use crate::model::{Model, Workspace};
@@ -21,6 +22,9 @@ pub struct ContextParams {
     pub n_batch: usize,
     pub n_ubatch: usize,
     pub n_seq_max: usize,
+    /// Of `n_seq_max`, the last sequences that hold embedding texts for one step only
+    /// ([`Step::embeds`](crate::Step::embeds)): they borrow KV blocks from the `n_ctx` budget.
+    pub n_seq_embd: usize,
     pub kv_type: KvType,
     /// Threads a one-token forward pass of this context uses (the calling thread included).
     pub n_threads: usize,
@@ -35,6 +39,7 @@ impl Default for ContextParams {
             n_batch: 2048,
             n_ubatch: DEFAULT_UBATCH,
             n_seq_max: 1,
+            n_seq_embd: 0,
             kv_type: KvType::F16,
             n_threads: crate::pool::default_threads(),
             n_threads_batch: crate::pool::default_threads(),
@@ -59,6 +64,10 @@ pub struct Context {
     logits: Vec<f32>,
     /// For each entry of the last batch, its logits row (or -1).
     output_rows: Vec<i32>,
+    /// Final-normed hidden states of the last batch's embedding rows (`[n, n_embd]`, see
+    /// [`Batch::embd`]), and for each entry its row there (or -1).
+    embd: Vec<f32>,
+    embd_rows: Vec<i32>,
     /// Buffers reused by every forward pass and batch check (no allocation per token).
     ws: Workspace,
     next_pos: Vec<Option<usize>>,
@@ -102,7 +111,7 @@ impl Context {
             c.n_head_kv,
             c.head_dim,
             params.n_ctx,
-            params.n_seq_max,
+            (params.n_seq_max, params.n_seq_embd),
             params.kv_type,
         )?;
         let n_ctx_seq = params.n_ctx;
@@ -112,6 +121,8 @@ impl Context {
             kv,
             logits: Vec::new(),
             output_rows: Vec::new(),
+            embd: Vec::new(),
+            embd_rows: Vec::new(),
             ws: Workspace {
                 n_ctx_seq,
                 ..Workspace::default()
@@ -138,7 +149,11 @@ impl Context {
 
     fn validate_with(&self, batch: &Batch, next: &mut [Option<usize>]) -> Result<()> {
         let n = batch.len();
-        if batch.pos.len() != n || batch.seq.len() != n || batch.logits.len() != n {
+        if batch.pos.len() != n
+            || batch.seq.len() != n
+            || batch.logits.len() != n
+            || !(batch.embd.is_empty() || batch.embd.len() == n)
+        {
             return Err(EngineError::InvalidArgument(
                 "batch fields differ in length".into(),
             ));
@@ -178,20 +193,22 @@ impl Context {
         self.validate(batch)?;
         self.logits.clear();
         self.output_rows.clear();
+        self.embd.clear();
+        self.embd_rows.clear();
         let ub = self.params.n_ubatch;
         if batch.len() <= ub {
             return self.decode_ubatch(batch);
         }
+        // an encoder attends within its micro-batch only (no cache to read earlier tokens
+        // from), so its sequences are never cut: a micro-batch ends between two sequences
+        let whole_seqs = !self.model.architecture()?.causal();
         let mut start = 0;
         while start < batch.len() {
-            let end = (start + ub).min(batch.len());
-            let part = Batch {
-                tokens: batch.tokens[start..end].to_vec(),
-                pos: batch.pos[start..end].to_vec(),
-                seq: batch.seq[start..end].to_vec(),
-                logits: batch.logits[start..end].to_vec(),
-            };
-            self.decode_ubatch(&part)?;
+            let mut end = (start + ub).min(batch.len());
+            if whole_seqs {
+                end = micro_batch_end(&batch.seq, start, end);
+            }
+            self.decode_ubatch(&batch.slice(start..end))?;
             start = end;
         }
         debug_assert_eq!(self.logits.len() % self.row_width().max(1), 0);
@@ -238,6 +255,19 @@ impl Context {
             self.logits.extend_from_slice(&self.ws.hidden);
         } else {
             self.logits.extend_from_slice(&self.ws.logits);
+            let d = self.model.config.n_embd;
+            let mut row = (self.embd.len() / d) as i32;
+            for i in 0..batch.len() {
+                if batch.is_embd(i) {
+                    self.embd_rows.push(row);
+                    row += 1;
+                } else {
+                    self.embd_rows.push(-1);
+                }
+            }
+            if batch.has_embd() {
+                self.embd.extend_from_slice(&self.ws.hidden);
+            }
         }
         Ok(())
     }
@@ -256,14 +286,17 @@ impl Context {
         }
     }
 
-    /// The hidden state of entry `i` of the last batch (embeddings mode).
+    /// The final-normed hidden state of entry `i` of the last batch: a flagged entry in
+    /// embeddings mode, an embedding row ([`Batch::embd`]) otherwise.
     pub fn embeddings_ith(&self, i: usize) -> Option<&[f32]> {
-        if !self.ws.hidden_only {
-            return None;
-        }
-        let row = *self.output_rows.get(i)?;
         let d = self.model.config.n_embd;
-        (row >= 0).then(|| &self.logits[row as usize * d..(row as usize + 1) * d])
+        let (rows, data) = if self.ws.hidden_only {
+            (&self.output_rows, &self.logits)
+        } else {
+            (&self.embd_rows, &self.embd)
+        };
+        let row = *rows.get(i)?;
+        (row >= 0).then(|| &data[row as usize * d..(row as usize + 1) * d])
     }
 
     /// Reserves blocks for every sequence's new positions; on failure releases what was
@@ -399,16 +432,33 @@ impl Context {
     }
 }
 
+/// Where a micro-batch `start..end` of `seqs` ends when sequences must stay whole: at the
+/// start of the sequence `end` would cut, or, when that sequence began at `start` (longer than
+/// a micro-batch), at its end.
+fn micro_batch_end(seqs: &[usize], start: usize, end: usize) -> usize {
+    if end >= seqs.len() || seqs[end - 1] != seqs[end] {
+        return end;
+    }
+    let s = seqs[end - 1];
+    let run_start = (start..end)
+        .rev()
+        .take_while(|&i| seqs[i] == s)
+        .last()
+        .unwrap_or(end);
+    if run_start > start {
+        return run_start;
+    }
+    (end..seqs.len())
+        .find(|&i| seqs[i] != s)
+        .unwrap_or(seqs.len())
+}
+
 /// `batch` without the entries of `seqs`.
 fn without(batch: &Batch, seqs: &[usize]) -> Batch {
     if seqs.is_empty() {
         return batch.clone();
     }
-    let mut out = Batch::with_capacity(batch.len());
-    for i in (0..batch.len()).filter(|&i| !seqs.contains(&batch.seq[i])) {
-        out.push(batch.tokens[i], batch.pos[i], batch.seq[i], batch.logits[i]);
-    }
-    out
+    batch.filter(|i| !seqs.contains(&batch.seq[i]))
 }
 
 /// `(seq, first position, end position)` of every sequence in a (validated) batch.
@@ -449,6 +499,8 @@ pub struct EvalOutcome {
     pub n_splits: usize,
     /// Sequences that could not get KV blocks even after purging; their entries were dropped.
     pub failed: Vec<usize>,
+    /// The pooled vector (or why there is none) of every embedding sequence evaluated.
+    pub embedded: Vec<(usize, std::result::Result<Vec<f32>, String>)>,
 }
 
 impl Context {
@@ -456,11 +508,16 @@ impl Context {
     /// that entry's sequence's sampler. Under KV pressure, drops the caches of `purgeable`
     /// sequences (in order) first, then fails the sequences that still do not fit and evaluates
     /// the rest, so one request outgrowing the cache does not fail the others.
+    ///
+    /// The sequences of `embeds` are embedding texts riding in the pass: their entries keep
+    /// hidden states ([`Batch::embd`] must mark them), pooled per sequence into
+    /// [`EvalOutcome::embedded`].
     pub fn eval_sample(
         &mut self,
         batch: &Batch,
         samplers: &mut [(usize, &mut Sampler)],
         purgeable: &[usize],
+        embeds: &[EmbedRequest],
     ) -> Result<EvalOutcome> {
         let mut outcome = EvalOutcome::default();
         // a sequence that would grow past n_ctx fails alone, whatever else is free
@@ -509,6 +566,33 @@ impl Context {
                 });
             }
         }
+        for e in embeds.iter().filter(|e| batch.seq.contains(&e.seq)) {
+            let rows: Vec<&[f32]> = (0..batch.len())
+                .filter(|&i| batch.seq[i] == e.seq)
+                .filter_map(|i| self.embeddings_ith(i))
+                .collect();
+            let pooled =
+                pool(&self.model, &rows, e.pooling, e.normalize).map_err(|e| e.to_string());
+            outcome.embedded.push((e.seq, pooled));
+        }
         Ok(outcome)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::micro_batch_end;
+
+    #[test]
+    fn micro_batches_keep_sequences_whole() {
+        let seqs = [0, 0, 0, 1, 1, 1, 1, 2];
+        // a cut inside sequence 1 moves back to its start
+        assert_eq!(micro_batch_end(&seqs, 0, 5), 3);
+        // a cut between sequences stays
+        assert_eq!(micro_batch_end(&seqs, 0, 3), 3);
+        // a sequence longer than the micro-batch goes whole
+        assert_eq!(micro_batch_end(&seqs, 3, 5), 7);
+        // the end of the batch
+        assert_eq!(micro_batch_end(&seqs, 7, 8), 8);
     }
 }

@@ -36,6 +36,20 @@ impl Pooling {
         }
     }
 
+    /// A caller's choice in llama.cpp's numbering, -1 meaning the model's own
+    /// ([`Pooling::default_for`]).
+    pub fn resolve(code: i64, model: &Model) -> Result<Self> {
+        match code {
+            -1 => Ok(Pooling::default_for(model)),
+            p => u64::try_from(p)
+                .ok()
+                .and_then(Pooling::from_gguf)
+                .ok_or_else(|| {
+                    EngineError::InvalidArgument(format!("unsupported pooling type {p}"))
+                }),
+        }
+    }
+
     /// The model's own pooling (its `{arch}.pooling_type`), else mean: a generative model
     /// has none, and mean pooling is what llama-server's embeddings endpoint users expect
     /// from one.
@@ -49,6 +63,16 @@ impl Pooling {
             .filter(|p| *p != Pooling::None)
             .unwrap_or(Pooling::Mean)
     }
+}
+
+/// An embedding text riding in a generation step as sequence `seq` (see
+/// [`Context::eval_sample`](crate::Context::eval_sample)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmbedRequest {
+    pub seq: usize,
+    pub pooling: Pooling,
+    /// [`normalize`]'s mode.
+    pub normalize: i32,
 }
 
 /// llama.cpp's `embd_normalize`: 2 = Euclidean, 0 = max absolute value (scaled to int16's
@@ -158,6 +182,51 @@ pub fn rerank(
         .collect())
 }
 
+/// One text's vector from the final-normed hidden states of its tokens (in order), pooled
+/// and normalised; with [`Pooling::None`] every token's state, normalised, one after another;
+/// with [`Pooling::Rank`] the classification head's scores.
+pub fn pool(model: &Model, rows: &[&[f32]], pooling: Pooling, norm: i32) -> Result<Vec<f32>> {
+    let d = model.config.n_embd;
+    let n = rows.len();
+    if n == 0 {
+        return Err(EngineError::InvalidArgument("nothing to pool".into()));
+    }
+    Ok(match pooling {
+        Pooling::None => {
+            let mut all = Vec::with_capacity(n * d);
+            for r in rows {
+                let mut r = r.to_vec();
+                normalize(&mut r, norm);
+                all.extend(r);
+            }
+            all
+        }
+        Pooling::Mean => {
+            let mut sum = vec![0f32; d];
+            for r in rows {
+                for (s, x) in sum.iter_mut().zip(*r) {
+                    *s += x;
+                }
+            }
+            let inv = 1.0 / n as f32;
+            sum.iter_mut().for_each(|s| *s *= inv);
+            normalize(&mut sum, norm);
+            sum
+        }
+        Pooling::Rank => {
+            let arch = model.architecture()?;
+            let i = if arch.causal() { n - 1 } else { 0 };
+            arch.classify(rows[i])?
+        }
+        Pooling::Cls | Pooling::Last => {
+            let i = if pooling == Pooling::Cls { 0 } else { n - 1 };
+            let mut r = rows[i].to_vec();
+            normalize(&mut r, norm);
+            r
+        }
+    })
+}
+
 /// Tokens evaluated together by one pass of [`embed`].
 pub const PASS_TOKENS: usize = 4096;
 
@@ -190,50 +259,13 @@ fn embed_pass(
         }
     }
     ctx.decode(&batch)?;
-    let d = model.config.n_embd;
     let mut out = Vec::with_capacity(texts.len());
     let mut at = 0;
     for t in texts {
-        let row = |i: usize| ctx.embeddings_ith(at + i).expect("every token was flagged");
-        let v = match pooling {
-            Pooling::None => {
-                let mut all = Vec::with_capacity(t.len() * d);
-                for i in 0..t.len() {
-                    let mut r = row(i).to_vec();
-                    normalize(&mut r, norm);
-                    all.extend(r);
-                }
-                all
-            }
-            Pooling::Mean => {
-                let mut sum = vec![0f32; d];
-                for i in 0..t.len() {
-                    for (s, x) in sum.iter_mut().zip(row(i)) {
-                        *s += x;
-                    }
-                }
-                let inv = 1.0 / t.len() as f32;
-                sum.iter_mut().for_each(|s| *s *= inv);
-                normalize(&mut sum, norm);
-                sum
-            }
-            Pooling::Rank => {
-                let arch = model.architecture()?;
-                let i = if arch.causal() { t.len() - 1 } else { 0 };
-                arch.classify(row(i))?
-            }
-            Pooling::Cls | Pooling::Last => {
-                let i = if pooling == Pooling::Cls {
-                    0
-                } else {
-                    t.len() - 1
-                };
-                let mut r = row(i).to_vec();
-                normalize(&mut r, norm);
-                r
-            }
-        };
-        out.push(v);
+        let rows: Vec<&[f32]> = (0..t.len())
+            .map(|i| ctx.embeddings_ith(at + i).expect("every token was flagged"))
+            .collect();
+        out.push(pool(model, &rows, pooling, norm)?);
         at += t.len();
     }
     Ok(out)

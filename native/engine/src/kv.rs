@@ -140,13 +140,15 @@ pub struct KvUsage {
 }
 
 impl KvCache {
-    /// `layer_windows[i]` is the sliding window of layer `i` (None for full attention).
+    /// `layer_windows[i]` is the sliding window of layer `i` (None for full attention). Of the
+    /// `n_seq_max` sequences, the last `n_seq_transient` only borrow blocks for one step
+    /// (embedding texts): the pool holds `n_ctx` tokens for the others.
     pub fn new(
         layer_windows: &[Option<usize>],
         n_kv_heads: usize,
         head_dim: usize,
         n_ctx: usize,
-        n_seq_max: usize,
+        (n_seq_max, n_seq_transient): (usize, usize),
         kv_type: KvType,
     ) -> Result<Self> {
         if n_ctx == 0 {
@@ -160,8 +162,8 @@ impl KvCache {
             ));
         }
         // Each sequence may leave its last block partly empty; reserve one extra block per
-        // sequence so n_ctx tokens always fit.
-        let n_blocks = n_ctx.div_ceil(KV_BLOCK_SIZE) + n_seq_max;
+        // sequence so n_ctx tokens always fit (transient ones borrow from that budget).
+        let n_blocks = n_ctx.div_ceil(KV_BLOCK_SIZE) + n_seq_max - n_seq_transient.min(n_seq_max);
         if n_blocks >= NO_BLOCK as usize {
             return Err(EngineError::InvalidArgument(format!(
                 "n_ctx {n_ctx} is too large"
@@ -692,7 +694,7 @@ mod tests {
     use super::*;
 
     fn cache(n_ctx: usize, n_seq: usize) -> KvCache {
-        KvCache::new(&[None, None], 2, 4, n_ctx, n_seq, KvType::F16).unwrap()
+        KvCache::new(&[None, None], 2, 4, n_ctx, (n_seq, 0), KvType::F16).unwrap()
     }
 
     fn fill(kv: &mut KvCache, seq: usize, from: usize, to: usize, tag: f32) {
@@ -767,7 +769,7 @@ mod tests {
 
     #[test]
     fn sliding_window_group_drops_old_blocks() {
-        let mut kv = KvCache::new(&[Some(32), None], 2, 4, 512, 1, KvType::F32).unwrap();
+        let mut kv = KvCache::new(&[Some(32), None], 2, 4, 512, (1, 0), KvType::F32).unwrap();
         fill(&mut kv, 0, 0, 100, 0.0);
         let usage = kv.usage();
         // window group keeps positions >= 68 → blocks 4,5,6; full group keeps all 7.
@@ -781,7 +783,7 @@ mod tests {
 
     #[test]
     fn absurd_sizes_are_errors() {
-        assert!(KvCache::new(&[None], 8, 128, usize::MAX / 4, 1, KvType::F32).is_err());
-        assert!(KvCache::new(&[None], 8, 128, 0, 1, KvType::F32).is_err());
+        assert!(KvCache::new(&[None], 8, 128, usize::MAX / 4, (1, 0), KvType::F32).is_err());
+        assert!(KvCache::new(&[None], 8, 128, 0, (1, 0), KvType::F32).is_err());
     }
 }

@@ -7,6 +7,7 @@
 
 use crate::batch::Batch;
 use crate::context::{Context, EvalOutcome};
+use crate::embedding::EmbedRequest;
 use crate::error::{EngineError, Result};
 use crate::sampler::{Sampler, TokenLogprobs};
 use crate::tokenizer::TokenId;
@@ -39,6 +40,10 @@ pub struct Step {
     pub samplers: Vec<(usize, SharedSampler)>,
     /// Idle sequences whose cache may be dropped under KV pressure, first to go first.
     pub purgeable: Vec<usize>,
+    /// Embedding texts in the batch, one sequence each: their entries keep hidden states
+    /// instead of logits, are pooled into [`StepOutcome::embeddings`], and the sequences are
+    /// cleared once the step ran (whatever its outcome).
+    pub embeds: Vec<EmbedRequest>,
 }
 
 /// The token sampled for one sequence.
@@ -62,6 +67,9 @@ pub struct StepOutcome {
     pub n_splits: usize,
     /// Sequences that could not get KV blocks even after purging; their entries were dropped.
     pub failed: Vec<usize>,
+    /// The vector (or why there is none) of every embedding sequence of the step that was
+    /// evaluated.
+    pub embeddings: Vec<(usize, std::result::Result<Vec<f32>, String>)>,
     /// Wall time of the step, in microseconds.
     pub eval_us: u64,
 }
@@ -112,12 +120,31 @@ impl Context {
         if !step.batch.is_empty() {
             let mut samplers: Vec<(usize, &mut Sampler)> =
                 guards.iter_mut().map(|(seq, g)| (*seq, &mut **g)).collect();
+            let marked;
+            let batch = if step.embeds.is_empty() {
+                &step.batch
+            } else {
+                let seqs: Vec<usize> = step.embeds.iter().map(|e| e.seq).collect();
+                let mut b = step.batch.clone();
+                b.mark_embedding_rows(&seqs);
+                marked = b;
+                &marked
+            };
+            let evaluated = self.eval_sample(batch, &mut samplers, &step.purgeable, &step.embeds);
+            // embedding sequences never keep a cache, evaluated or not
+            for e in &step.embeds {
+                if self.kv.check_seq(e.seq as i64).is_ok() {
+                    self.kv.seq_clear(e.seq);
+                }
+            }
             let EvalOutcome {
                 sampled,
                 purged,
                 n_splits,
                 failed,
-            } = self.eval_sample(&step.batch, &mut samplers, &step.purgeable)?;
+                embedded,
+            } = evaluated?;
+            outcome.embeddings = embedded;
             let tokenizer = &self.model.tokenizer;
             outcome.sampled = sampled
                 .into_iter()

@@ -134,3 +134,164 @@ fn bert_reranker_matches_llama_server() {
 fn qwen3_reranker_matches_llama_server() {
     check_rerank(&tiny_model("tiny-qwen3-rerank-f32.gguf"), "qwen3_rerank");
 }
+
+/// Embedding texts riding in a generation step (the Server's `embed/3`): the generating
+/// sequence samples what it samples alone, each text's vector equals `embed`'s, and the
+/// embedding sequences hold no cache after the step, so their ids serve the next texts.
+#[test]
+fn embedding_rows_ride_in_a_generation_step() {
+    use llama_cpp_ex_engine::embedding::EmbedRequest;
+    use llama_cpp_ex_engine::sampler::SamplerSpec;
+    use llama_cpp_ex_engine::{Batch, SamplerParams, Step};
+    use std::sync::{Arc, Mutex};
+
+    let model = load(SMOLLM2, Requantize::Off);
+    let tok = &model.tokenizer;
+    let prompt = tok.encode("The capital of France is", true, true).unwrap();
+    let texts: Vec<Vec<u32>> = ["Cats purr.", "Dogs bark at the postman every morning."]
+        .iter()
+        .map(|t| tok.encode(t, true, false).unwrap())
+        .collect();
+    let want = embed(&model, &texts, Pooling::Mean, 2, 512, 2).unwrap();
+    let spec = SamplerSpec {
+        params: SamplerParams::greedy(),
+        seed: Some(1),
+        grammar: None,
+        dry_sequence_breakers: Vec::new(),
+    };
+    let sampler = Arc::new(Mutex::new(model.sampler(&spec).unwrap()));
+
+    // the prompt alone, for the token it must sample
+    let mut alone = ctx(&model, 256, 1);
+    let solo = alone
+        .step(&Step {
+            batch: Batch::for_sequence(&prompt, 0, 0),
+            samplers: vec![(0, Arc::new(Mutex::new(model.sampler(&spec).unwrap())))],
+            ..Default::default()
+        })
+        .unwrap();
+
+    let mut c = ctx(&model, 256, 3);
+    let mut batch = Batch::for_sequence(&prompt, 0, 0);
+    for (s, t) in texts.iter().enumerate() {
+        for (i, &id) in t.iter().enumerate() {
+            batch.push(id, i, s + 1, false);
+        }
+    }
+    let embeds: Vec<EmbedRequest> = (1..=2)
+        .map(|seq| EmbedRequest {
+            seq,
+            pooling: Pooling::Mean,
+            normalize: 2,
+        })
+        .collect();
+    let out = c
+        .step(&Step {
+            batch,
+            samplers: vec![(0, sampler.clone())],
+            embeds: embeds.clone(),
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(out.sampled.len(), 1);
+    assert_eq!(out.sampled[0].token, solo.sampled[0].token);
+    assert_eq!(out.embeddings.len(), 2);
+    for (k, (seq, v)) in out.embeddings.iter().enumerate() {
+        assert_eq!(*seq, k + 1);
+        let c = cosine(v.as_ref().unwrap(), &want[k]);
+        println!("text {k}: cosine {c:.7} vs embed");
+        assert!(c > 0.9999, "text {k}: cosine {c}");
+    }
+    assert_eq!(c.kv.seq_len(1), 0);
+    assert_eq!(c.kv.seq_len(2), 0);
+    assert_eq!(c.kv.seq_len(0), prompt.len());
+
+    // next tick: the generating sequence decodes, seq 1 embeds the other text
+    let mut batch = Batch::for_sequence(&[out.sampled[0].token], prompt.len(), 0);
+    for (i, &id) in texts[1].iter().enumerate() {
+        batch.push(id, i, 1, false);
+    }
+    let out = c
+        .step(&Step {
+            batch,
+            samplers: vec![(0, sampler)],
+            embeds: vec![embeds[0]],
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(out.sampled.len(), 1);
+    let c1 = cosine(out.embeddings[0].1.as_ref().unwrap(), &want[1]);
+    assert!(c1 > 0.9999, "reused sequence: cosine {c1}");
+    assert_eq!(c.kv.seq_len(1), 0);
+
+    // a pooling the model cannot do fails that text alone
+    let mut batch = Batch::with_capacity(4);
+    for (i, &id) in texts[0].iter().enumerate() {
+        batch.push(id, i, 1, false);
+    }
+    let out = c
+        .step(&Step {
+            batch,
+            embeds: vec![EmbedRequest {
+                seq: 1,
+                pooling: Pooling::Rank,
+                normalize: -1,
+            }],
+            ..Default::default()
+        })
+        .unwrap();
+    let e = out.embeddings[0].1.as_ref().unwrap_err();
+    assert!(e.contains("classification head"), "{e}");
+    assert_eq!(c.kv.seq_len(1), 0);
+}
+
+/// An encoder attends within its micro-batch: many texts past one micro-batch (512 tokens)
+/// never have a text cut in two, so every vector equals the text's alone; and an encoder's
+/// texts run as embedding rows of a step (a Server serving a BERT model).
+#[test]
+fn encoder_texts_stay_whole_across_micro_batches() {
+    use llama_cpp_ex_engine::embedding::EmbedRequest;
+    use llama_cpp_ex_engine::{Batch, Step};
+
+    let model = tiny_model("tiny-bert-f32.gguf");
+    let texts: Vec<Vec<u32>> = (0..90)
+        .map(|i| {
+            let text = format!("the quick brown fox {} jumps over the lazy dog", i % 7);
+            model.tokenizer.encode(&text, true, false).unwrap()
+        })
+        .collect();
+    let total: usize = texts.iter().map(Vec::len).sum();
+    assert!(total > 600, "{total} tokens");
+    let all = embed(&model, &texts, Pooling::Mean, 2, 64, 1).unwrap();
+    for (i, t) in texts.iter().enumerate() {
+        let alone = embed(&model, std::slice::from_ref(t), Pooling::Mean, 2, 64, 1).unwrap();
+        let c = cosine(&alone[0], &all[i]);
+        assert!(c > 0.99999, "text {i}: alone vs batch {c}");
+    }
+
+    let mut c = ctx(&model, 256, 4);
+    let mut batch = Batch::with_capacity(64);
+    for s in 0..3 {
+        for (i, &id) in texts[s].iter().enumerate() {
+            batch.push(id, i, s, false);
+        }
+    }
+    let embeds: Vec<EmbedRequest> = (0..3)
+        .map(|seq| EmbedRequest {
+            seq,
+            pooling: Pooling::Mean,
+            normalize: 2,
+        })
+        .collect();
+    let out = c
+        .step(&Step {
+            batch,
+            embeds,
+            ..Default::default()
+        })
+        .unwrap();
+    for (seq, v) in &out.embeddings {
+        let c = cosine(v.as_ref().unwrap(), &all[*seq]);
+        assert!(c > 0.99999, "step text {seq}: {c}");
+    }
+}

@@ -118,6 +118,7 @@ fn kv_ops_apply_in_order_before_the_batch() {
             batch: Batch::for_sequence(&prompt[keep..], keep, 1),
             samplers: vec![(1, sampler)],
             purgeable: vec![],
+            embeds: vec![],
         })
         .unwrap();
     assert_eq!(c.kv.seq_len(1), n);

@@ -29,6 +29,7 @@ struct ContextOpts {
     n_threads: usize,
     n_threads_batch: usize,
     n_seq_max: usize,
+    n_seq_embd: usize,
     kv_type: Atom,
 }
 
@@ -47,6 +48,7 @@ fn context_create<'a>(env: Env<'a>, m: ResourceArc<ModelRes>, opts: ContextOpts)
             n_batch: opts.n_batch,
             n_ubatch: opts.n_ubatch,
             n_seq_max: opts.n_seq_max,
+            n_seq_embd: opts.n_seq_embd,
             kv_type,
             n_threads: opts.n_threads,
             n_threads_batch: opts.n_threads_batch,
@@ -127,7 +129,7 @@ fn get_top_logprobs(c: ResourceArc<ContextRes>, idx: i64, n: usize) -> Out<Vec<(
 #[rustler::nif(schedule = "DirtyCpu")]
 fn context_step<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, step: StepTerm) -> Out<Term<'a>> {
     guard(|| {
-        let step = step.into_step();
+        let step = step.into_step(&c.model)?;
         let mut ctx = lock(&c.ctx);
         let outcome = ctx.step(&step)?;
         Ok(encode_outcome(env, &ctx.model, &outcome))

@@ -1,6 +1,6 @@
 //! Embeddings of decoder models: one batched forward pass per call.
 
-use crate::error::{binary, guard, message, Out};
+use crate::error::{binary, guard, Out};
 use crate::model::ModelRes;
 use llama_cpp_ex_engine::embedding::{embed as engine_embed, rerank as engine_rerank, Pooling};
 use rustler::{Encoder, Env, ResourceArc, Term};
@@ -20,13 +20,7 @@ fn embed<'a>(
     let r: Out<Vec<Vec<f32>>> = guard(|| {
         let model = &m.model;
         model.architecture()?;
-        let pooling = match pooling {
-            -1 => Pooling::default_for(model),
-            p => u64::try_from(p)
-                .ok()
-                .and_then(Pooling::from_gguf)
-                .ok_or_else(|| message(format!("unsupported pooling type {p}")))?,
-        };
+        let pooling = Pooling::resolve(pooling, model)?;
         Ok(engine_embed(
             model,
             &texts,

@@ -55,7 +55,9 @@ fn engine_submit<'a>(
                 }
             });
         };
-        engine.thread.submit(step.into_step(), Box::new(reply))?;
+        engine
+            .thread
+            .submit(step.into_step(&engine.model)?, Box::new(reply))?;
         Ok(())
     }))
 }

@@ -32,6 +32,9 @@ pub struct ModelInfo {
     /// The smallest sliding window of the model's layers, 0 when every layer attends globally.
     swa_window: usize,
     vocab_only: bool,
+    /// Whether the model generates text: a decoder (causal attention and an output head), not
+    /// an encoder such as BERT, which only embeds.
+    generative: bool,
 }
 
 #[rustler::nif(schedule = "DirtyIo")]
@@ -92,6 +95,7 @@ fn model_info(m: ResourceArc<ModelRes>) -> ModelInfo {
         eos: id(model.tokenizer.eos),
         swa_window: c.layer_windows.iter().flatten().copied().min().unwrap_or(0),
         vocab_only: model.arch.is_none(),
+        generative: model.architecture().is_ok_and(|a| a.causal()),
     }
 }
 

@@ -3,6 +3,7 @@
 
 use crate::error::binary;
 use crate::sampler::SamplerRes;
+use llama_cpp_ex_engine::embedding::{EmbedRequest, Pooling};
 use llama_cpp_ex_engine::sampler::TokenLogprobs;
 use llama_cpp_ex_engine::{Batch, KvOp, Model, Step, StepOutcome};
 use rustler::{Encoder, Env, NifTaggedEnum, NifTuple, ResourceArc, Term};
@@ -15,22 +16,35 @@ pub enum KvOpTerm {
     Clear(usize),
 }
 
-/// `{ops, [{token, pos, seq, logits?}], [{seq, sampler}], purgeable_seqs}`.
+/// `{ops, [{token, pos, seq, logits?}], [{seq, sampler}], purgeable_seqs,
+/// [{embed_seq, pooling, normalize}]}` (pooling in llama.cpp's numbering, -1 the model's own).
 #[derive(NifTuple)]
 pub struct StepTerm {
     ops: Vec<KvOpTerm>,
     entries: Vec<(u32, usize, usize, bool)>,
     samplers: Vec<(usize, ResourceArc<SamplerRes>)>,
     purgeable: Vec<usize>,
+    embeds: Vec<(usize, i64, i32)>,
 }
 
 impl StepTerm {
-    pub fn into_step(self) -> Step {
+    pub fn into_step(self, model: &Model) -> llama_cpp_ex_engine::error::Result<Step> {
+        let embeds = self
+            .embeds
+            .into_iter()
+            .map(|(seq, pooling, normalize)| {
+                Ok(EmbedRequest {
+                    seq,
+                    pooling: Pooling::resolve(pooling, model)?,
+                    normalize,
+                })
+            })
+            .collect::<llama_cpp_ex_engine::error::Result<Vec<_>>>()?;
         let mut batch = Batch::with_capacity(self.entries.len());
         for (token, pos, seq, logits) in self.entries {
             batch.push(token, pos, seq, logits);
         }
-        Step {
+        Ok(Step {
             ops: self
                 .ops
                 .into_iter()
@@ -47,7 +61,8 @@ impl StepTerm {
                 .map(|(seq, s)| (seq, s.sampler.clone()))
                 .collect(),
             purgeable: self.purgeable,
-        }
+            embeds,
+        })
     }
 }
 
@@ -64,7 +79,8 @@ pub fn encode_logprobs<'a>(env: Env<'a>, model: &Model, lp: &TokenLogprobs) -> T
     (lp.logprob as f64, top).encode(env)
 }
 
-/// `{[{seq, token, piece, eog?, logprobs | nil}], purged, n_splits, failed, eval_us}`.
+/// `{[{seq, token, piece, eog?, logprobs | nil}], purged, n_splits, failed, eval_us,
+/// [{embed_seq, {:ok, f32_binary} | {:error, message}}]}`.
 pub fn encode_outcome<'a>(env: Env<'a>, model: &Model, o: &StepOutcome) -> Term<'a> {
     let sampled: Vec<Term> = o
         .sampled
@@ -77,5 +93,22 @@ pub fn encode_outcome<'a>(env: Env<'a>, model: &Model, o: &StepOutcome) -> Term<
             (s.seq, s.token, binary(env, &s.piece), s.is_eog, lp).encode(env)
         })
         .collect();
-    (sampled, &o.purged, o.n_splits, &o.failed, o.eval_us).encode(env)
+    let embeddings: Vec<Term> = o
+        .embeddings
+        .iter()
+        .map(|(seq, r)| {
+            let r = match r {
+                Ok(v) => {
+                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_ne_bytes()).collect();
+                    (crate::atoms::ok(), binary(env, &bytes)).encode(env)
+                }
+                Err(m) => (crate::atoms::error(), m.as_str()).encode(env),
+            };
+            (*seq, r).encode(env)
+        })
+        .collect();
+    (
+        sampled, &o.purged, o.n_splits, &o.failed, o.eval_us, embeddings,
+    )
+        .encode(env)
 }

@@ -222,7 +222,8 @@ impl Architecture for Bert {
     }
 
     fn forward(&self, batch: &Batch, _kv: &mut KvCache, ws: &mut Workspace) -> Result<()> {
-        if !ws.hidden_only {
+        // an encoder has hidden states only: embeddings mode, or embedding rows
+        if !ws.hidden_only && batch.logits.iter().any(|&l| l) {
             return Err(EngineError::Unsupported(
                 "generation with an encoder (bert has no output head): use embed".into(),
             ));
@@ -253,6 +254,7 @@ impl Architecture for Bert {
             }
         }
         let scale = c.attn_scale;
+        let ws_hidden_only = ws.hidden_only;
         let Workspace {
             x,
             q,
@@ -310,7 +312,12 @@ impl Architecture for Bert {
             std::mem::swap(x, o);
         }
         hidden.clear();
-        for (t, _) in batch.logits.iter().enumerate().filter(|(_, &w)| w) {
+        let wanted = if ws_hidden_only {
+            &batch.logits
+        } else {
+            &batch.embd
+        };
+        for (t, _) in wanted.iter().enumerate().filter(|(_, &w)| w) {
             hidden.extend_from_slice(&x[t * d..(t + 1) * d]);
         }
         Ok(())

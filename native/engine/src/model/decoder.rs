@@ -470,6 +470,12 @@ impl Architecture for Decoder {
             output_rows_into(x, d, &batch.logits, &self.norm, c.eps, hidden);
             return Ok(());
         }
+        // embedding rows riding in a generation pass keep their hidden state, no logits
+        if batch.has_embd() {
+            output_rows_into(x, d, &batch.embd, &self.norm, c.eps, hidden);
+        } else {
+            hidden.clear();
+        }
         output_logits_into(
             x,
             d,
