@@ -132,6 +132,18 @@ def rerank_scores(bin_dir, out, path=None):
     return {"query": RERANK_QUERY, "documents": RERANK_DOCS, "scores": scores}
 
 
+# longer than the tiny EmbeddingGemma's window of 8, so the symmetric window matters
+GEMMA_TEXTS = ["hello there, general kenobi", "the quick brown fox jumps over the lazy dog", "x"]
+
+
+def embedding(bin_dir, path, text):
+    """llama-embedding's mean-pooled, L2-normalised vector of `text`."""
+    r = subprocess.run([os.path.join(bin_dir, "llama-embedding"), "-m", path, "-p", text, "--pooling", "mean",
+                        "--embd-normalize", "2", "--embd-output-format", "array", "-t", "1"],
+                       capture_output=True, text=True, check=True)
+    return json.loads(r.stdout[r.stdout.index("[["):])[0]
+
+
 def main():
     bin_dir = os.environ.get("LLAMA_CPP_BIN") or sys.exit("set LLAMA_CPP_BIN")
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "test", "fixtures", "tiny")
@@ -142,10 +154,7 @@ def main():
         r = subprocess.run([os.path.join(bin_dir, "llama-tokenize"), "-m", path, "-p", t, "--ids", "--log-disable"],
                            capture_output=True, text=True, check=True)
         result["ids"].append(json.loads(r.stdout.strip().splitlines()[-1]))
-        r = subprocess.run([os.path.join(bin_dir, "llama-embedding"), "-m", path, "-p", t, "--pooling", "mean",
-                            "--embd-normalize", "2", "--embd-output-format", "array", "-t", "1"],
-                           capture_output=True, text=True, check=True)
-        result["embeddings"].append(json.loads(r.stdout[r.stdout.index("[["):])[0])
+        result["embeddings"].append(embedding(bin_dir, path, t))
     result["rerank"] = rerank_scores(bin_dir, out)
     # a Qwen3-Reranker-style decoder: last token, cls.output over yes/no, softmax
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -153,6 +162,11 @@ def main():
     qwen = os.path.join(out, "tiny-qwen3-rerank-f32.gguf")
     tiny_gguf.write(qwen, "qwen3", "f32", std=1.0, rerank=True)
     result["qwen3_rerank"] = rerank_scores(bin_dir, out, qwen)
+    # EmbeddingGemma-style: bidirectional Gemma 3, symmetric windows, mean pooling, dense_2/3
+    gemma = os.path.join(out, "tiny-gemma-embedding-f32.gguf")
+    tiny_gguf.write(gemma, "gemma-embedding", "f32", std=1.0)
+    result["gemma_embedding"] = {"texts": GEMMA_TEXTS, "embeddings": [
+        embedding(bin_dir, gemma, t) for t in GEMMA_TEXTS]}
     with open(os.path.join(out, "bert.json"), "w") as f:
         json.dump(result, f)
     print(path, result["ids"])

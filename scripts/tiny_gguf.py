@@ -5,7 +5,9 @@
 
 ARCH: llama, llama3 (llama with rope_freqs and an untied head), qwen2 (Q/K/V biases), qwen3
 (Q/K norms, head_dim != n_embd / n_head), phi3 (fused attn_qkv and gate+up), gemma2
-(soft-capping, post-norms, a sliding window of 8 on every other layer), gemma3.
+(soft-capping, post-norms, a sliding window of 8 on every other layer), gemma3,
+gemma-embedding (EmbeddingGemma: Gemma 3 with bidirectional attention, a symmetric window of 8
+on every other layer, mean pooling and sentence-transformers' dense_2 / dense_3 projections).
 
 writes OUT_DIR/tiny-<arch>-<type>.gguf: a model of a few KB with a byte-level BPE vocabulary
 of the printable ASCII characters (space as "Ġ") and three special tokens, random weights
@@ -49,7 +51,7 @@ def vocab():
     return tokens, types, merges
 
 
-ARCHS = ["llama", "llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
+ARCHS = ["llama", "llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma-embedding"]
 
 
 def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128,
@@ -67,7 +69,8 @@ def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=
     n_vocab = len(tokens)
     variant = arch
     arch = "llama" if arch == "llama3" else arch
-    gemma = arch in ("gemma2", "gemma3")
+    gemma = arch in ("gemma2", "gemma3", "gemma-embedding")
+    gemma3 = arch in ("gemma3", "gemma-embedding")
     # Qwen 3 decouples the head size from the width, as its real models do
     head_dim = 2 * d // n_head if arch == "qwen3" else d // n_head
     w = gguf.GGUFWriter(path, arch)
@@ -89,6 +92,14 @@ def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=
     if arch == "gemma3":
         w.add_sliding_window(32)
         w.add_uint32(f"{arch}.attention.sliding_window_pattern", 2)
+    if arch == "gemma-embedding":
+        w.add_sliding_window(8)
+        w.add_uint32(f"{arch}.attention.sliding_window_pattern", 2)
+        w.add_pooling_type(gguf.PoolingType.MEAN)
+        w.add_uint32(f"{arch}.dense_2_feat_in", d)
+        w.add_uint32(f"{arch}.dense_2_feat_out", 2 * d)
+        w.add_uint32(f"{arch}.dense_3_feat_in", 2 * d)
+        w.add_uint32(f"{arch}.dense_3_feat_out", d)
     if arch == "gemma2":
         w.add_sliding_window(8)
         w.add_float32(f"{arch}.attn_logit_softcapping", 2.0)
@@ -164,7 +175,7 @@ def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=
             matrix(f"{b}.ffn_gate.weight", n_ff, d)
             matrix(f"{b}.ffn_up.weight", n_ff, d)
         matrix(f"{b}.ffn_down.weight", d, n_ff)
-        if arch in ("gemma3", "qwen3"):
+        if gemma3 or arch == "qwen3":
             norm(f"{b}.attn_q_norm.weight", head_dim)
             norm(f"{b}.attn_k_norm.weight", head_dim)
         if gemma:
@@ -173,6 +184,9 @@ def write(path, arch="llama", qtype="f32", d=64, n_layer=2, n_head=4, n_head_kv=
 
     if rerank:
         matrix("cls.output.weight", 2, d, quantize=False)
+    if arch == "gemma-embedding":
+        matrix("dense_2.weight", 2 * d, d, quantize=False)
+        matrix("dense_3.weight", d, 2 * d, quantize=False)
     if extra_tensor:
         vector(extra_tensor, n_ff)
     w.write_header_to_file()

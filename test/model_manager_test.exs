@@ -114,6 +114,63 @@ defmodule LlamaCppEx.ModelManagerTest do
     assert ModelManager.default() == "embed"
   end
 
+  test "a model from the Hub (a local stand-in), and server-mode embeddings" do
+    start()
+
+    {hub, url} =
+      LlamaCppEx.Test.HubServer.start(%{
+        "org/tiny" => %{files: %{"tiny.gguf" => %{body: File.read!(@tiny)}}}
+      })
+
+    cache = Path.join(System.tmp_dir!(), "llama_cpp_ex_mm_#{System.unique_integer([:positive])}")
+
+    on_exit(fn ->
+      LlamaCppEx.Test.HubServer.stop(hub)
+      File.rm_rf!(cache)
+    end)
+
+    hub_opts = [endpoint: url, cache_dir: cache]
+
+    assert {:ok, "hub"} =
+             ModelManager.load(
+               "hub",
+               {:hub, "org/tiny", "tiny.gguf"},
+               [
+                 mode: :server,
+                 capabilities: [:generate, :embed],
+                 n_parallel: 1,
+                 n_ctx: 256,
+                 temp: 0.0
+               ] ++
+                 hub_opts
+             )
+
+    assert File.read!(Path.join([cache, "org/tiny/main/tiny.gguf"])) == File.read!(@tiny)
+    assert {:ok, %{status: :ready, mode: :server}} = ModelManager.info("hub")
+    {:ok, model} = ModelManager.fetch_model("hub")
+    {:ok, want} = LlamaCppEx.generate(model, "hello", max_tokens: 4, temp: 0.0)
+    assert ModelManager.generate("hub", "hello", max_tokens: 4) == {:ok, want}
+
+    # the server-mode model embeds through Server.embed/3, as the model route does
+    {:ok, direct} = LlamaCppEx.embed(model, "hello world")
+    assert {:ok, v} = ModelManager.embed("hub", "hello world")
+    dot = Enum.zip_reduce(v, direct, 0.0, fn a, b, acc -> acc + a * b end)
+    assert dot > 0.9999
+
+    # a second load of the same file comes from the cache (no download)
+    n = length(LlamaCppEx.Test.HubServer.requests(hub))
+
+    assert {:ok, "hub2"} =
+             ModelManager.load(
+               "hub2",
+               {:hub, "org/tiny", "tiny.gguf"},
+               [mode: :direct] ++ hub_opts
+             )
+
+    assert length(LlamaCppEx.Test.HubServer.requests(hub)) == n
+    assert {:error, _} = ModelManager.load("nope", {:hub, "org/tiny", "missing.gguf"}, hub_opts)
+  end
+
   test "a second manager refuses to start" do
     start()
     assert {:error, msg} = GenServer.start(ModelManager, [], name: :another_manager)

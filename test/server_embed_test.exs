@@ -179,4 +179,26 @@ defmodule LlamaCppEx.ServerEmbedTest do
     assert {:error, :not_generative_model} = Server.generate(server, "hello")
     GenServer.stop(server)
   end
+
+  test "an EmbeddingGemma-style model (bidirectional decoder) embeds like llama.cpp, alone or in a server" do
+    path = Path.expand("fixtures/tiny/tiny-gemma-embedding-f32.gguf", __DIR__)
+
+    {:ok, fx} =
+      LlamaCppEx.JSON.decode(File.read!(Path.expand("fixtures/tiny/bert.json", __DIR__)))
+
+    %{"texts" => texts, "embeddings" => want} = fx["gemma_embedding"]
+    {:ok, model} = LlamaCppEx.load_model(path)
+    refute LlamaCppEx.Model.info(model).generative
+    {:ok, got} = LlamaCppEx.embed_batch(model, texts)
+    assert_same_vectors(got, want)
+    assert {:error, message} = LlamaCppEx.generate(model, "hello", max_tokens: 2)
+    assert message =~ "embedding model"
+
+    {:ok, server} = Server.start_link(model_path: path, n_parallel: 1, n_ctx: 512)
+    {:ok, _} = TestModels.wait_model(server)
+    assert {:ok, got} = Server.embed(server, texts)
+    assert_same_vectors(got, want)
+    assert {:error, :not_generative_model} = Server.generate(server, "hello")
+    GenServer.stop(server)
+  end
 end

@@ -237,22 +237,28 @@ defmodule LlamaCppEx.ModelManager do
   end
 
   @doc """
-  `LlamaCppEx.embed/3` on `id`: only a direct-mode model with the `:embed` capability,
-  otherwise `{:error, :not_embedding_model}`.
+  `LlamaCppEx.embed/3` on `id`, for a model with the `:embed` capability: a direct-mode model
+  embeds on the caller's process, a server-mode one through `LlamaCppEx.Server.embed/3` (its
+  texts ride in the server's generation passes); any other model gives
+  `{:error, :not_embedding_model}`. (The contract allows direct mode only; server mode is
+  this library's addition.)
   """
   def embed(id, text, opts \\ []) do
     case route(id) do
-      {:ok, {:direct, model, %Entry{capabilities: caps}}} ->
-        if :embed in caps,
-          do: LlamaCppEx.embed(model, text, opts),
-          else: {:error, :not_embedding_model}
-
-      {:ok, _} ->
-        {:error, :not_embedding_model}
+      {:ok, {mode, target, %Entry{capabilities: caps}}} ->
+        cond do
+          :embed not in caps -> {:error, :not_embedding_model}
+          mode == :direct -> LlamaCppEx.embed(target, text, opts)
+          true -> server_embed(target, text, opts)
+        end
 
       error ->
         error
     end
+  end
+
+  defp server_embed(server, text, opts) do
+    with {:ok, [v]} <- LlamaCppEx.Server.embed(server, [text], opts), do: {:ok, v}
   end
 
   ## server

@@ -191,13 +191,17 @@ pub fn pool(model: &Model, rows: &[&[f32]], pooling: Pooling, norm: i32) -> Resu
     if n == 0 {
         return Err(EngineError::InvalidArgument("nothing to pool".into()));
     }
+    let arch = model.architecture()?;
+    let finish = |mut v: Vec<f32>| -> Result<Vec<f32>> {
+        arch.project_pooled(&mut v)?;
+        normalize(&mut v, norm);
+        Ok(v)
+    };
     Ok(match pooling {
         Pooling::None => {
             let mut all = Vec::with_capacity(n * d);
             for r in rows {
-                let mut r = r.to_vec();
-                normalize(&mut r, norm);
-                all.extend(r);
+                all.extend(finish(r.to_vec())?);
             }
             all
         }
@@ -210,19 +214,15 @@ pub fn pool(model: &Model, rows: &[&[f32]], pooling: Pooling, norm: i32) -> Resu
             }
             let inv = 1.0 / n as f32;
             sum.iter_mut().for_each(|s| *s *= inv);
-            normalize(&mut sum, norm);
-            sum
+            finish(sum)?
         }
         Pooling::Rank => {
-            let arch = model.architecture()?;
             let i = if arch.causal() { n - 1 } else { 0 };
             arch.classify(rows[i])?
         }
         Pooling::Cls | Pooling::Last => {
             let i = if pooling == Pooling::Cls { 0 } else { n - 1 };
-            let mut r = rows[i].to_vec();
-            normalize(&mut r, norm);
-            r
+            finish(rows[i].to_vec())?
         }
     })
 }

@@ -295,3 +295,37 @@ fn encoder_texts_stay_whole_across_micro_batches() {
         assert!(c > 0.99999, "step text {seq}: {c}");
     }
 }
+
+/// EmbeddingGemma (llama.cpp's `gemma-embedding`; tiny, random: `scripts/tiny_bert.py`):
+/// bidirectional attention with a symmetric window of 8 on local layers (the texts are longer),
+/// mean pooling, then `dense_2` / `dense_3` — equal to `llama-embedding`'s vectors. It does
+/// not generate.
+#[test]
+fn gemma_embedding_matches_llama_cpp() {
+    let model = tiny_model("tiny-gemma-embedding-f32.gguf");
+    assert_eq!(Pooling::default_for(&model), Pooling::Mean);
+    assert!(!model.architecture().unwrap().causal());
+    let fx = &fixture("tiny/bert.json")["gemma_embedding"];
+    let texts = strs(&fx["texts"]);
+    let ids: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| model.tokenizer.encode(t, true, true).unwrap())
+        .collect();
+    assert!(ids[1].len() > 16, "longer than the window");
+    let ours = embed(&model, &ids, Pooling::Mean, 2, 256, 1).unwrap();
+    for (k, (o, t)) in ours
+        .iter()
+        .zip(fx["embeddings"].as_array().unwrap())
+        .enumerate()
+    {
+        let c = cosine(o, &floats(t));
+        println!("{}: cosine {c:.7}", texts[k]);
+        assert!(c > 0.9999, "{}: cosine {c}", texts[k]);
+    }
+    let mut ctx = ctx(&model, 64, 1);
+    let err = ctx
+        .decode(&llama_cpp_ex_engine::Batch::for_sequence(&ids[0], 0, 0))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("embedding model"), "{err}");
+}

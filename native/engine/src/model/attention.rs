@@ -26,6 +26,10 @@ pub struct AttnParams {
     pub scale: f32,
     /// Scores become `cap · tanh(score / cap)` before the softmax (Gemma 2).
     pub softcap: Option<f32>,
+    /// A token sees positions up to its own (window: the last `w`). Otherwise it sees its
+    /// whole sequence, which the batch must hold entirely (window: positions within `w / 2`
+    /// either side, llama.cpp's symmetric sliding window).
+    pub causal: bool,
 }
 
 /// Output rows written by disjoint tasks.
@@ -185,10 +189,31 @@ fn attend_tile(
     let ratio = p.n_head / p.n_kv_heads;
     let row = p.n_head * hd;
     let window = kv.layer_window(layer);
-    let lo_of = |pos: usize| window.map_or(0, |w| (pos + 1).saturating_sub(w));
     let seq = batch.seq[start];
     let first = batch.pos[start];
     let last = batch.pos[start + len - 1];
+    // the positions `[lo_of(pos), hi_of(pos))` a query at `pos` sees; both grow with `pos`
+    let causal = p.causal;
+    let seq_end = if causal {
+        last + 1
+    } else {
+        (start..batch.len())
+            .take_while(|&i| batch.seq[i] == seq)
+            .map(|i| batch.pos[i] + 1)
+            .max()
+            .unwrap_or(last + 1)
+    };
+    let lo_of = |pos: usize| match (causal, window) {
+        (_, None) => 0,
+        (true, Some(w)) => (pos + 1).saturating_sub(w),
+        (false, Some(w)) => pos.saturating_sub(w / 2),
+    };
+    let hi_of = |pos: usize| match (causal, window) {
+        (true, _) => pos + 1,
+        (false, None) => seq_end,
+        (false, Some(w)) => (pos + w / 2 + 1).min(seq_end),
+    };
+    let hi_last = hi_of(last);
     let blocks = kv.seq_view(layer, seq).blocks;
     let rows = len * ratio;
     let rows_pad = rows.next_multiple_of(attn::ROW_BLOCK);
@@ -205,8 +230,8 @@ fn attend_tile(
     s.l[..rows_pad].fill(0.0);
 
     let mut c0 = lo_of(first);
-    while c0 <= last {
-        let c1 = ((c0 / KV_BLOCK_SIZE + CHUNK_BLOCKS) * KV_BLOCK_SIZE).min(last + 1);
+    while c0 < hi_last {
+        let c1 = ((c0 / KV_BLOCK_SIZE + CHUNK_BLOCKS) * KV_BLOCK_SIZE).min(hi_last);
         let n = c1 - c0;
         let mut at = c0;
         while at < c1 {
@@ -226,7 +251,7 @@ fn attend_tile(
             kv.read_head(layer, true, blocks[bi], g, slots, &mut s.v[from..to]);
             at = end;
         }
-        let next_end = (c1 + CHUNK).min(last + 1);
+        let next_end = (c1 + CHUNK).min(hi_last);
         for bi in (c1.div_ceil(KV_BLOCK_SIZE) * KV_BLOCK_SIZE..next_end).step_by(KV_BLOCK_SIZE) {
             kv.prefetch_head(layer, blocks[bi / KV_BLOCK_SIZE], g);
         }
@@ -238,7 +263,7 @@ fn attend_tile(
             let probs = &mut s.s[r * CHUNK..r * CHUNK + keys];
             let pos = first + r / ratio;
             // slots of this chunk visible to the row's query, relative to c0
-            let (a, z) = (lo_of(pos).max(c0), (pos + 1).min(c1));
+            let (a, z) = (lo_of(pos).max(c0), hi_of(pos).min(c1));
             if r >= rows || a >= z {
                 probs.fill(0.0);
                 continue;

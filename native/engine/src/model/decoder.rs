@@ -63,6 +63,10 @@ pub struct Family {
     pub embed_scale: bool,
     pub act: Activation,
     pub swa: Option<SlidingWindow>,
+    /// Causal attention over the cache (every generator). `false`: an embedding model
+    /// (EmbeddingGemma) whose tokens attend to the whole of their sequence, within a symmetric
+    /// window on sliding-window layers, and which has no generation output.
+    pub causal: bool,
 }
 
 const fn spec(name: &'static str, family: &'static Family) -> ArchSpec {
@@ -81,6 +85,7 @@ const PLAIN: Family = Family {
     embed_scale: false,
     act: Activation::Silu,
     swa: None,
+    causal: true,
 };
 const NEOX: Family = Family {
     neox: true,
@@ -111,22 +116,32 @@ pub const GEMMA2: ArchSpec = spec(
             default_local_base: None,
             softcaps: true,
         }),
+        causal: true,
     },
 );
-pub const GEMMA3: ArchSpec = spec(
-    "gemma3",
+const GEMMA3_FAMILY: Family = Family {
+    neox: true,
+    qk_norm: true,
+    post_norms: true,
+    embed_scale: true,
+    act: Activation::GeluTanh,
+    swa: Some(SlidingWindow {
+        pattern: 6,
+        default_window: 512,
+        default_local_base: Some(10_000.0),
+        softcaps: false,
+    }),
+    causal: true,
+};
+pub const GEMMA3: ArchSpec = spec("gemma3", &GEMMA3_FAMILY);
+/// EmbeddingGemma (llama.cpp's `gemma-embedding`): Gemma 3's block with bidirectional
+/// attention (symmetric windows on local layers), pooled, then sentence-transformers' dense
+/// projections `dense_2` / `dense_3` when the file has them.
+pub const GEMMA_EMBEDDING: ArchSpec = spec(
+    "gemma-embedding",
     &Family {
-        neox: true,
-        qk_norm: true,
-        post_norms: true,
-        embed_scale: true,
-        act: Activation::GeluTanh,
-        swa: Some(SlidingWindow {
-            pattern: 6,
-            default_window: 512,
-            default_local_base: Some(10_000.0),
-            softcaps: false,
-        }),
+        causal: false,
+        ..GEMMA3_FAMILY
     },
 );
 
@@ -242,6 +257,9 @@ pub struct Decoder {
     /// A reranker's head (`cls.output`: one row per `classifier.output_labels` entry; Qwen3
     /// rerankers have yes/no rows of the vocabulary head, turned into a softmax).
     cls_out: Option<Linear>,
+    /// sentence-transformers' projections after pooling (EmbeddingGemma's `dense_2`, then
+    /// `dense_3`), as llama.cpp's `build_dense_out`.
+    dense: Vec<Linear>,
     inv_freq_global: Vec<f32>,
     inv_freq_local: Vec<f32>,
     /// Phi-3 LongRoPE: the frequencies for contexts beyond `n_ctx_orig` (the short factor set
@@ -332,6 +350,7 @@ impl Decoder {
                 )?)?),
                 Err(_) => None,
             },
+            dense: dense_out(l, d)?,
             inv_freq_global: freqs(cfg.rope_base),
             inv_freq_local: freqs(cfg.rope_base_local),
             inv_freq_long: long.as_deref().map(|f| freqs_with(cfg.rope_base, Some(f))),
@@ -339,6 +358,27 @@ impl Decoder {
         l.check_all_used()?;
         Ok(model)
     }
+}
+
+/// `dense_2` (`n_embd` → its width) and `dense_3` (back to `n_embd`), when present.
+fn dense_out(l: &TensorLoader, d: usize) -> Result<Vec<Linear>> {
+    let mut out = Vec::new();
+    for (name, into) in [("dense_2.weight", false), ("dense_3.weight", true)] {
+        let Ok(info) = l.gguf.tensor_info(name) else {
+            continue;
+        };
+        let [rows, cols] = info.shape[..] else {
+            return Err(EngineError::InvalidGguf(format!("{name} is not a matrix")));
+        };
+        // dense_2 reads n_embd values, dense_3 writes n_embd (llama.cpp asserts the same)
+        if (into && rows != d) || (!into && cols != d) {
+            return Err(EngineError::InvalidGguf(format!(
+                "{name} has shape [{rows}, {cols}], which does not fit n_embd {d}"
+            )));
+        }
+        out.push(Linear::new(l.matrix(name, rows, cols)?)?);
+    }
+    Ok(out)
 }
 
 fn add_bias(x: &mut [f32], bias: &[f32]) {
@@ -357,6 +397,19 @@ fn soft_cap(x: &mut [f32], cap: f32) {
 }
 
 impl Architecture for Decoder {
+    fn causal(&self) -> bool {
+        self.family.causal
+    }
+
+    fn project_pooled(&self, v: &mut Vec<f32>) -> Result<()> {
+        let mut next = Vec::new();
+        for p in &self.dense {
+            p.forward_into(v, 1, &mut next)?;
+            std::mem::swap(v, &mut next);
+        }
+        Ok(())
+    }
+
     fn classify(&self, pooled: &[f32]) -> Result<Vec<f32>> {
         let head = self.cls_out.as_ref().ok_or_else(|| {
             EngineError::Unsupported(
@@ -377,6 +430,12 @@ impl Architecture for Decoder {
     fn forward(&self, batch: &Batch, kv: &mut KvCache, ws: &mut Workspace) -> Result<()> {
         let c = &self.cfg;
         let f = self.family;
+        if !f.causal && !ws.hidden_only && batch.logits.iter().any(|&l| l) {
+            return Err(EngineError::Unsupported(format!(
+                "generation with {} (an embedding model): use embed",
+                c.arch
+            )));
+        }
         let n = batch.len();
         let d = c.n_embd;
         let hd = c.head_dim;
@@ -403,6 +462,7 @@ impl Architecture for Decoder {
             head_dim: hd,
             scale: c.attn_scale,
             softcap: c.attn_softcap,
+            causal: f.causal,
         };
         sized(&mut ws.attn, n * c.n_head * hd);
         let Workspace {

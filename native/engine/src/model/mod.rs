@@ -98,6 +98,7 @@ pub const ARCHITECTURES: &[&ArchSpec] = &[
     &decoder::PHI3,
     &decoder::GEMMA2,
     &decoder::GEMMA3,
+    &decoder::GEMMA_EMBEDDING,
     &bert::BERT,
 ];
 
@@ -247,6 +248,12 @@ pub trait Architecture: Send + Sync {
     /// its first.
     fn causal(&self) -> bool {
         true
+    }
+
+    /// Projections applied to a pooled vector (or to each token's state without pooling)
+    /// before it is normalised: sentence-transformers' dense modules stored in the file.
+    fn project_pooled(&self, _v: &mut Vec<f32>) -> Result<()> {
+        Ok(())
     }
 
     /// A reranker's classification head over a pooled hidden state (llama.cpp's pooling
