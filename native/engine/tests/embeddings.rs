@@ -271,8 +271,8 @@ fn encoder_texts_stay_whole_across_micro_batches() {
 
     let mut c = ctx(&model, 256, 4);
     let mut batch = Batch::with_capacity(64);
-    for s in 0..3 {
-        for (i, &id) in texts[s].iter().enumerate() {
+    for (s, text) in texts.iter().take(3).enumerate() {
+        for (i, &id) in text.iter().enumerate() {
             batch.push(id, i, s, false);
         }
     }
