@@ -60,7 +60,7 @@ defmodule LlamaCppEx.Server do
   Emitted through `:telemetry` when the application includes it:
 
     * `[:llama_cpp_ex, :server, :tick]` - `batch_size`, `decode_tokens`, `prefill_tokens`,
-      `active_slots`, `queue_depth`, `eval_ms`; metadata `server`.
+      `embed_tokens`, `active_slots`, `queue_depth`, `eval_ms`; metadata `server`.
     * `[:llama_cpp_ex, :server, :request, :start]` - `prompt_tokens`, `prefix_cache_tokens`;
       metadata `server`, `seq_id`, `mode`.
     * `[:llama_cpp_ex, :server, :request, :done]` - `prompt_tokens`, `generated_tokens`,
@@ -68,6 +68,9 @@ defmodule LlamaCppEx.Server do
       `prefix_cache_ratio`; metadata `server`, `seq_id`, `mode`, `stop_reason` (`:eog`,
       `:max_tokens`, `:stop` or `:cancelled`).
     * `[:llama_cpp_ex, :server, :request, :exception]` - as `:done`, with `reason`.
+    * `[:llama_cpp_ex, :server, :embed, :done]` - `texts`, `tokens`, `duration_ms` of an
+      `embed/3` call; metadata `server`. `[:llama_cpp_ex, :server, :embed, :exception]` - the
+      same, with `reason` in the metadata.
     * `[:llama_cpp_ex, :server, :kv_pressure]` - `purged_slots`, `batch_splits`.
     * `[:llama_cpp_ex, :server, :prefix_instability]` - `matched_tokens`, `cached_tokens`.
   """
@@ -408,7 +411,8 @@ defmodule LlamaCppEx.Server do
   @doc """
   Slot and queue counters plus throughput: `active_slots`, `idle_slots`, `prefilling_slots`,
   `queue_depth`, `n_parallel`, `n_batch`, `ram_cache_entries`, `ram_cache_bytes`,
-  `tokens_generated` (since start), `requests_completed`, and `window_tokens`, `window_ms`,
+  `tokens_generated` (since start), `requests_completed`, `embed_queue_depth` (texts of
+  `embed/3` calls not yet evaluated), `embeddings_completed` (texts), and `window_tokens`, `window_ms`,
   `tokens_per_second` over the window since start or the last `reset_stats_window/1`.
   """
   @spec get_stats(GenServer.server()) :: map()
