@@ -71,6 +71,8 @@ defmodule LlamaCppEx.Server do
     * `[:llama_cpp_ex, :server, :embed, :done]` - `texts`, `tokens`, `duration_ms` of an
       `embed/3` call; metadata `server`. `[:llama_cpp_ex, :server, :embed, :exception]` - the
       same, with `reason` in the metadata.
+    * `[:llama_cpp_ex, :server, :pause]` - no measurements; metadata `server`, `level`
+      (`:none | :prefill | :full`, the level now in effect), `previous`, `manual`.
     * `[:llama_cpp_ex, :server, :kv_pressure]` - `purged_slots`, `batch_splits`.
     * `[:llama_cpp_ex, :server, :prefix_instability]` - `matched_tokens`, `cached_tokens`.
   """
@@ -127,6 +129,9 @@ defmodule LlamaCppEx.Server do
       (every generating request waits for the whole pass, so this bounds the inter-token
       latency embeddings add); a text longer than it goes whole. Without generation,
       embeddings take up to half of `:n_batch`. Default 64.
+    * `:pause_policy` - a `LlamaCppEx.Server.PausePolicy` module (or `{module, arg}`)
+      consulted before every forward pass; `:pause_poll_ms` (default 100) is how often it is
+      asked again while it holds the server paused. Default none.
     * `:cache_prompt` - keep a finished request's KV for prefix reuse. Default `true`.
     * `:kv_unified` - allow cross-slot prefix sharing. Default `true`.
     * `:batch_strategy` - a `LlamaCppEx.Server.BatchStrategy`. Default
@@ -365,6 +370,21 @@ defmodule LlamaCppEx.Server do
     result
   end
 
+  @doc """
+  Pauses the server: `:full` (default) runs no forward pass, `:prefill` keeps decoding the
+  requests already generating but evaluates no prompt chunk and no embedding text. Queued and
+  active requests are kept; their callers' timeouts still apply. `get_stats/1` shows
+  `paused: true`, and time in a full pause is left out of its `tokens_per_second`. A
+  `:pause_policy` (see `LlamaCppEx.Server.PausePolicy`) may pause further, never less.
+  """
+  @spec pause(GenServer.server(), :full | :prefill) :: :ok
+  def pause(server, level \\ :full) when level in [:full, :prefill],
+    do: GenServer.call(server, {:pause, level})
+
+  @doc "Ends a `pause/2` (a `:pause_policy` may still hold the server paused)."
+  @spec resume(GenServer.server()) :: :ok
+  def resume(server), do: GenServer.call(server, {:pause, :none})
+
   @doc "Cancels the request streaming to `ref` (or removes it from the queue)."
   @spec cancel(GenServer.server(), reference()) :: :ok
   def cancel(server, ref), do: GenServer.cast(server, {:cancel, ref})
@@ -412,8 +432,10 @@ defmodule LlamaCppEx.Server do
   Slot and queue counters plus throughput: `active_slots`, `idle_slots`, `prefilling_slots`,
   `queue_depth`, `n_parallel`, `n_batch`, `ram_cache_entries`, `ram_cache_bytes`,
   `tokens_generated` (since start), `requests_completed`, `embed_queue_depth` (texts of
-  `embed/3` calls not yet evaluated), `embeddings_completed` (texts), and `window_tokens`, `window_ms`,
-  `tokens_per_second` over the window since start or the last `reset_stats_window/1`.
+  `embed/3` calls not yet evaluated), `embeddings_completed` (texts), `paused` and
+  `pause_level` (see `pause/2`), `paused_ms` (time in a full pause within the window), and
+  `window_tokens`, `window_ms`, `tokens_per_second` over the window since start or the last
+  `reset_stats_window/1` (time in a full pause left out).
   """
   @spec get_stats(GenServer.server()) :: map()
   def get_stats(server), do: GenServer.call(server, :get_stats)
@@ -500,8 +522,14 @@ defmodule LlamaCppEx.Server do
 
   def handle_call(:get_stats, _from, st) do
     waiting = st.embed_jobs |> Map.values() |> Enum.map(&length(&1.todo)) |> Enum.sum()
-    {:reply, Stats.snapshot(st.stats, st.slots, :queue.len(st.queue), st.config, waiting), st}
+    stats = Stats.snapshot(st.stats, st.slots, :queue.len(st.queue), st.config, waiting)
+
+    {:reply, Map.merge(stats, %{paused: st.pause_level != :none, pause_level: st.pause_level}),
+     st}
   end
+
+  def handle_call({:pause, level}, _from, st),
+    do: {:reply, :ok, Tick.set_manual_pause(st, level)}
 
   def handle_call(:reset_stats_window, _from, st),
     do: {:reply, :ok, %{st | stats: Stats.reset_window(st.stats)}}

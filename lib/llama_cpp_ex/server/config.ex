@@ -17,6 +17,8 @@ defmodule LlamaCppEx.Server.Config do
     max_queue: 64,
     embed_parallel: 32,
     embed_chunk: 64,
+    pause_policy: nil,
+    pause_poll_ms: 100,
     cache_prompt: true,
     kv_unified: true,
     prompt_cache_ram_mb: 0,
@@ -45,6 +47,7 @@ defmodule LlamaCppEx.Server.Config do
 
     with {:ok, path} <- path(Keyword.fetch(opts, :model_path)),
          :ok <- strategy(own[:batch_strategy]),
+         :ok <- pause_policy(own[:pause_policy]),
          :ok <- sizes(own) do
       n_ctx = own[:n_ctx]
 
@@ -101,6 +104,17 @@ defmodule LlamaCppEx.Server.Config do
     end
   end
 
+  defp pause_policy(nil), do: :ok
+  defp pause_policy({mod, _arg}) when is_atom(mod), do: pause_policy(mod)
+
+  defp pause_policy(mod) when is_atom(mod) do
+    if Code.ensure_loaded?(mod) and function_exported?(mod, :pause_level, 2),
+      do: :ok,
+      else: {:error, {:invalid_pause_policy, mod}}
+  end
+
+  defp pause_policy(other), do: {:error, {:invalid_pause_policy, other}}
+
   defp sizes(own) do
     with :ok <-
            Options.check_all(Keyword.reject(own, fn {_, v} -> is_nil(v) end),
@@ -111,6 +125,7 @@ defmodule LlamaCppEx.Server.Config do
              max_queue: {:int, 0, 1_000_000_000},
              embed_parallel: {:int, 1, 1024},
              embed_chunk: {:int, 1, 4_194_304},
+             pause_poll_ms: {:int, 1, 3_600_000},
              cache_prompt: :boolean,
              kv_unified: :boolean,
              prompt_cache_ram_mb: {:int, 0, 1_000_000_000}

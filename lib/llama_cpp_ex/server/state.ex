@@ -23,6 +23,10 @@ defmodule LlamaCppEx.Server.State do
     embed_jobs: %{},
     embed_order: [],
     embed_free: [],
+    # pause levels (LlamaCppEx.Server.PausePolicy): set by pause/2, and in effect
+    pause_manual: :none,
+    pause_level: :none,
+    policy_warned: false,
     warned_instability: false
   ]
 

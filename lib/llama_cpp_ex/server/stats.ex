@@ -9,7 +9,10 @@ defmodule LlamaCppEx.Server.Stats do
             requests_completed: 0,
             embeddings_completed: 0,
             window_start: 0,
-            window_tokens: 0
+            window_tokens: 0,
+            # time in a full pause within the window, left out of tokens_per_second
+            paused_ms: 0,
+            paused_since: nil
 
   @type t :: %__MODULE__{}
 
@@ -17,7 +20,20 @@ defmodule LlamaCppEx.Server.Stats do
   def new, do: %__MODULE__{window_start: now_ms()}
 
   @spec reset_window(t()) :: t()
-  def reset_window(stats), do: %{stats | window_start: now_ms(), window_tokens: 0}
+  def reset_window(stats) do
+    now = now_ms()
+    since = if stats.paused_since, do: now
+    %{stats | window_start: now, window_tokens: 0, paused_ms: 0, paused_since: since}
+  end
+
+  @doc "Notes the start or the end of a full pause."
+  @spec paused(t(), boolean()) :: t()
+  def paused(%{paused_since: nil} = stats, true), do: %{stats | paused_since: now_ms()}
+
+  def paused(%{paused_since: since} = stats, false) when since != nil,
+    do: %{stats | paused_ms: stats.paused_ms + (now_ms() - since), paused_since: nil}
+
+  def paused(stats, _), do: stats
 
   @doc "Counts a finished request."
   @spec request_done(t(), Request.t()) :: t()
@@ -41,7 +57,10 @@ defmodule LlamaCppEx.Server.Stats do
   @spec snapshot(t(), map(), non_neg_integer(), map(), non_neg_integer()) :: map()
   def snapshot(stats, slots, queue_depth, config, embed_waiting \\ 0) do
     counts = Enum.frequencies_by(slots, fn {_, s} -> s.state end)
-    window_ms = max(now_ms() - stats.window_start, 1)
+    now = now_ms()
+    window_ms = max(now - stats.window_start, 1)
+    paused_ms = stats.paused_ms + if(stats.paused_since, do: now - stats.paused_since, else: 0)
+    active_ms = max(window_ms - paused_ms, 1)
     # tokens of requests still running count toward the totals too
     running =
       slots
@@ -64,7 +83,8 @@ defmodule LlamaCppEx.Server.Stats do
       embeddings_completed: stats.embeddings_completed,
       window_tokens: stats.window_tokens,
       window_ms: window_ms,
-      tokens_per_second: stats.window_tokens * 1000 / window_ms
+      paused_ms: paused_ms,
+      tokens_per_second: stats.window_tokens * 1000 / active_ms
     }
   end
 

@@ -8,7 +8,8 @@ defmodule LlamaCppEx.Server.Tick do
   # one step is in flight.
 
   alias LlamaCppEx.{NIF, Pipeline, Telemetry}
-  alias LlamaCppEx.Server.{EmbedJob, Placement, Plan, Request, Slot, Stats}
+  alias LlamaCppEx.Server.{EmbedJob, PausePolicy, Placement, Plan, Request, Slot, Stats}
+  require Logger
 
   @doc "Sends `:tick` unless one is pending or a step is in flight."
   def schedule(%{tick_scheduled: true} = st), do: st
@@ -26,22 +27,106 @@ defmodule LlamaCppEx.Server.Tick do
 
   defp embeds_waiting?(st), do: Enum.any?(st.embed_jobs, fn {_, j} -> j.todo != [] end)
 
-  @doc "One tick: place, plan, submit."
+  @doc "One tick: consult the pause level, place, plan, submit."
   def run(st) do
     st = %{st | tick_scheduled: false}
 
-    if st.in_flight != nil or st.model == nil,
-      do: st,
-      else: st |> Placement.dequeue() |> submit()
+    if st.in_flight != nil or st.model == nil do
+      st
+    else
+      st = update_pause(st)
+
+      case st.pause_level do
+        :full -> poll_pause(st)
+        level -> st |> Placement.dequeue() |> submit(level) |> poll_pause()
+      end
+    end
   end
 
-  defp submit(st) do
+  @doc "Sets the level `LlamaCppEx.Server.pause/2` asked for and ticks."
+  def set_manual_pause(st, level), do: schedule(%{st | pause_manual: level})
+
+  # The stronger of the manual level and the policy's; changes are telemetry events, and
+  # time in a full pause is left out of the throughput window.
+  defp update_pause(st) do
+    {policy_level, st} = policy_level(st)
+    level = PausePolicy.max(st.pause_manual, policy_level)
+
+    if level == st.pause_level do
+      st
+    else
+      Telemetry.execute(
+        [:llama_cpp_ex, :server, :pause],
+        %{},
+        %{server: self(), level: level, previous: st.pause_level, manual: st.pause_manual}
+      )
+
+      %{st | pause_level: level, stats: Stats.paused(st.stats, level == :full)}
+    end
+  end
+
+  defp policy_level(%{config: %{pause_policy: nil}} = st), do: {:none, st}
+
+  defp policy_level(st) do
+    {mod, arg} =
+      case st.config.pause_policy do
+        {mod, arg} -> {mod, arg}
+        mod -> {mod, []}
+      end
+
+    info = %{
+      active_slots: Enum.count(st.slots, fn {_, s} -> Slot.active?(s) end),
+      queue_depth: :queue.len(st.queue),
+      embed_queue_depth:
+        st.embed_jobs |> Map.values() |> Enum.map(&length(&1.todo)) |> Enum.sum(),
+      tick: st.tick,
+      manual: st.pause_manual
+    }
+
+    level =
+      try do
+        mod.pause_level(info, arg)
+      catch
+        kind, reason -> {:invalid, {kind, reason}}
+      end
+
+    if level in PausePolicy.levels() do
+      {level, st}
+    else
+      unless st.policy_warned do
+        Logger.warning(
+          "LlamaCppEx.Server: pause policy #{inspect(mod)} returned #{inspect(level, limit: 5)}; " <>
+            "running as :none (logged once per server)"
+        )
+      end
+
+      {:none, %{st | policy_warned: true}}
+    end
+  end
+
+  # While paused with work waiting and a policy to ask again, the next tick comes by timer
+  # (a manual pause ends with resume/1, which ticks).
+  defp poll_pause(%{pause_level: :none} = st), do: st
+
+  defp poll_pause(st) do
+    if st.config.pause_policy != nil and st.in_flight == nil and not st.tick_scheduled and
+         has_work?(st) do
+      Process.send_after(self(), :tick, st.config.pause_poll_ms)
+      %{st | tick_scheduled: true}
+    else
+      st
+    end
+  end
+
+  defp submit(st, level) do
     cfg = st.config
     opts = [queue_depth: :queue.len(st.queue), tick: st.tick]
-    share = embed_share(st)
+    share = if level == :prefill, do: 0, else: embed_share(st)
     budget = strategy_budget(st, share)
     plan = cfg.batch_strategy.build_batch(st.slots, budget, cfg.chunk_size, opts)
     plan = Plan.validate!(plan, st.slots, budget, cfg.chunk_size, cfg.batch_strategy)
+    # paused prefill: only the decode rows of requests already generating
+    plan = if level == :prefill, do: Enum.filter(plan, &match?({:decode, _}, &1)), else: plan
     {entries, slots, samplers, counts} = Plan.to_step(plan, st.slots)
     left = min(share, cfg.n_batch - counts.decode - counts.prefill)
     {st, embed_entries, embeds} = place_embeds(st, left)
