@@ -309,6 +309,38 @@ defmodule LlamaCppEx.ServerTest do
       GenServer.stop(s)
     end
 
+    test "a request the KV cache cannot take now waits in the queue instead of failing", %{
+      path: path
+    } do
+      attach([
+        [:llama_cpp_ex, :server, :request, :start],
+        [:llama_cpp_ex, :server, :request, :done]
+      ])
+
+      {:ok, s} = Server.start_link(model_path: path, n_parallel: 2, n_ctx: 256, temp: 0.0)
+      {:ok, _} = wait_model(s)
+      # 150 + up to 60 tokens, then 150 more: both cannot be in the 256-token budget at once
+      a =
+        Task.async(fn -> Server.complete_tokens(s, Enum.to_list(1000..1149), max_tokens: 60) end)
+
+      Process.sleep(20)
+      b = Task.async(fn -> Server.complete_tokens(s, Enum.to_list(2000..2149), max_tokens: 8) end)
+      assert {:ok, %{finish_reason: ra}} = Task.await(a, 60_000)
+      assert {:ok, %{finish_reason: rb}} = Task.await(b, 60_000)
+      assert ra in [:eog, :max_tokens] and rb in [:eog, :max_tokens]
+
+      # b started only once a was done (it waited in the queue, not in a slot)
+      events =
+        for _ <- 1..4 do
+          assert_receive {:telemetry, [_, _, :request, kind], m, _}, 5_000
+          {kind, m.prompt_tokens}
+        end
+
+      assert [{:start, 150}, {:done, 150}, {:start, 150}, {:done, 150}] = events
+      assert_no_leaks(s)
+      GenServer.stop(s)
+    end
+
     test "idle caches are evicted before an active request fails", %{path: path} do
       attach([[:llama_cpp_ex, :server, :kv_pressure]])
       {:ok, s} = Server.start_link(model_path: path, n_parallel: 2, n_ctx: 256, temp: 0.0)

@@ -169,7 +169,7 @@ defmodule LlamaCppEx.Local do
     samplers = if sample?, do: [{0, s.sampler.ref}], else: []
 
     case NIF.context_step(s.ctx.ref, {[], entries, samplers, [], []}) do
-      {:ok, {[{0, token, piece, eog, logprobs}], _, _, _, _, _}} ->
+      {:ok, {[{0, token, piece, eog, logprobs}], _, _, _, _, _, _}} ->
         s = if s.n_draft, do: %{s | rev_history: [token | s.rev_history]}, else: s
 
         case Pipeline.push(s.pipeline, piece, eog, logprobs) do
@@ -177,10 +177,10 @@ defmodule LlamaCppEx.Local do
           {:done, events, p} -> {:done, events, %{s | pipeline: p}}
         end
 
-      {:ok, {[], _, _, [], _, _}} ->
+      {:ok, {[], _, _, [], _, _, _}} ->
         {:cont, [], s}
 
-      {:ok, {_, _, _, [_ | _], _, _}} ->
+      {:ok, {_, _, _, [_ | _], _, _, _}} ->
         {:done, Pipeline.fail(s.pipeline, :context_full), s}
 
       {:error, reason} ->

@@ -47,7 +47,11 @@ defmodule LlamaCppEx.Server do
   least one prompt token is always evaluated. Idle slots keep their cache (unless
   `cache_prompt: false`); when blocks run out, idle caches are evicted least recently used
   first before any active request fails, and a request that still does not fit fails alone with
-  `{:error, :context_full}`.
+  `{:error, :context_full}`. Admission checks capacity first: a prompt as long as `:n_ctx` is
+  refused with `{:error, :context_full}` at once, and a queued request whose prompt the cache
+  cannot take now (free blocks plus evictable idle caches, less what active requests still
+  need) waits in the queue for requests to finish instead of taking a slot and failing
+  mid-prompt.
 
   ## Non-blocking
 
@@ -503,6 +507,7 @@ defmodule LlamaCppEx.Server do
            engine: engine,
            slots: slots,
            embed_free: embed_seqs,
+           kv_free: cfg.n_ctx,
            swa_window: Model.info(model).swa_window
        }}
     else

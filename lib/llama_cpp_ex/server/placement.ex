@@ -21,7 +21,36 @@ defmodule LlamaCppEx.Server.Placement do
       st
     else
       {request, queue, seq} = next_request(st, idle)
-      st |> Map.put(:queue, queue) |> place(seq, request) |> dequeue()
+
+      if fits?(st, request),
+        do: st |> Map.put(:queue, queue) |> place(seq, request) |> dequeue(),
+        else: st
+    end
+  end
+
+  # Whether the KV cache can take the request's prompt now: what the free blocks hold (as of
+  # the last step) plus the idle caches that may be evicted, less what the active requests
+  # still need (the rest of each prompt, one token per generating request). A request that
+  # does not fit waits in the queue (taking a slot only to fail mid-prompt with
+  # :context_full would be worse); with no active request nothing would free blocks, so it
+  # goes and the engine evicts idle caches for it. The estimate ignores prefix sharing (the
+  # prompt counts whole), so it errs towards waiting.
+  defp fits?(st, request) do
+    active = for {_, s} <- st.slots, Slot.active?(s), do: s
+
+    if active == [] do
+      true
+    else
+      evictable =
+        for {_, s} <- st.slots, s.state == :idle, reduce: 0, do: (n -> n + length(s.cached))
+
+      pending =
+        Enum.reduce(active, 0, fn
+          %Slot{state: :prefilling} = s, n -> n + s.n_prompt - s.prefill_pos
+          %Slot{state: :generating}, n -> n + 1
+        end)
+
+      length(request.tokens) + 1 <= st.kv_free + evictable - pending
     end
   end
 

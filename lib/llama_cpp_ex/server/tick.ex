@@ -227,9 +227,16 @@ defmodule LlamaCppEx.Server.Tick do
   end
 
   @doc "Applies a step's outcome."
-  def apply_outcome(st, {sampled, purged, n_splits, failed, eval_us, embedded}) do
+  def apply_outcome(st, {sampled, purged, n_splits, failed, eval_us, embedded, kv_free}) do
     flight = st.in_flight
-    st = %{st | in_flight: nil, embed_free: Map.keys(flight.embeds) ++ st.embed_free}
+
+    st = %{
+      st
+      | in_flight: nil,
+        embed_free: Map.keys(flight.embeds) ++ st.embed_free,
+        kv_free: kv_free
+    }
+
     {failed_embeds, failed} = Enum.split_with(failed, &Map.has_key?(flight.embeds, &1))
     st = Enum.reduce(failed_embeds, st, &fail_embed(&2, flight.embeds[&1], :context_full))
     st = Enum.reduce(embedded, st, &apply_embedding(&2, flight.embeds, &1))

@@ -382,6 +382,15 @@ impl KvCache {
 
     /// Positions `seq` can still add: the unused part of the blocks it holds, plus the free
     /// blocks (the smallest figure over the layer groups).
+    /// Tokens the free blocks hold (in the fullest layer group).
+    pub fn free_tokens(&self) -> usize {
+        self.groups
+            .iter()
+            .map(|g| g.free_blocks() * KV_BLOCK_SIZE)
+            .min()
+            .unwrap_or(0)
+    }
+
     pub fn room(&self, seq: usize) -> usize {
         let len = self.lens[seq];
         self.groups

@@ -72,6 +72,8 @@ pub struct StepOutcome {
     pub embeddings: Vec<(usize, std::result::Result<Vec<f32>, String>)>,
     /// Wall time of the step, in microseconds.
     pub eval_us: u64,
+    /// Tokens the cache's free blocks hold after the step (the Server's admission estimate).
+    pub kv_free_tokens: usize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -164,6 +166,7 @@ impl Context {
             outcome.failed = failed;
         }
         outcome.eval_us = started.elapsed().as_micros() as u64;
+        outcome.kv_free_tokens = self.kv.free_tokens();
         Ok(outcome)
     }
 }

@@ -80,7 +80,7 @@ pub fn encode_logprobs<'a>(env: Env<'a>, model: &Model, lp: &TokenLogprobs) -> T
 }
 
 /// `{[{seq, token, piece, eog?, logprobs | nil}], purged, n_splits, failed, eval_us,
-/// [{embed_seq, {:ok, f32_binary} | {:error, message}}]}`.
+/// [{embed_seq, {:ok, f32_binary} | {:error, message}}], kv_free_tokens}`.
 pub fn encode_outcome<'a>(env: Env<'a>, model: &Model, o: &StepOutcome) -> Term<'a> {
     let sampled: Vec<Term> = o
         .sampled
@@ -108,7 +108,13 @@ pub fn encode_outcome<'a>(env: Env<'a>, model: &Model, o: &StepOutcome) -> Term<
         })
         .collect();
     (
-        sampled, &o.purged, o.n_splits, &o.failed, o.eval_us, embeddings,
+        sampled,
+        &o.purged,
+        o.n_splits,
+        &o.failed,
+        o.eval_us,
+        embeddings,
+        o.kv_free_tokens,
     )
         .encode(env)
 }
