@@ -5,7 +5,7 @@ defmodule LlamaCppEx.Local do
   # on a dirty scheduler). The caller can stop between any two steps, so halting a stream, a
   # timeout or the caller's death stops native work within one step.
 
-  alias LlamaCppEx.{Context, Model, NIF, Pipeline, Sampler}
+  alias LlamaCppEx.{Context, Model, NIF, Options, Pipeline, Sampler}
 
   defstruct [
     :ctx,
@@ -37,7 +37,7 @@ defmodule LlamaCppEx.Local do
   """
   @spec start(Model.t(), [non_neg_integer()], keyword()) :: {:ok, t()} | {:error, term()}
   def start(%Model{} = model, tokens, opts) do
-    n_draft = speculative(Keyword.get(opts, :speculative))
+    n_draft = Options.speculative!(Keyword.get(opts, :speculative))
     n_prompt = length(tokens)
     max_tokens = Keyword.fetch!(opts, :max_tokens)
     explicit = Keyword.get(opts, :n_ctx)
@@ -130,36 +130,6 @@ defmodule LlamaCppEx.Local do
       {:done, more, p} -> {:done, events ++ more, %{s | pipeline: p}}
     end
   end
-
-  defp speculative(nil), do: nil
-  defp speculative(false), do: nil
-
-  defp speculative(opts) when is_list(opts) do
-    opts = Keyword.validate!(opts, mode: :prompt_lookup, n_draft: 8)
-
-    case opts[:mode] do
-      :prompt_lookup ->
-        :ok
-
-      :draft ->
-        raise ArgumentError,
-              "speculative mode :draft (a draft model) is not implemented yet; use :prompt_lookup"
-
-      other ->
-        raise ArgumentError, "unknown speculative mode #{inspect(other)}, expected :prompt_lookup"
-    end
-
-    case opts[:n_draft] do
-      n when is_integer(n) and n in 1..64 ->
-        n
-
-      n ->
-        raise ArgumentError, "speculative :n_draft must be an integer in 1..64, got #{inspect(n)}"
-    end
-  end
-
-  defp speculative(other),
-    do: raise(ArgumentError, "invalid :speculative #{inspect(other)}, expected a keyword list")
 
   @doc "Draft tokens proposed and accepted so far (prompt-lookup speculation)."
   @spec speculation(t()) :: {non_neg_integer(), non_neg_integer()}

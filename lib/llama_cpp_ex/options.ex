@@ -142,4 +142,40 @@ defmodule LlamaCppEx.Options do
   defp valid?(v, :string), do: is_binary(v) and String.valid?(v)
   defp valid?(v, {:in, values}), do: v in values
   defp valid?(v, {:list, spec}), do: is_list(v) and Enum.all?(v, &valid?(&1, spec))
+
+  @doc """
+  The draft length of a `:speculative` option (`nil` when off), raising `ArgumentError` for
+  a malformed one: `[mode: :prompt_lookup, n_draft: 1..64]` (default 8). Shared by the model
+  route and `LlamaCppEx.Server`.
+  """
+  @spec speculative!(term()) :: pos_integer() | nil
+  def speculative!(nil), do: nil
+  def speculative!(false), do: nil
+
+  def speculative!(opts) when is_list(opts) do
+    opts = Keyword.validate!(opts, mode: :prompt_lookup, n_draft: 8)
+
+    case opts[:mode] do
+      :prompt_lookup ->
+        :ok
+
+      :draft ->
+        raise ArgumentError,
+              "speculative mode :draft (a draft model) is not implemented yet; use :prompt_lookup"
+
+      other ->
+        raise ArgumentError, "unknown speculative mode #{inspect(other)}, expected :prompt_lookup"
+    end
+
+    case opts[:n_draft] do
+      n when is_integer(n) and n in 1..64 ->
+        n
+
+      n ->
+        raise ArgumentError, "speculative :n_draft must be an integer in 1..64, got #{inspect(n)}"
+    end
+  end
+
+  def speculative!(other),
+    do: raise(ArgumentError, "invalid :speculative #{inspect(other)}, expected a keyword list")
 end

@@ -98,7 +98,7 @@ defmodule LlamaCppEx.Server do
 
   alias LlamaCppEx.Server.{Config, EmbedJob, Request, Slot, State, Stats, Tick}
 
-  @request_keys [:cache_prompt, :session, :cache_scope, :stop]
+  @request_keys [:cache_prompt, :session, :cache_scope, :stop, :speculative]
   @call_keys [:max_tokens, :timeout]
 
   @doc "Options `start_link/1` accepts (besides `:name`)."
@@ -245,6 +245,10 @@ defmodule LlamaCppEx.Server do
   def subscribe_stream_tokens(server, ids, ref, opts \\ []) do
     {max_tokens, opts} = Keyword.pop(opts, :max_tokens, 256)
     {timeout, opts} = Keyword.pop(opts, :timeout, Options.stream_timeout())
+
+    # a malformed :speculative raises here, in the caller
+    n_draft = Options.speculative!(Keyword.get(opts, :speculative))
+    opts = opts |> Keyword.delete(:speculative) |> Keyword.put(:n_draft, n_draft)
 
     with :ok <- check_request(ids, max_tokens, opts),
          {:ok, model, %{sampler_defaults: defaults}} <- fetch_model_and_config(server),

@@ -52,19 +52,25 @@ defmodule LlamaCppEx.Server.Plan do
 
   @doc """
   `{entries, slots, samplers, counts}` for a checked plan; `counts` is
-  `%{decode: n, prefill: m}`.
+  `%{decode: n, prefill: m, specs: [{seq, history, n_draft}]}` (the speculating decodes).
   """
   @spec to_step(list(), map()) :: {list(), map(), list(), map()}
   def to_step(plan, slots) do
     {entries, slots, samplers, counts} =
-      Enum.reduce(plan, {[], slots, [], %{decode: 0, prefill: 0}}, fn
+      Enum.reduce(plan, {[], slots, [], %{decode: 0, prefill: 0, specs: []}}, fn
         {:decode, seq}, {es, ss, samplers, c} ->
           s = Map.fetch!(ss, seq)
           entry = {s.pending, s.pos, seq, true}
           s = %{s | fed: [s.pending | s.fed], pending: nil}
+          c = %{c | decode: c.decode + 1}
 
-          {[entry | es], Map.put(ss, seq, s), [{seq, s.request.sampler.ref} | samplers],
-           %{c | decode: c.decode + 1}}
+          # prompt lookup: the engine drafts from the sequence's tokens, the one to decode last
+          c =
+            if s.request.n_draft,
+              do: %{c | specs: [{seq, Slot.fed_tokens(s), s.request.n_draft} | c.specs]},
+              else: c
+
+          {[entry | es], Map.put(ss, seq, s), [{seq, s.request.sampler.ref} | samplers], c}
 
         {:prefill, seq, n}, {es, ss, samplers, c} ->
           s = Map.fetch!(ss, seq)

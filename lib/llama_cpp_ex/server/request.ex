@@ -21,7 +21,11 @@ defmodule LlamaCppEx.Server.Request do
     cache_scope: nil,
     t_start: nil,
     t_first_token: nil,
-    n_prefix_cache: 0
+    n_prefix_cache: 0,
+    # prompt-lookup speculation: the draft length (nil: off), drafts proposed and accepted
+    n_draft: nil,
+    n_drafted: 0,
+    n_accepted: 0
   ]
 
   @type t :: %__MODULE__{
@@ -48,6 +52,7 @@ defmodule LlamaCppEx.Server.Request do
       session: Keyword.get(opts, :session),
       cache_scope: Keyword.get(opts, :cache_scope),
       sampler: Keyword.get(opts, :sampler),
+      n_draft: Keyword.get(opts, :n_draft),
       pipeline: Pipeline.new(Keyword.put(opts, :max_tokens, max))
     )
   end

@@ -8,6 +8,8 @@ defmodule LlamaCppEx.Server.Stats do
   defstruct tokens_generated: 0,
             requests_completed: 0,
             embeddings_completed: 0,
+            drafted_tokens: 0,
+            accepted_tokens: 0,
             window_start: 0,
             window_tokens: 0,
             # time in a full pause within the window, left out of tokens_per_second
@@ -44,7 +46,9 @@ defmodule LlamaCppEx.Server.Stats do
       stats
       | tokens_generated: stats.tokens_generated + n,
         requests_completed: stats.requests_completed + 1,
-        window_tokens: stats.window_tokens + n
+        window_tokens: stats.window_tokens + n,
+        drafted_tokens: stats.drafted_tokens + request.n_drafted,
+        accepted_tokens: stats.accepted_tokens + request.n_accepted
     }
   end
 
@@ -81,6 +85,9 @@ defmodule LlamaCppEx.Server.Stats do
       requests_completed: stats.requests_completed,
       embed_queue_depth: embed_waiting,
       embeddings_completed: stats.embeddings_completed,
+      speculative_drafted: stats.drafted_tokens,
+      speculative_accepted: stats.accepted_tokens,
+      speculative_acceptance: ratio(stats.accepted_tokens, stats.drafted_tokens),
       window_tokens: stats.window_tokens,
       window_ms: window_ms,
       paused_ms: paused_ms,
@@ -105,9 +112,15 @@ defmodule LlamaCppEx.Server.Stats do
       prompt_eval_rate: if(ttft > 0, do: evaluated * 1000 / ttft, else: 0.0),
       generation_rate: if(gen_ms > 0, do: max(generated - 1, 0) * 1000 / gen_ms, else: 0.0),
       prefix_cache_tokens: r.n_prefix_cache,
-      prefix_cache_ratio: if(n_prompt > 0, do: r.n_prefix_cache / n_prompt, else: 0.0)
+      prefix_cache_ratio: if(n_prompt > 0, do: r.n_prefix_cache / n_prompt, else: 0.0),
+      drafted_tokens: r.n_drafted,
+      accepted_tokens: r.n_accepted,
+      acceptance_rate: ratio(r.n_accepted, r.n_drafted)
     }
   end
+
+  defp ratio(_, 0), do: 0.0
+  defp ratio(a, b), do: a / b
 
   @doc """
   Milliseconds since the VM started: monotonic and non-negative, so a never-used slot (0)

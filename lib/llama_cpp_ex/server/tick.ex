@@ -128,6 +128,7 @@ defmodule LlamaCppEx.Server.Tick do
     # paused prefill: only the decode rows of requests already generating
     plan = if level == :prefill, do: Enum.filter(plan, &match?({:decode, _}, &1)), else: plan
     {entries, slots, samplers, counts} = Plan.to_step(plan, st.slots)
+    {specs, counts} = Map.pop(counts, :specs)
     left = min(share, cfg.n_batch - counts.decode - counts.prefill)
     {st, embed_entries, embeds} = place_embeds(st, left)
 
@@ -150,7 +151,7 @@ defmodule LlamaCppEx.Server.Tick do
           st.engine,
           self(),
           ref,
-          {st.pending_ops, entries ++ embed_entries, samplers, purgeable, wire_embeds}
+          {st.pending_ops, entries ++ embed_entries, samplers, purgeable, wire_embeds, specs}
         )
 
       flight =
@@ -227,7 +228,10 @@ defmodule LlamaCppEx.Server.Tick do
   end
 
   @doc "Applies a step's outcome."
-  def apply_outcome(st, {sampled, purged, n_splits, failed, eval_us, embedded, kv_free}) do
+  def apply_outcome(
+        st,
+        {sampled, purged, n_splits, failed, eval_us, embedded, {kv_free, drafted}}
+      ) do
     flight = st.in_flight
 
     st = %{
@@ -250,6 +254,7 @@ defmodule LlamaCppEx.Server.Tick do
     }
 
     st = Enum.reduce(failed, st, &fail(&2, &1, :context_full))
+    st = Enum.reduce(drafted, st, &count_drafts/2)
     st = Enum.reduce(sampled, st, &apply_sample/2)
 
     if purged != [] or n_splits > 0 do
@@ -340,9 +345,20 @@ defmodule LlamaCppEx.Server.Tick do
     end
   end
 
+  defp count_drafts({seq, n}, st) do
+    case Map.fetch!(st.slots, seq) do
+      %Slot{request: nil} ->
+        st
+
+      %Slot{request: r} = slot ->
+        slot = %{slot | request: %{r | n_drafted: r.n_drafted + n}}
+        %{st | slots: Map.put(st.slots, seq, slot)}
+    end
+  end
+
   defp apply_sample({seq, token, piece, eog, logprobs}, st) do
     case Map.fetch!(st.slots, seq) do
-      # the request ended while this step ran (cancelled)
+      # the request ended while this step ran (cancelled), or earlier in this outcome
       %Slot{request: nil} ->
         st
 
@@ -357,6 +373,19 @@ defmodule LlamaCppEx.Server.Tick do
                 | state: :generating,
                   pos: slot.n_prompt,
                   request: %{slot.request | t_first_token: now}
+              }
+
+            # a token sampled earlier in this outcome was an accepted draft token: it is in
+            # the cache already
+            :generating when slot.pending != nil ->
+              r = slot.request
+
+              %{
+                slot
+                | pos: slot.pos + 1,
+                  fed: [slot.pending | slot.fed],
+                  pending: nil,
+                  request: %{r | n_accepted: r.n_accepted + 1}
               }
 
             :generating ->
@@ -426,7 +455,16 @@ defmodule LlamaCppEx.Server.Tick do
 
   defp release(st, %Slot{seq: seq, request: r} = slot) do
     if r.monitor_ref, do: Process.demonitor(r.monitor_ref, [:flush])
-    ops = if r.cache_prompt, do: st.pending_ops, else: st.pending_ops ++ [{:clear, seq}]
+
+    # a speculating request that ended inside a verified draft leaves accepted draft tokens
+    # past what it fed in the cache: cut them, so the cache is what the slot says it holds
+    ops =
+      cond do
+        not r.cache_prompt -> st.pending_ops ++ [{:clear, seq}]
+        r.n_draft != nil -> st.pending_ops ++ [{:trim, seq, Slot.fed_length(slot)}]
+        true -> st.pending_ops
+      end
+
     %{st | slots: Map.put(st.slots, seq, Slot.release(slot, Stats.now_ms())), pending_ops: ops}
   end
 

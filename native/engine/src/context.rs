@@ -511,13 +511,16 @@ impl Context {
     ///
     /// The sequences of `embeds` are embedding texts riding in the pass: their entries keep
     /// hidden states ([`Batch::embd`] must mark them), pooled per sequence into
-    /// [`EvalOutcome::embedded`].
+    /// [`EvalOutcome::embedded`]. The sequences of `speculating` carry a draft after their
+    /// next token: their logits rows are verified in order (several tokens may come out) and
+    /// the rejected positions rolled back.
     pub fn eval_sample(
         &mut self,
         batch: &Batch,
         samplers: &mut [(usize, &mut Sampler)],
         purgeable: &[usize],
         embeds: &[EmbedRequest],
+        speculating: &[usize],
     ) -> Result<EvalOutcome> {
         let mut outcome = EvalOutcome::default();
         // a sequence that would grow past n_ctx fails alone, whatever else is free
@@ -554,6 +557,26 @@ impl Context {
         self.decode(&batch)?;
         for (i, (&seq, &want)) in batch.seq.iter().zip(&batch.logits).enumerate() {
             if !want {
+                continue;
+            }
+            if speculating.contains(&seq) {
+                // every logits row of the sequence at once, at its first one
+                if batch.seq[..i].contains(&seq) {
+                    continue;
+                }
+                let rows: Vec<usize> = (i..batch.len())
+                    .filter(|&r| batch.seq[r] == seq && batch.logits[r])
+                    .collect();
+                if let Some((_, sampler)) = samplers.iter_mut().find(|(s, _)| *s == seq) {
+                    for v in self.verify_draft(seq, &rows, &batch, sampler)? {
+                        outcome.sampled.push(Sampled {
+                            seq,
+                            token: v.token,
+                            is_eog: v.is_eog,
+                            logprobs: v.logprobs,
+                        });
+                    }
+                }
                 continue;
             }
             if let Some((_, sampler)) = samplers.iter_mut().find(|(s, _)| *s == seq) {

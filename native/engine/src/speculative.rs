@@ -109,31 +109,94 @@ impl Context {
             batch.push(d, pos + 1 + i, seq, true);
         }
         self.decode(&batch)?;
-        let mut out = SpecOutcome {
-            tokens: Vec::with_capacity(draft.len() + 1),
+        let rows: Vec<usize> = (0..=draft.len()).collect();
+        let tokens = self.verify_draft(seq, &rows, &batch, sampler)?;
+        Ok(SpecOutcome {
+            tokens,
             n_drafted: draft.len(),
-        };
-        for i in 0..=draft.len() {
-            let (t, logprobs) = sampler.sample_with_logprobs(self.logits_ith(i as i64)?);
+        })
+    }
+
+    /// Verifies a draft evaluated in the last batch: `rows` are the entries of `seq` with
+    /// logits, in position order (its next token, then the draft tokens). Samples them in
+    /// order with `sampler`, stopping at the first token that differs from the next draft
+    /// token (or ends generation), then rolls the cache back past the last accepted position.
+    /// The one verification rule of the local and the Server's speculation.
+    pub(crate) fn verify_draft(
+        &mut self,
+        seq: usize,
+        rows: &[usize],
+        batch: &Batch,
+        sampler: &mut Sampler,
+    ) -> Result<Vec<Verified>> {
+        let mut out = Vec::with_capacity(rows.len());
+        for (k, &row) in rows.iter().enumerate() {
+            let (t, logprobs) = sampler.sample_with_logprobs(self.logits_ith(row as i64)?);
             let is_eog = self.model.tokenizer.is_eog(t);
-            out.tokens.push(Verified {
+            out.push(Verified {
                 token: t,
                 is_eog,
                 logprobs,
             });
-            if i == draft.len() || t != draft[i] || is_eog {
+            let draft_next = rows.get(k + 1).map(|&r| batch.tokens[r]);
+            if draft_next != Some(t) || is_eog {
                 break;
             }
         }
         // keep the evaluated token and the accepted drafts; drop the rest
-        let keep = pos + out.tokens.len();
-        if keep < pos + 1 + draft.len() && !self.kv.seq_rm(seq, keep, None)? {
+        let pos = batch.pos[rows[0]];
+        let keep = pos + out.len();
+        if keep < pos + rows.len() && !self.kv.seq_rm(seq, keep, None)? {
             return Err(EngineError::Internal(
-                "speculate: the rejected draft could not be rolled back".into(),
+                "speculation: the rejected draft could not be rolled back".into(),
             ));
         }
         Ok(out)
     }
+
+    /// Appends prompt-lookup drafts for the sequences of `specs` to `batch` (each after the
+    /// sequence's one logits entry, its next token), within the batch size, the context and
+    /// the free KV blocks. Returns the number of draft tokens per sequence.
+    pub(crate) fn add_drafts(
+        &self,
+        batch: &mut Batch,
+        specs: &[SpecRequest],
+    ) -> Vec<(usize, usize)> {
+        // draft rows only where blocks are surely free: the batch's own needs first
+        let mut budget = self
+            .kv
+            .free_tokens()
+            .saturating_sub(batch.len() + crate::kv::KV_BLOCK_SIZE * specs.len())
+            .min(self.params.n_batch.saturating_sub(batch.len()));
+        let mut drafted = Vec::with_capacity(specs.len());
+        for spec in specs {
+            let Some(i) = (0..batch.len()).find(|&i| batch.seq[i] == spec.seq && batch.logits[i])
+            else {
+                continue;
+            };
+            if spec.history.last() != Some(&batch.tokens[i]) {
+                continue;
+            }
+            let pos = batch.pos[i];
+            let mut draft = spec.lookup.draft(&spec.history);
+            draft.truncate(self.params.n_ctx.saturating_sub(pos + 1).min(budget));
+            budget -= draft.len();
+            for (k, &d) in draft.iter().enumerate() {
+                batch.push(d, pos + 1 + k, spec.seq, true);
+            }
+            drafted.push((spec.seq, draft.len()));
+        }
+        drafted
+    }
+}
+
+/// A Server request decoding speculatively this step: its sequence's tokens so far (the one
+/// being evaluated last) and how drafts are looked up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpecRequest {
+    pub seq: usize,
+    pub history: Vec<TokenId>,
+    pub lookup: PromptLookup,
 }
 
 /// The decoder interface speculative decoding is built on (ferrum's `forward_verify`,

@@ -10,6 +10,7 @@ use crate::context::{Context, EvalOutcome};
 use crate::embedding::EmbedRequest;
 use crate::error::{EngineError, Result};
 use crate::sampler::{Sampler, TokenLogprobs};
+use crate::speculative::SpecRequest;
 use crate::tokenizer::TokenId;
 use crossbeam_channel::{unbounded, Sender};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -44,6 +45,9 @@ pub struct Step {
     /// instead of logits, are pooled into [`StepOutcome::embeddings`], and the sequences are
     /// cleared once the step ran (whatever its outcome).
     pub embeds: Vec<EmbedRequest>,
+    /// Generating sequences that decode speculatively this step (prompt lookup): drafts are
+    /// added after their next token and verified with their sampler.
+    pub specs: Vec<SpecRequest>,
 }
 
 /// The token sampled for one sequence.
@@ -74,6 +78,8 @@ pub struct StepOutcome {
     pub eval_us: u64,
     /// Tokens the cache's free blocks hold after the step (the Server's admission estimate).
     pub kv_free_tokens: usize,
+    /// Draft tokens proposed per speculating sequence (accepted: its sampled tokens - 1).
+    pub drafted: Vec<(usize, usize)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -122,17 +128,25 @@ impl Context {
         if !step.batch.is_empty() {
             let mut samplers: Vec<(usize, &mut Sampler)> =
                 guards.iter_mut().map(|(seq, g)| (*seq, &mut **g)).collect();
-            let marked;
-            let batch = if step.embeds.is_empty() {
+            let extended;
+            let batch = if step.embeds.is_empty() && step.specs.is_empty() {
                 &step.batch
             } else {
                 let seqs: Vec<usize> = step.embeds.iter().map(|e| e.seq).collect();
                 let mut b = step.batch.clone();
                 b.mark_embedding_rows(&seqs);
-                marked = b;
-                &marked
+                outcome.drafted = self.add_drafts(&mut b, &step.specs);
+                extended = b;
+                &extended
             };
-            let evaluated = self.eval_sample(batch, &mut samplers, &step.purgeable, &step.embeds);
+            let speculating: Vec<usize> = outcome.drafted.iter().map(|&(s, _)| s).collect();
+            let evaluated = self.eval_sample(
+                batch,
+                &mut samplers,
+                &step.purgeable,
+                &step.embeds,
+                &speculating,
+            );
             // embedding sequences never keep a cache, evaluated or not
             for e in &step.embeds {
                 if self.kv.check_seq(e.seq as i64).is_ok() {

@@ -5,6 +5,7 @@ use crate::error::binary;
 use crate::sampler::SamplerRes;
 use llama_cpp_ex_engine::embedding::{EmbedRequest, Pooling};
 use llama_cpp_ex_engine::sampler::TokenLogprobs;
+use llama_cpp_ex_engine::speculative::{PromptLookup, SpecRequest};
 use llama_cpp_ex_engine::{Batch, KvOp, Model, Step, StepOutcome};
 use rustler::{Encoder, Env, NifTaggedEnum, NifTuple, ResourceArc, Term};
 
@@ -17,7 +18,8 @@ pub enum KvOpTerm {
 }
 
 /// `{ops, [{token, pos, seq, logits?}], [{seq, sampler}], purgeable_seqs,
-/// [{embed_seq, pooling, normalize}]}` (pooling in llama.cpp's numbering, -1 the model's own).
+/// [{embed_seq, pooling, normalize}], [{seq, history, n_draft}]}` (pooling in llama.cpp's
+/// numbering, -1 the model's own; history: the sequence's tokens, its next one last).
 #[derive(NifTuple)]
 pub struct StepTerm {
     ops: Vec<KvOpTerm>,
@@ -25,6 +27,7 @@ pub struct StepTerm {
     samplers: Vec<(usize, ResourceArc<SamplerRes>)>,
     purgeable: Vec<usize>,
     embeds: Vec<(usize, i64, i32)>,
+    specs: Vec<(usize, Vec<u32>, usize)>,
 }
 
 impl StepTerm {
@@ -62,6 +65,18 @@ impl StepTerm {
                 .collect(),
             purgeable: self.purgeable,
             embeds,
+            specs: self
+                .specs
+                .into_iter()
+                .map(|(seq, history, n_draft)| SpecRequest {
+                    seq,
+                    history,
+                    lookup: PromptLookup {
+                        n_draft,
+                        ..PromptLookup::default()
+                    },
+                })
+                .collect(),
         })
     }
 }
@@ -80,7 +95,8 @@ pub fn encode_logprobs<'a>(env: Env<'a>, model: &Model, lp: &TokenLogprobs) -> T
 }
 
 /// `{[{seq, token, piece, eog?, logprobs | nil}], purged, n_splits, failed, eval_us,
-/// [{embed_seq, {:ok, f32_binary} | {:error, message}}], kv_free_tokens}`.
+/// [{embed_seq, {:ok, f32_binary} | {:error, message}}], {kv_free_tokens,
+/// [{seq, n_drafted}]}}`.
 pub fn encode_outcome<'a>(env: Env<'a>, model: &Model, o: &StepOutcome) -> Term<'a> {
     let sampled: Vec<Term> = o
         .sampled
@@ -114,7 +130,7 @@ pub fn encode_outcome<'a>(env: Env<'a>, model: &Model, o: &StepOutcome) -> Term<
         &o.failed,
         o.eval_us,
         embeddings,
-        o.kv_free_tokens,
+        (o.kv_free_tokens, &o.drafted),
     )
         .encode(env)
 }
