@@ -1,6 +1,7 @@
 # Prompt-lookup speculative decoding on the model route: an extraction workload (copy a
 # ~110-token paragraph) where drafts hit, and a poem where they rarely do; greedy, 128 tokens,
 # median of 3. Decode time = the request's time minus a max_tokens: 1 request's (prefill).
+# Then the same workload through a Server at 1 and 4 concurrent streams.
 #
 #   [LLAMA_MODEL_PATH=model.gguf] [LLAMA_THREADS=2] mix run bench/speculative.exs
 
@@ -53,3 +54,60 @@ for {label, msgs} <- workloads do
     "| #{label} | #{length(ids)} | #{Float.round(plain, 1)} | #{Float.round(spec, 1)} | #{Float.round(plain / spec, 2)} |"
   )
 end
+
+# The same in a Server: drafts are extra rows of each tick's forward pass, next to the other
+# streams' decode rows. Extraction workload, 128 tokens, 1 and 4 concurrent streams.
+alias LlamaCppEx.Server
+
+{:ok, server} =
+  Server.start_link(
+    model_path: path,
+    n_parallel: 4,
+    n_ctx: 4096,
+    temp: 0.0,
+    n_threads: threads,
+    cache_prompt: false
+  )
+
+{:ok, _} =
+  Stream.repeatedly(fn -> Server.fetch_model(server) end)
+  |> Enum.find(&match?({:ok, _}, &1))
+
+{:ok, prompt} = LlamaCppEx.Chat.apply_template(model, elem(hd(workloads), 1))
+{:ok, prompt_ids} = LlamaCppEx.Tokenizer.encode(model, prompt)
+Server.generate(server, prompt, max_tokens: 4)
+
+server_run = fn n, opts ->
+  :ok = Server.reset_stats_window(server)
+  before = Server.get_stats(server)
+
+  {us, results} =
+    :timer.tc(fn ->
+      1..n
+      |> Enum.map(fn _ ->
+        Task.async(fn -> Server.complete_tokens(server, prompt_ids, opts) end)
+      end)
+      |> Task.await_many(120_000)
+    end)
+
+  after_ = Server.get_stats(server)
+  tokens = Enum.sum(for {:ok, r} <- results, do: r.completion_tokens)
+  drafted = after_.speculative_drafted - before.speculative_drafted
+  accepted = after_.speculative_accepted - before.speculative_accepted
+  {tokens * 1.0e6 / us, if(drafted > 0, do: accepted / drafted, else: 0.0)}
+end
+
+IO.puts("\nServer (extraction, 128 tokens, wall-clock tok/s including prefill):")
+IO.puts("| streams | plain tok/s | speculative tok/s | speedup | acceptance |")
+IO.puts("|---:|---:|---:|---:|---:|")
+
+for n <- [1, 4] do
+  {plain, _} = server_run.(n, max_tokens: 128)
+  {spec, acc} = server_run.(n, max_tokens: 128, speculative: [n_draft: 8])
+
+  IO.puts(
+    "| #{n} | #{Float.round(plain, 1)} | #{Float.round(spec, 1)} | #{Float.round(spec / plain, 2)} | #{Float.round(acc, 2)} |"
+  )
+end
+
+GenServer.stop(server)

@@ -119,6 +119,7 @@ fn kv_ops_apply_in_order_before_the_batch() {
             samplers: vec![(1, sampler)],
             purgeable: vec![],
             embeds: vec![],
+            specs: vec![],
         })
         .unwrap();
     assert_eq!(c.kv.seq_len(1), n);
