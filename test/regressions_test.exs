@@ -113,16 +113,42 @@ defmodule LlamaCppEx.RegressionsTest do
              LlamaCppEx.generate(model, prompt, json_schema: open, max_tokens: 8, temp: 0.0)
   end
 
-  test "4. an unsupported KV cache type is an error, not a silent f16", %{model: model} do
-    assert {:error, msg} = Context.create(model, type_k: :q8_0)
-    assert msg =~ "unsupported KV cache type :q8_0 (supported: :f16, :f32)"
-    assert {:error, msg} = Context.create(model, type_v: :q4_0)
-    assert msg =~ "unsupported KV cache type :q4_0"
-    assert {:error, _} = Context.create(model, type_k: :f32, type_v: :f16)
+  test "4. KV cache types: q8_0/q4_0 are real quantized caches; the rest is an error, never a silent f16",
+       %{model: model} do
+    assert {:error, msg} = Context.create(model, type_k: :q5_1)
+    assert msg =~ "unsupported KV cache type :q5_1 (supported: :f16, :f32, :q8_0, :q4_0)"
+    assert {:error, msg} = Context.create(model, type_v: :bf16)
+    assert msg =~ "unsupported KV cache type :bf16"
+    assert {:error, _} = Context.create(model, type_k: :q9)
     assert {:error, _} = Context.create(model, rope_freq_base: 20_000.0)
     assert {:ok, _} = Context.create(model, type_k: :f32, type_v: :f32, flash_attn: :enabled)
-    assert {:error, {:load_failed, msg}} = start_and_wait(type_k: :q8_0)
+    assert {:ok, _} = Context.create(model, type_k: :q8_0, type_v: :f16)
+    assert {:error, {:load_failed, msg}} = start_and_wait(type_k: :q5_1)
     assert msg =~ "unsupported KV cache type"
+
+    # a q8_0 cache (keys and values) on the model route and in a server
+    prompt = "The capital of France is"
+    {:ok, want} = LlamaCppEx.generate(model, prompt, max_tokens: 12, temp: 0.0)
+
+    assert {:ok, ^want} =
+             LlamaCppEx.generate(model, prompt,
+               max_tokens: 12,
+               temp: 0.0,
+               type_k: :q8_0,
+               type_v: :q8_0
+             )
+
+    {:ok, s} =
+      Server.start_link(
+        model_path: TestModels.smollm2_path(),
+        n_ctx: 512,
+        type_k: :q8_0,
+        type_v: :q8_0
+      )
+
+    {:ok, _} = TestModels.wait_model(s)
+    assert {:ok, ^want} = Server.generate(s, prompt, max_tokens: 12, temp: 0.0)
+    GenServer.stop(s)
   end
 
   defp start_and_wait(opts) do

@@ -70,7 +70,7 @@ defmodule LlamaCppEx.Context do
     :n_rs_seq
   ]
   @llama_kv_types [:f32, :f16, :q4_0, :q4_1, :q5_0, :q5_1, :q8_0, :bf16]
-  @kv_types [:f16, :f32]
+  @kv_types [:f16, :f32, :q8_0, :q4_0]
   @max_ctx 4_194_304
 
   @doc "Options that tune a context without changing what it computes."
@@ -108,7 +108,11 @@ defmodule LlamaCppEx.Context do
     * `:n_seq_embd` - of those, how many (the last ones) hold embedding texts for one step
       only (`LlamaCppEx.Server.embed/3`): they borrow KV blocks from the `:n_ctx` budget
       instead of adding to it. Default 0.
-    * `:type_k` / `:type_v` - KV precision, `:f16` (default) or `:f32`.
+    * `:type_k` / `:type_v` - KV precision of keys / values: `:f16` (default), `:f32`,
+      `:q8_0` (about half of f16's memory per token) or `:q4_0` (about 0.28×), llama.cpp's
+      block formats, each chosen independently (`:type_v` defaults to `:type_k`). Quantized
+      types need a head size that is a multiple of 32. The cache stays quantized; attention
+      dequantizes one head row at a time as it reads.
     * the options listed under "Options that do nothing here".
 
   Returns `{:error, message}` for values of the wrong type, out of range, or refused (see
@@ -121,7 +125,7 @@ defmodule LlamaCppEx.Context do
 
     with :ok <- check_sizes(opts),
          :ok <- check_refused(opts),
-         {:ok, kv_type} <- kv_type(opts) do
+         {:ok, {type_k, type_v}} <- kv_type(opts) do
       n_threads = Keyword.get(opts, :n_threads) || default_threads()
 
       native = %{
@@ -132,7 +136,8 @@ defmodule LlamaCppEx.Context do
         n_threads_batch: Keyword.get(opts, :n_threads_batch) || n_threads,
         n_seq_max: Keyword.get(opts, :n_seq_max, 1),
         n_seq_embd: Keyword.get(opts, :n_seq_embd, 0),
-        kv_type: kv_type
+        type_k: type_k,
+        type_v: type_v
       }
 
       case NIF.context_create(mref, native) do
@@ -228,14 +233,12 @@ defmodule LlamaCppEx.Context do
 
       type_k not in @kv_types or type_v not in @kv_types ->
         bad = if type_k in @kv_types, do: type_v, else: type_k
-        {:error, "unsupported KV cache type #{inspect(bad)} (supported: :f16, :f32)"}
 
-      type_k != type_v ->
         {:error,
-         "type_k and type_v must be the same (got #{inspect(type_k)} and #{inspect(type_v)})"}
+         "unsupported KV cache type #{inspect(bad)} (supported: :f16, :f32, :q8_0, :q4_0)"}
 
       true ->
-        {:ok, type_k}
+        {:ok, {type_k, type_v}}
     end
   end
 

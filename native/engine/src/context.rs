@@ -25,7 +25,9 @@ pub struct ContextParams {
     /// Of `n_seq_max`, the last sequences that hold embedding texts for one step only
     /// ([`Step::embeds`](crate::Step::embeds)): they borrow KV blocks from the `n_ctx` budget.
     pub n_seq_embd: usize,
+    /// Precision of cached keys, and of cached values (`None`: as the keys).
     pub kv_type: KvType,
+    pub kv_type_v: Option<KvType>,
     /// Threads a one-token forward pass of this context uses (the calling thread included).
     pub n_threads: usize,
     /// Threads a forward pass over several tokens uses.
@@ -41,6 +43,7 @@ impl Default for ContextParams {
             n_seq_max: 1,
             n_seq_embd: 0,
             kv_type: KvType::F16,
+            kv_type_v: None,
             n_threads: crate::pool::default_threads(),
             n_threads_batch: crate::pool::default_threads(),
         }
@@ -112,7 +115,7 @@ impl Context {
             c.head_dim,
             params.n_ctx,
             (params.n_seq_max, params.n_seq_embd),
-            params.kv_type,
+            (params.kv_type, params.kv_type_v.unwrap_or(params.kv_type)),
         )?;
         let n_ctx_seq = params.n_ctx;
         Ok(Context {

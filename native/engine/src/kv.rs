@@ -35,6 +35,29 @@ pub fn window_keeps_prefix(len: usize, n: usize, window: Option<usize>) -> bool 
 pub enum KvType {
     F16,
     F32,
+    /// llama.cpp's `q8_0` blocks: 32 values as an f16 scale and 32 signed bytes (34 bytes).
+    Q8_0,
+    /// llama.cpp's `q4_0` blocks: 32 values as an f16 scale and 32 nibbles (18 bytes).
+    Q4_0,
+}
+
+/// Values per quantization block of `q8_0` / `q4_0`.
+const QK: usize = 32;
+
+impl KvType {
+    /// Bytes that hold `elems` values (`elems` a multiple of 32 for the quantized types).
+    fn bytes(self, elems: usize) -> usize {
+        match self {
+            KvType::F32 => elems * 4,
+            KvType::F16 => elems * 2,
+            KvType::Q8_0 => elems / QK * 34,
+            KvType::Q4_0 => elems / QK * 18,
+        }
+    }
+
+    fn quantized(self) -> bool {
+        matches!(self, KvType::Q8_0 | KvType::Q4_0)
+    }
 }
 
 /// A zero-filled `u32`-word buffer obtained from `alloc_zeroed`, so untouched pages are never
@@ -120,7 +143,9 @@ pub struct KvCache {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub n_blocks: usize,
-    pub kv_type: KvType,
+    /// Precision of the keys and of the values.
+    pub k_type: KvType,
+    pub v_type: KvType,
     n_seq_max: usize,
     layer_group: Vec<usize>,
     layers: Vec<LayerStore>,
@@ -149,8 +174,13 @@ impl KvCache {
         head_dim: usize,
         n_ctx: usize,
         (n_seq_max, n_seq_transient): (usize, usize),
-        kv_type: KvType,
+        (k_type, v_type): (KvType, KvType),
     ) -> Result<Self> {
+        if (k_type.quantized() || v_type.quantized()) && !head_dim.is_multiple_of(QK) {
+            return Err(EngineError::Unsupported(format!(
+                "a quantized KV cache needs a head size that is a multiple of {QK}, not {head_dim}"
+            )));
+        }
         if n_ctx == 0 {
             return Err(EngineError::InvalidArgument(
                 "n_ctx must be positive".into(),
@@ -173,11 +203,11 @@ impl KvCache {
         let elems_per_layer = n_blocks
             .checked_mul(KV_BLOCK_SIZE * row)
             .ok_or_else(|| EngineError::InvalidArgument(format!("n_ctx {n_ctx} is too large")))?;
-        let words = match kv_type {
-            KvType::F16 => elems_per_layer.div_ceil(2),
-            KvType::F32 => elems_per_layer,
-        };
-        let total_bytes = (words as u128) * 4 * 2 * layer_windows.len() as u128;
+        let (k_words, v_words) = (
+            k_type.bytes(elems_per_layer).div_ceil(4),
+            v_type.bytes(elems_per_layer).div_ceil(4),
+        );
+        let total_bytes = ((k_words + v_words) as u128) * 4 * layer_windows.len() as u128;
         if total_bytes > isize::MAX as u128 {
             return Err(EngineError::OutOfMemory(format!(
                 "a KV cache of n_ctx {n_ctx} needs {total_bytes} bytes"
@@ -198,8 +228,8 @@ impl KvCache {
         let mut layers = Vec::with_capacity(layer_windows.len());
         for _ in layer_windows {
             layers.push(LayerStore {
-                k: ZeroedBuf::new(words)?,
-                v: ZeroedBuf::new(words)?,
+                k: ZeroedBuf::new(k_words)?,
+                v: ZeroedBuf::new(v_words)?,
             });
         }
         let groups = windows
@@ -220,7 +250,8 @@ impl KvCache {
             n_kv_heads,
             head_dim,
             n_blocks,
-            kv_type,
+            k_type,
+            v_type,
             n_seq_max,
             layer_group,
             layers,
@@ -312,19 +343,23 @@ impl KvCache {
         Ok(())
     }
 
-    fn block_words(&self) -> usize {
-        let elems = KV_BLOCK_SIZE * self.n_kv_heads * self.head_dim;
-        match self.kv_type {
-            KvType::F16 => elems / 2,
-            KvType::F32 => elems,
-        }
+    /// Words of one block of one layer (a whole number for every type: a block holds
+    /// `16 · n_kv_heads · head_dim` values, a multiple of 64 whenever the type is quantized).
+    fn block_words(&self, t: KvType) -> usize {
+        t.bytes(KV_BLOCK_SIZE * self.n_kv_heads * self.head_dim) / 4
     }
 
     fn copy_block(&mut self, layer: usize, src: usize, dst: usize) {
-        let w = self.block_words();
+        let (wk, wv) = (self.block_words(self.k_type), self.block_words(self.v_type));
         let store = &mut self.layers[layer];
-        store.k.words.copy_within(src * w..(src + 1) * w, dst * w);
-        store.v.words.copy_within(src * w..(src + 1) * w, dst * w);
+        store
+            .k
+            .words
+            .copy_within(src * wk..(src + 1) * wk, dst * wk);
+        store
+            .v
+            .words
+            .copy_within(src * wv..(src + 1) * wv, dst * wv);
     }
 
     /// Marks `[len, new_len)` valid after a successful write.
@@ -543,13 +578,13 @@ impl KvCache {
     pub fn write(&mut self, layer: usize, seq: usize, pos: usize, k: &[f32], v: &[f32]) {
         let hd = self.head_dim;
         let b = self.groups[self.layer_group[layer]].seqs[seq].blocks[pos / KV_BLOCK_SIZE] as usize;
-        let kv_type = self.kv_type;
+        let (kt, vt) = (self.k_type, self.v_type);
         let first = self.head_offset(b, 0) + pos % KV_BLOCK_SIZE * hd;
         let store = &mut self.layers[layer];
         for h in 0..self.n_kv_heads {
             let at = first + h * KV_BLOCK_SIZE * hd;
-            write_row(kv_type, &mut store.k.words, at, &k[h * hd..(h + 1) * hd]);
-            write_row(kv_type, &mut store.v.words, at, &v[h * hd..(h + 1) * hd]);
+            write_row(kt, &mut store.k.words, at, &k[h * hd..(h + 1) * hd]);
+            write_row(vt, &mut store.v.words, at, &v[h * hd..(h + 1) * hd]);
         }
     }
 
@@ -585,13 +620,13 @@ impl KvCache {
     ) {
         let hd = self.head_dim;
         let store = &self.layers[layer];
-        let words = if values {
-            &store.v.words
+        let (words, t) = if values {
+            (&store.v.words, self.v_type)
         } else {
-            &store.k.words
+            (&store.k.words, self.k_type)
         };
         let at = self.head_offset(b as usize, head) + slots.start * hd;
-        read_rows(self.kv_type, words, at, &mut out[..slots.len() * hd]);
+        read_rows(t, words, at, &mut out[..slots.len() * hd]);
     }
 
     /// Asks the CPU to start loading one KV head's keys and values of block `b`, so that
@@ -601,14 +636,11 @@ impl KvCache {
         {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             const LINE_BYTES: usize = 64;
-            let elem_bytes = match self.kv_type {
-                KvType::F16 => 2,
-                KvType::F32 => 4,
-            };
             let store = &self.layers[layer];
-            let at = self.head_offset(b as usize, head) * elem_bytes;
-            let len = KV_BLOCK_SIZE * self.head_dim * elem_bytes;
-            for words in [&store.k.words, &store.v.words] {
+            let at = self.head_offset(b as usize, head);
+            let n = KV_BLOCK_SIZE * self.head_dim;
+            for (words, t) in [(&store.k.words, self.k_type), (&store.v.words, self.v_type)] {
+                let (at, len) = (t.bytes(at), t.bytes(n));
                 let base = words.as_ptr() as *const i8;
                 for off in (0..len).step_by(LINE_BYTES) {
                     // SAFETY: a prefetch never faults, and `at + off` stays inside the layer's
@@ -635,6 +667,45 @@ fn write_row(kv_type: KvType, words: &mut [u32], at: usize, src: &[f32]) {
             let dst: &mut [f16] = half::slice::HalfBitsSliceExt::reinterpret_cast_mut(dst);
             half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
         }
+        KvType::Q8_0 | KvType::Q4_0 => {
+            let bytes = bytemuck_u8_mut(words);
+            let (bb, mut off) = (kv_type.bytes(QK), kv_type.bytes(at));
+            for x in src.chunks_exact(QK) {
+                let dst = &mut bytes[off..off + bb];
+                if kv_type == KvType::Q8_0 {
+                    quantize_q8_0(x, dst);
+                } else {
+                    quantize_q4_0(x, dst);
+                }
+                off += bb;
+            }
+        }
+    }
+}
+
+/// ggml's `quantize_row_q8_0_ref`: `d = max|x| / 127`, `q = round(x / d)`.
+fn quantize_q8_0(x: &[f32], dst: &mut [u8]) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    dst[..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+    for (q, v) in dst[2..].iter_mut().zip(x) {
+        *q = ((v * id).round() as i8) as u8;
+    }
+}
+
+/// ggml's `quantize_row_q4_0_ref`: `d = max / -8` (the value of largest magnitude, signed),
+/// `q = min(15, x / d + 8.5)`; byte `j` holds values `j` (low nibble) and `j + 16`.
+fn quantize_q4_0(x: &[f32], dst: &mut [u8]) {
+    let max = x
+        .iter()
+        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+    let d = max / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    dst[..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+    let q = |v: f32| ((v * id + 8.5) as u8).min(15);
+    for j in 0..QK / 2 {
+        dst[2 + j] = q(x[j]) | (q(x[j + QK / 2]) << 4);
     }
 }
 
@@ -649,6 +720,28 @@ fn read_rows(kv_type: KvType, words: &[u32], at: usize, out: &mut [f32]) {
         KvType::F16 => {
             let halves: &[u16] = bytemuck_u16(words);
             f16_to_f32(&halves[at..at + out.len()], out);
+        }
+        // dequantized a head row at a time, into the attention's chunk buffer: the cache
+        // itself stays quantized
+        KvType::Q8_0 | KvType::Q4_0 => {
+            let bytes = bytemuck_u8(words);
+            let (bb, mut off) = (kv_type.bytes(QK), kv_type.bytes(at));
+            for o in out.chunks_exact_mut(QK) {
+                let blk = &bytes[off..off + bb];
+                let d = f16::from_bits(u16::from_le_bytes([blk[0], blk[1]])).to_f32();
+                if kv_type == KvType::Q8_0 {
+                    for (y, &q) in o.iter_mut().zip(&blk[2..]) {
+                        *y = d * (q as i8) as f32;
+                    }
+                } else {
+                    for j in 0..QK / 2 {
+                        let b = blk[2 + j];
+                        o[j] = d * ((b & 0x0f) as i32 - 8) as f32;
+                        o[j + QK / 2] = d * ((b >> 4) as i32 - 8) as f32;
+                    }
+                }
+                off += bb;
+            }
         }
     }
 }
@@ -693,6 +786,17 @@ fn bytemuck_u16(words: &[u32]) -> &[u16] {
     unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u16, words.len() * 2) }
 }
 
+fn bytemuck_u8(words: &[u32]) -> &[u8] {
+    // SAFETY: u32 storage reinterpreted as four times as many bytes; every bit pattern is a
+    // valid u8 and u8 has alignment 1.
+    unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, words.len() * 4) }
+}
+
+fn bytemuck_u8_mut(words: &mut [u32]) -> &mut [u8] {
+    // SAFETY: as in `bytemuck_u8`; the borrow is unique.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, words.len() * 4) }
+}
+
 fn bytemuck_u16_mut(words: &mut [u32]) -> &mut [u16] {
     // SAFETY: as in `bytemuck_u16`; the borrow is unique.
     unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u16, words.len() * 2) }
@@ -703,7 +807,15 @@ mod tests {
     use super::*;
 
     fn cache(n_ctx: usize, n_seq: usize) -> KvCache {
-        KvCache::new(&[None, None], 2, 4, n_ctx, (n_seq, 0), KvType::F16).unwrap()
+        KvCache::new(
+            &[None, None],
+            2,
+            4,
+            n_ctx,
+            (n_seq, 0),
+            (KvType::F16, KvType::F16),
+        )
+        .unwrap()
     }
 
     fn fill(kv: &mut KvCache, seq: usize, from: usize, to: usize, tag: f32) {
@@ -778,7 +890,15 @@ mod tests {
 
     #[test]
     fn sliding_window_group_drops_old_blocks() {
-        let mut kv = KvCache::new(&[Some(32), None], 2, 4, 512, (1, 0), KvType::F32).unwrap();
+        let mut kv = KvCache::new(
+            &[Some(32), None],
+            2,
+            4,
+            512,
+            (1, 0),
+            (KvType::F32, KvType::F32),
+        )
+        .unwrap();
         fill(&mut kv, 0, 0, 100, 0.0);
         let usage = kv.usage();
         // window group keeps positions >= 68 → blocks 4,5,6; full group keeps all 7.
@@ -792,7 +912,15 @@ mod tests {
 
     #[test]
     fn absurd_sizes_are_errors() {
-        assert!(KvCache::new(&[None], 8, 128, usize::MAX / 4, (1, 0), KvType::F32).is_err());
-        assert!(KvCache::new(&[None], 8, 128, 0, (1, 0), KvType::F32).is_err());
+        assert!(KvCache::new(
+            &[None],
+            8,
+            128,
+            usize::MAX / 4,
+            (1, 0),
+            (KvType::F32, KvType::F32)
+        )
+        .is_err());
+        assert!(KvCache::new(&[None], 8, 128, 0, (1, 0), (KvType::F32, KvType::F32)).is_err());
     }
 }

@@ -6,6 +6,8 @@ rustler::atoms! {
     part,
     f16,
     f32,
+    q8_0,
+    q4_0,
     all,
     scalar,
     llguidance,

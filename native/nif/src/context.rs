@@ -30,18 +30,21 @@ struct ContextOpts {
     n_threads_batch: usize,
     n_seq_max: usize,
     n_seq_embd: usize,
-    kv_type: Atom,
+    type_k: Atom,
+    type_v: Atom,
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
 fn context_create<'a>(env: Env<'a>, m: ResourceArc<ModelRes>, opts: ContextOpts) -> Term<'a> {
     let r: Out<ResourceArc<ContextRes>> = guard(|| {
-        let kv_type = if opts.kv_type == atoms::f32() {
-            KvType::F32
-        } else if opts.kv_type == atoms::f16() {
-            KvType::F16
-        } else {
-            return Err(message("unsupported KV cache type"));
+        let kv_type = |a: Atom| {
+            Ok(match a {
+                a if a == atoms::f32() => KvType::F32,
+                a if a == atoms::f16() => KvType::F16,
+                a if a == atoms::q8_0() => KvType::Q8_0,
+                a if a == atoms::q4_0() => KvType::Q4_0,
+                _ => return Err(message("unsupported KV cache type")),
+            })
         };
         let params = ContextParams {
             n_ctx: opts.n_ctx,
@@ -49,7 +52,8 @@ fn context_create<'a>(env: Env<'a>, m: ResourceArc<ModelRes>, opts: ContextOpts)
             n_ubatch: opts.n_ubatch,
             n_seq_max: opts.n_seq_max,
             n_seq_embd: opts.n_seq_embd,
-            kv_type,
+            kv_type: kv_type(opts.type_k)?,
+            kv_type_v: Some(kv_type(opts.type_v)?),
             n_threads: opts.n_threads,
             n_threads_batch: opts.n_threads_batch,
         };

@@ -94,6 +94,20 @@ pub fn ctx(model: &Arc<Model>, n_ctx: usize, n_seq: usize) -> Context {
 
 /// Returns (agreement per threshold, steps per threshold).
 pub fn teacher_forced(model: &Arc<Model>, fixture_name: &str) -> Vec<(f64, usize, usize)> {
+    use llama_cpp_ex_engine::kv::KvType;
+    teacher_forced_kv(model, fixture_name, (KvType::F16, KvType::F16))
+}
+
+/// [`teacher_forced`] with the keys and values cached in the given precisions.
+#[allow(dead_code)]
+pub fn teacher_forced_kv(
+    model: &Arc<Model>,
+    fixture_name: &str,
+    (k, v): (
+        llama_cpp_ex_engine::kv::KvType,
+        llama_cpp_ex_engine::kv::KvType,
+    ),
+) -> Vec<(f64, usize, usize)> {
     let fx = fixture(fixture_name);
     let mut agree = vec![0usize; THRESHOLDS.len()];
     let mut total = vec![0usize; THRESHOLDS.len()];
@@ -107,7 +121,17 @@ pub fn teacher_forced(model: &Arc<Model>, fixture_name: &str) -> Vec<(f64, usize
             .collect();
         let mut all = prompt.clone();
         all.extend_from_slice(&generated);
-        let mut c = ctx(model, 1024, 1);
+        let mut c = Context::new(
+            model.clone(),
+            ContextParams {
+                n_ctx: 1024,
+                n_batch: 1024,
+                kv_type: k,
+                kv_type_v: Some(v),
+                ..Default::default()
+            },
+        )
+        .unwrap();
         let mut batch = Batch::with_capacity(all.len());
         for (i, &t) in all.iter().enumerate() {
             batch.push(t, i, 0, i + 1 >= prompt.len());
