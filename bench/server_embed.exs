@@ -101,18 +101,7 @@ defmodule Bench.ServerEmbed do
     threads = String.to_integer(System.get_env("LLAMA_THREADS", "2"))
     embed_chunk = String.to_integer(System.get_env("EMBED_CHUNK", "64"))
 
-    {:ok, s} =
-      Server.start_link(
-        model_path: path,
-        n_parallel: 4,
-        n_ctx: 4096,
-        temp: 0.0,
-        n_threads: threads,
-        cache_prompt: false,
-        embed_chunk: embed_chunk
-      )
-
-    {:ok, model} = wait(s)
+    {s, model} = Bench.Models.start_server(path, n_threads: threads, embed_chunk: embed_chunk)
     IO.puts("model #{Path.basename(path)}, #{threads} threads, embed_chunk #{embed_chunk}")
     Server.embed(s, texts(0))
     Server.generate(s, "warm up", max_tokens: 4)
@@ -157,17 +146,6 @@ defmodule Bench.ServerEmbed do
   end
 
   defp f(x), do: :erlang.float_to_binary(x / 1, decimals: 1)
-
-  defp wait(s) do
-    case Server.fetch_model(s) do
-      {:error, :not_ready} ->
-        Process.sleep(50)
-        wait(s)
-
-      other ->
-        other
-    end
-  end
 end
 
 Bench.ServerEmbed.run()

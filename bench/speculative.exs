@@ -59,19 +59,7 @@ end
 # streams' decode rows. Extraction workload, 128 tokens, 1 and 4 concurrent streams.
 alias LlamaCppEx.Server
 
-{:ok, server} =
-  Server.start_link(
-    model_path: path,
-    n_parallel: 4,
-    n_ctx: 4096,
-    temp: 0.0,
-    n_threads: threads,
-    cache_prompt: false
-  )
-
-{:ok, _} =
-  Stream.repeatedly(fn -> Server.fetch_model(server) end)
-  |> Enum.find(&match?({:ok, _}, &1))
+{server, _} = Bench.Models.start_server(path, n_threads: threads)
 
 {:ok, prompt} = LlamaCppEx.Chat.apply_template(model, elem(hd(workloads), 1))
 {:ok, prompt_ids} = LlamaCppEx.Tokenizer.encode(model, prompt)

@@ -14,5 +14,5 @@ for level in "${levels[@]}"; do
     -p llama_cpp_ex_engine --lib kernels
   LLAMA_CPP_EX_SIMD=$level cargo test --release --manifest-path native/Cargo.toml \
     -p llama_cpp_ex_engine --test kernels --test llama_parity --test gemma3_parity \
-    --test allocations --test arch_parity
+    --test allocations --test arch_parity --test kv_precision
 done

@@ -14,9 +14,8 @@ defmodule LlamaCppEx.ServerEmbedTest do
   ]
 
   setup_all do
-    {:ok, server} =
-      Server.start_link(
-        model_path: TestModels.smollm2_path(),
+    {server, model} =
+      TestModels.start_server(
         n_parallel: 2,
         n_ctx: 2048,
         n_batch: 256,
@@ -24,9 +23,6 @@ defmodule LlamaCppEx.ServerEmbedTest do
         temp: 0.0
       )
 
-    Process.unlink(server)
-    {:ok, model} = TestModels.wait_model(server)
-    on_exit(fn -> if Process.alive?(server), do: GenServer.stop(server) end)
     %{server: server, model: model}
   end
 
@@ -45,19 +41,7 @@ defmodule LlamaCppEx.ServerEmbedTest do
     end
   end
 
-  defp attach(events) do
-    parent = self()
-    id = make_ref()
-
-    :telemetry.attach_many(
-      id,
-      events,
-      fn e, m, meta, _ -> send(parent, {:telemetry, e, m, meta}) end,
-      nil
-    )
-
-    on_exit(fn -> :telemetry.detach(id) end)
-  end
+  defp attach(events), do: TestModels.attach_telemetry(events)
 
   test "vectors equal the model route's, in order, and nothing stays in the cache", %{
     server: server,

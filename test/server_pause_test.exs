@@ -20,17 +20,7 @@ defmodule LlamaCppEx.ServerPauseTest do
   end
 
   setup_all do
-    {:ok, server} =
-      Server.start_link(
-        model_path: TestModels.smollm2_path(),
-        n_parallel: 2,
-        n_ctx: 2048,
-        temp: 0.0
-      )
-
-    Process.unlink(server)
-    {:ok, _} = TestModels.wait_model(server)
-    on_exit(fn -> if Process.alive?(server), do: GenServer.stop(server) end)
+    {server, _model} = TestModels.start_server(n_parallel: 2, n_ctx: 2048, temp: 0.0)
     %{server: server}
   end
 

@@ -16,12 +16,7 @@ defmodule LlamaCppEx.ServerSpeculativeTest do
                "extend the opening hours on weekends."
 
   setup_all do
-    {:ok, server} =
-      Server.start_link(model_path: TestModels.smollm2_path(), n_parallel: 3, n_ctx: 4096)
-
-    Process.unlink(server)
-    {:ok, model} = TestModels.wait_model(server)
-    on_exit(fn -> if Process.alive?(server), do: GenServer.stop(server) end)
+    {server, model} = TestModels.start_server(n_parallel: 3, n_ctx: 4096)
 
     {:ok, prompt} =
       Chat.apply_template(model, [

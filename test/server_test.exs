@@ -22,19 +22,7 @@ defmodule LlamaCppEx.ServerTest do
     end
   end
 
-  defp attach(events) do
-    parent = self()
-    id = make_ref()
-
-    :telemetry.attach_many(
-      id,
-      events,
-      fn e, m, meta, _ -> send(parent, {:telemetry, e, m, meta}) end,
-      nil
-    )
-
-    on_exit(fn -> :telemetry.detach(id) end)
-  end
+  defp attach(events), do: TestModels.attach_telemetry(events)
 
   defp assert_no_leaks(server) do
     {:ok, audit} = Server.kv_audit(server)

@@ -11,4 +11,25 @@ defmodule Bench.Models do
         "SmolLM2-135M-Instruct.Q4_1.gguf"
       )
   end
+
+  @doc """
+  A `LlamaCppEx.Server` on `path` for a benchmark (4 slots, 4096-token KV, greedy, no prompt
+  cache unless `opts` say otherwise), once its model is loaded: `{server, model}`.
+  """
+  def start_server(path, opts) do
+    defaults = [n_parallel: 4, n_ctx: 4096, temp: 0.0, cache_prompt: false]
+    {:ok, s} = LlamaCppEx.Server.start_link([model_path: path] ++ Keyword.merge(defaults, opts))
+    {s, wait(s)}
+  end
+
+  defp wait(s) do
+    case LlamaCppEx.Server.fetch_model(s) do
+      {:ok, model} ->
+        model
+
+      {:error, :not_ready} ->
+        Process.sleep(50)
+        wait(s)
+    end
+  end
 end

@@ -46,4 +46,35 @@ defmodule LlamaCppEx.TestModels do
       other -> other
     end
   end
+
+  @doc """
+  Starts a `LlamaCppEx.Server` on SmolLM2 with `opts`, unlinked (a failing test cannot take
+  it down), stopped when the test (or the module, from `setup_all`) ends; returns
+  `{server, model}` once the model is loaded.
+  """
+  def start_server(opts) do
+    {:ok, server} = LlamaCppEx.Server.start_link([model_path: smollm2_path()] ++ opts)
+    Process.unlink(server)
+    {:ok, model} = wait_model(server)
+    ExUnit.Callbacks.on_exit(fn -> if Process.alive?(server), do: GenServer.stop(server) end)
+    {server, model}
+  end
+
+  @doc """
+  Forwards the telemetry `events` to the calling test process as
+  `{:telemetry, event, measurements, metadata}`, detached when the test ends.
+  """
+  def attach_telemetry(events) do
+    parent = self()
+    id = make_ref()
+
+    :telemetry.attach_many(
+      id,
+      events,
+      fn e, m, meta, _ -> send(parent, {:telemetry, e, m, meta}) end,
+      nil
+    )
+
+    ExUnit.Callbacks.on_exit(fn -> :telemetry.detach(id) end)
+  end
 end

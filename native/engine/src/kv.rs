@@ -726,22 +726,90 @@ fn read_rows(kv_type: KvType, words: &[u32], at: usize, out: &mut [f32]) {
         KvType::Q8_0 | KvType::Q4_0 => {
             let bytes = bytemuck_u8(words);
             let (bb, mut off) = (kv_type.bytes(QK), kv_type.bytes(at));
+            let simd = avx2();
             for o in out.chunks_exact_mut(QK) {
                 let blk = &bytes[off..off + bb];
                 let d = f16::from_bits(u16::from_le_bytes([blk[0], blk[1]])).to_f32();
+                let q = &blk[2..];
+                #[cfg(target_arch = "x86_64")]
+                if simd {
+                    // SAFETY: AVX2 was detected; `q` holds 32 (q8_0) or 16 (q4_0) bytes and
+                    // `o` 32 values.
+                    unsafe {
+                        if kv_type == KvType::Q8_0 {
+                            dequant_q8_0_avx2(d, q, o)
+                        } else {
+                            dequant_q4_0_avx2(d, q, o)
+                        }
+                    }
+                    off += bb;
+                    continue;
+                }
+                let _ = simd;
                 if kv_type == KvType::Q8_0 {
-                    for (y, &q) in o.iter_mut().zip(&blk[2..]) {
+                    for (y, &q) in o.iter_mut().zip(q) {
                         *y = d * (q as i8) as f32;
                     }
                 } else {
                     for j in 0..QK / 2 {
-                        let b = blk[2 + j];
-                        o[j] = d * ((b & 0x0f) as i32 - 8) as f32;
-                        o[j + QK / 2] = d * ((b >> 4) as i32 - 8) as f32;
+                        o[j] = d * ((q[j] & 0x0f) as i32 - 8) as f32;
+                        o[j + QK / 2] = d * ((q[j] >> 4) as i32 - 8) as f32;
                     }
                 }
                 off += bb;
             }
+        }
+    }
+}
+
+/// Whether the quantized KV reads may use AVX2 (the engine's SIMD switch can force them off).
+fn avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static AVX2: OnceLock<bool> = OnceLock::new();
+        *AVX2.get_or_init(|| {
+            is_x86_feature_detected!("avx2")
+                && crate::kernels::simd_level() != crate::kernels::SimdLevel::Scalar
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// 32 q8_0 values `d · q` into `out`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dequant_q8_0_avx2(d: f32, q: &[u8], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let scale = _mm256_set1_ps(d);
+    for k in 0..4 {
+        let bytes = _mm_loadl_epi64(q.as_ptr().add(8 * k) as *const __m128i);
+        let ints = _mm256_cvtepi8_epi32(bytes);
+        let v = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(ints));
+        _mm256_storeu_ps(out.as_mut_ptr().add(8 * k), v);
+    }
+}
+
+/// 32 q4_0 values `d · (nibble - 8)` into `out` (low nibbles first, then high ones).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dequant_q4_0_avx2(d: f32, q: &[u8], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let scale = _mm256_set1_ps(d);
+    let packed = _mm_loadu_si128(q.as_ptr() as *const __m128i);
+    let mask = _mm_set1_epi8(0x0f);
+    let eight = _mm_set1_epi8(8);
+    let lo = _mm_sub_epi8(_mm_and_si128(packed, mask), eight);
+    let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), eight);
+    for (half, v) in [lo, hi].into_iter().enumerate() {
+        for k in 0..2 {
+            let bytes = if k == 0 { v } else { _mm_srli_si128(v, 8) };
+            let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+            _mm256_storeu_ps(
+                out.as_mut_ptr().add(16 * half + 8 * k),
+                _mm256_mul_ps(scale, f),
+            );
         }
     }
 }

@@ -178,13 +178,7 @@ fn embedding_rows_ride_in_a_generation_step() {
             batch.push(id, i, s + 1, false);
         }
     }
-    let embeds: Vec<EmbedRequest> = (1..=2)
-        .map(|seq| EmbedRequest {
-            seq,
-            pooling: Pooling::Mean,
-            normalize: 2,
-        })
-        .collect();
+    let embeds = mean_l2(1..=2);
     let out = c
         .step(&Step {
             batch,
@@ -250,7 +244,6 @@ fn embedding_rows_ride_in_a_generation_step() {
 /// texts run as embedding rows of a step (a Server serving a BERT model).
 #[test]
 fn encoder_texts_stay_whole_across_micro_batches() {
-    use llama_cpp_ex_engine::embedding::EmbedRequest;
     use llama_cpp_ex_engine::{Batch, Step};
 
     let model = tiny_model("tiny-bert-f32.gguf");
@@ -276,13 +269,7 @@ fn encoder_texts_stay_whole_across_micro_batches() {
             batch.push(id, i, s, false);
         }
     }
-    let embeds: Vec<EmbedRequest> = (0..3)
-        .map(|seq| EmbedRequest {
-            seq,
-            pooling: Pooling::Mean,
-            normalize: 2,
-        })
-        .collect();
+    let embeds = mean_l2(0..3);
     let out = c
         .step(&Step {
             batch,
@@ -328,4 +315,14 @@ fn gemma_embedding_matches_llama_cpp() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("embedding model"), "{err}");
+}
+
+/// Mean-pooled, L2-normalised embedding requests for sequences `seqs`.
+fn mean_l2(seqs: impl Iterator<Item = usize>) -> Vec<llama_cpp_ex_engine::embedding::EmbedRequest> {
+    seqs.map(|seq| llama_cpp_ex_engine::embedding::EmbedRequest {
+        seq,
+        pooling: Pooling::Mean,
+        normalize: 2,
+    })
+    .collect()
 }
