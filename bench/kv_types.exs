@@ -1,5 +1,6 @@
 # Decode speed and KV memory per cache type (f16, q8_0, q4_0) on one model, model route:
-# a ~500-token prompt, then 128 greedy tokens; median of 3.
+# a ~500-token prompt, then 128 greedy tokens; median of 3. Then sequences served at once in
+# a Server with a fixed KV budget in bytes.
 #
 #   [LLAMA_MODEL_PATH=model.gguf] [LLAMA_THREADS=2] mix run bench/kv_types.exs
 
@@ -48,4 +49,55 @@ for type <- [:f16, :q8_0, :q4_0] do
   IO.puts(
     "| #{type} | #{per_token} | #{Float.round(decode, 1)} | #{Float.round(128_000 / decode, 1)} |"
   )
+end
+
+# Sequences served concurrently at a fixed KV budget: a Server with kv_budget_mb: 8 and 8
+# slots, 8 requests of a ~250-token prompt and 64 new tokens at once; the most requests
+# active together (get_stats polled every 10 ms) and the wall time.
+alias LlamaCppEx.Server
+
+IO.puts("\n| KV type (8 MiB budget) | n_ctx | most active at once | wall s |")
+IO.puts("|---|---:|---:|---:|")
+long = String.duplicate("The committee reviewed the budget, the schedule and the risks. ", 20)
+
+for type <- [:f16, :q8_0, :q4_0] do
+  {s, _} =
+    Bench.Models.start_server(path,
+      n_threads: threads,
+      n_parallel: 8,
+      kv_budget_mb: 8,
+      type_k: type,
+      type_v: type
+    )
+
+  parent = self()
+
+  poller =
+    spawn(fn ->
+      loop = fn loop, best ->
+        receive do
+          :stop -> send(parent, {:best, best})
+        after
+          10 -> loop.(loop, max(best, Server.get_stats(s).active_slots))
+        end
+      end
+
+      loop.(loop, 0)
+    end)
+
+  {us, _} =
+    :timer.tc(fn ->
+      1..8
+      |> Enum.map(fn i ->
+        Task.async(fn ->
+          Server.generate(s, "#{i}. " <> long, max_tokens: 64, timeout: 600_000)
+        end)
+      end)
+      |> Task.await_many(600_000)
+    end)
+
+  send(poller, :stop)
+  best = receive do: ({:best, b} -> b)
+  IO.puts("| #{type} | #{Server.get_stats(s).n_ctx} | #{best} | #{Float.round(us / 1.0e6, 1)} |")
+  GenServer.stop(s)
 end

@@ -151,6 +151,29 @@ defmodule LlamaCppEx.RegressionsTest do
     GenServer.stop(s)
   end
 
+  test "a KV budget in bytes holds more tokens in quantized caches" do
+    n_ctx =
+      for type <- [:f16, :q8_0, :q4_0] do
+        {s, _} =
+          TestModels.start_server(kv_budget_mb: 4, n_parallel: 2, type_k: type, type_v: type)
+
+        %{n_ctx: n} = Server.get_stats(s)
+        if type == :q4_0, do: assert({:ok, _} = Server.generate(s, "Hello", max_tokens: 4))
+        GenServer.stop(s)
+        n
+      end
+
+    # SmolLM2: 30 layers x 3 KV heads x 64, keys and values: 23040 bytes per token in f16
+    assert n_ctx == [
+             div(4 * 1_048_576, 23_040),
+             div(4 * 1_048_576, 12_240),
+             div(4 * 1_048_576, 6_480)
+           ]
+
+    [f16, q8, q4] = n_ctx
+    assert q8 / f16 > 1.85 and q4 / f16 > 3.5
+  end
+
   defp start_and_wait(opts) do
     Process.flag(:trap_exit, true)
     {:ok, pid} = Server.start_link([model_path: TestModels.smollm2_path()] ++ opts)

@@ -16,6 +16,7 @@ defmodule LlamaCppEx.NIF do
   def model_load(_path, _requantize, _vocab_only, _quantize), do: err()
   def model_info(_model), do: err()
   def model_metadata(_model), do: err()
+  def kv_bytes_per_token(_model, _type_k, _type_v), do: err()
   def model_chat_template(_model), do: err()
 
   # embedding.rs

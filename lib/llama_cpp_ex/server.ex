@@ -123,6 +123,9 @@ defmodule LlamaCppEx.Server do
     * `:model_path` (required) - a GGUF file.
     * `:n_parallel` - slots (concurrent requests). Default 4.
     * `:n_ctx` - KV budget in tokens shared by all slots. Default 8192.
+    * `:kv_budget_mb` - the KV budget in MiB instead: `:n_ctx` becomes what that memory holds
+      in the chosen `:type_k` / `:type_v` (so `:q8_0` fits about 1.9× the tokens of `:f16`,
+      `:q4_0` about 3.6×); `get_stats/1` reports the resulting `n_ctx`.
     * `:n_batch` - token budget of one forward pass. Default `min(n_ctx, 2048)`.
     * `:chunk_size` - most prompt tokens one slot feeds per tick. Default 512.
     * `:max_queue` - waiting requests beyond the free slots; 0 = unlimited. Default 64. It
@@ -489,6 +492,7 @@ defmodule LlamaCppEx.Server do
   @impl true
   def handle_continue(:load, %State{config: cfg} = st) do
     with {:ok, model} <- Model.load(cfg.model_path, cfg.model_opts),
+         {:ok, cfg} <- kv_budget(cfg, model),
          {:ok, ctx} <- Context.create(model, cfg.context_opts),
          {:ok, engine} <- NIF.engine_start(ctx.ref) do
       Process.flag(:trap_exit, true)
@@ -506,7 +510,8 @@ defmodule LlamaCppEx.Server do
       {:noreply,
        %{
          st
-         | model: model,
+         | config: cfg,
+           model: model,
            ctx: ctx,
            engine: engine,
            slots: slots,
@@ -516,6 +521,19 @@ defmodule LlamaCppEx.Server do
        }}
     else
       {:error, reason} -> {:stop, {:load_failed, reason}, st}
+    end
+  end
+
+  # a byte budget becomes n_ctx by the model's bytes per cached token in the chosen types
+  defp kv_budget(%Config{kv_budget_mb: nil} = cfg, _model), do: {:ok, cfg}
+
+  defp kv_budget(cfg, model) do
+    type_k = Keyword.get(cfg.context_opts, :type_k, :f16)
+    type_v = Keyword.get(cfg.context_opts, :type_v, type_k)
+
+    case NIF.kv_bytes_per_token(model.ref, type_k, type_v) do
+      {:ok, bytes} -> {:ok, Config.resolve_budget(cfg, bytes)}
+      {:error, _} = error -> error
     end
   end
 

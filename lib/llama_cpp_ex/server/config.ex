@@ -12,6 +12,7 @@ defmodule LlamaCppEx.Server.Config do
     quantize: :q8_0,
     n_parallel: 4,
     n_ctx: 8192,
+    kv_budget_mb: nil,
     n_batch: nil,
     chunk_size: 512,
     max_queue: 64,
@@ -104,6 +105,25 @@ defmodule LlamaCppEx.Server.Config do
     end
   end
 
+  @doc """
+  The config with `:n_ctx` (and the context's KV size and batch) from `:kv_budget_mb` and the
+  model's bytes per cached token in the chosen KV types; unchanged without a byte budget.
+  """
+  @spec resolve_budget(t(), non_neg_integer() | nil) :: t()
+  def resolve_budget(%__MODULE__{kv_budget_mb: nil} = cfg, _bytes_per_token), do: cfg
+
+  def resolve_budget(cfg, bytes_per_token) do
+    n_ctx = max(div(cfg.kv_budget_mb * 1_048_576, bytes_per_token), 1)
+    n_batch = min(cfg.n_batch, n_ctx)
+
+    %{
+      cfg
+      | n_ctx: n_ctx,
+        n_batch: n_batch,
+        context_opts: Keyword.merge(cfg.context_opts, n_ctx: n_ctx, n_batch: n_batch)
+    }
+  end
+
   defp pause_policy(nil), do: :ok
   defp pause_policy({mod, _arg}) when is_atom(mod), do: pause_policy(mod)
 
@@ -125,6 +145,7 @@ defmodule LlamaCppEx.Server.Config do
              max_queue: {:int, 0, 1_000_000_000},
              embed_parallel: {:int, 1, 1024},
              embed_chunk: {:int, 1, 4_194_304},
+             kv_budget_mb: {:int, 1, 16_777_216},
              pause_poll_ms: {:int, 1, 3_600_000},
              cache_prompt: :boolean,
              kv_unified: :boolean,

@@ -79,6 +79,7 @@ defmodule LlamaCppEx.Server.Stats do
       queue_depth: queue_depth,
       n_parallel: config.n_parallel,
       n_batch: config.n_batch,
+      n_ctx: config.n_ctx,
       ram_cache_entries: 0,
       ram_cache_bytes: 0,
       tokens_generated: stats.tokens_generated + running,

@@ -44,6 +44,18 @@ pub enum KvType {
 /// Values per quantization block of `q8_0` / `q4_0`.
 const QK: usize = 32;
 
+/// Bytes one cached token takes: keys and values of every layer.
+pub fn bytes_per_token(
+    n_layers: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    k: KvType,
+    v: KvType,
+) -> usize {
+    let row = n_kv_heads * head_dim;
+    n_layers * (k.bytes(row) + v.bytes(row))
+}
+
 impl KvType {
     /// Bytes that hold `elems` values (`elems` a multiple of 32 for the quantized types).
     fn bytes(self, elems: usize) -> usize {

@@ -34,18 +34,35 @@ struct ContextOpts {
     type_v: Atom,
 }
 
+fn kv_type(a: Atom) -> Result<KvType, crate::error::NifError> {
+    Ok(match a {
+        a if a == atoms::f32() => KvType::F32,
+        a if a == atoms::f16() => KvType::F16,
+        a if a == atoms::q8_0() => KvType::Q8_0,
+        a if a == atoms::q4_0() => KvType::Q4_0,
+        _ => return Err(message("unsupported KV cache type")),
+    })
+}
+
+/// Bytes one cached token of `m` takes with keys and values in these types (a Server's
+/// `:kv_budget_mb` becomes its `n_ctx` by it).
+#[rustler::nif]
+fn kv_bytes_per_token(m: ResourceArc<ModelRes>, type_k: Atom, type_v: Atom) -> Out<usize> {
+    guard(|| {
+        let c = &m.model.config;
+        Ok(llama_cpp_ex_engine::kv::bytes_per_token(
+            c.n_layer,
+            c.n_head_kv,
+            c.head_dim,
+            kv_type(type_k)?,
+            kv_type(type_v)?,
+        ))
+    })
+}
+
 #[rustler::nif(schedule = "DirtyCpu")]
 fn context_create<'a>(env: Env<'a>, m: ResourceArc<ModelRes>, opts: ContextOpts) -> Term<'a> {
     let r: Out<ResourceArc<ContextRes>> = guard(|| {
-        let kv_type = |a: Atom| {
-            Ok(match a {
-                a if a == atoms::f32() => KvType::F32,
-                a if a == atoms::f16() => KvType::F16,
-                a if a == atoms::q8_0() => KvType::Q8_0,
-                a if a == atoms::q4_0() => KvType::Q4_0,
-                _ => return Err(message("unsupported KV cache type")),
-            })
-        };
         let params = ContextParams {
             n_ctx: opts.n_ctx,
             n_batch: opts.n_batch,
