@@ -23,8 +23,8 @@ defmodule LlamaCppEx.Context do
   `:embeddings`.
 
   Refused with `{:error, reason}` because honouring them would change results or memory in a
-  way this engine does not implement: KV types other than `:f16` and `:f32`, different
-  `:type_k` and `:type_v`, RoPE and YaRN overrides (`:rope_scaling_type` other than
+  way this engine does not implement: KV types other than `:f16`, `:f32`, `:q8_0` and
+  `:q4_0`, RoPE and YaRN overrides (`:rope_scaling_type` other than
   `:unspecified`, non-zero `:rope_freq_base` / `:rope_freq_scale`, `:yarn_*` other than
   their "from the model" defaults), `attention_type: :non_causal`, `embeddings: true` (use
   `LlamaCppEx.embed/3`), `ctx_type: :mtp` and `:n_rs_seq` other than 0.
