@@ -125,7 +125,7 @@ defmodule LlamaCppEx.Context do
 
     with :ok <- check_sizes(opts),
          :ok <- check_refused(opts),
-         {:ok, {type_k, type_v}} <- kv_type(opts) do
+         {:ok, {type_k, type_v}} <- kv_types(opts) do
       n_threads = Keyword.get(opts, :n_threads) || default_threads()
 
       native = %{
@@ -222,7 +222,11 @@ defmodule LlamaCppEx.Context do
     end
   end
 
-  defp kv_type(opts) do
+  @doc false
+  # `{:ok, {type_k, type_v}}` from context options (defaults applied), or `{:error, message}`:
+  # also how a Server turns a byte budget into tokens.
+  @spec kv_types(keyword()) :: {:ok, {atom(), atom()}} | {:error, String.t()}
+  def kv_types(opts) do
     type_k = Keyword.get(opts, :type_k, :f16)
     type_v = Keyword.get(opts, :type_v, type_k)
 

@@ -498,11 +498,7 @@ defmodule LlamaCppEx.Server do
       Process.flag(:trap_exit, true)
       {:ok, _} = Registry.register(LlamaCppEx.Registry, {__MODULE__, self()}, model)
 
-      {:ok, _} =
-        Registry.register(LlamaCppEx.Registry, {Config, self()}, %{
-          sampler_defaults: cfg.sampler_defaults,
-          n_batch: cfg.n_batch
-        })
+      {:ok, _} = Registry.register(LlamaCppEx.Registry, {Config, self()}, Config.public(cfg))
 
       slots = Map.new(0..(cfg.n_parallel - 1), &{&1, Slot.idle(&1)})
       embed_seqs = Enum.to_list(cfg.n_parallel..(cfg.n_parallel + cfg.embed_parallel - 1))
@@ -528,12 +524,9 @@ defmodule LlamaCppEx.Server do
   defp kv_budget(%Config{kv_budget_mb: nil} = cfg, _model), do: {:ok, cfg}
 
   defp kv_budget(cfg, model) do
-    type_k = Keyword.get(cfg.context_opts, :type_k, :f16)
-    type_v = Keyword.get(cfg.context_opts, :type_v, type_k)
-
-    case NIF.kv_bytes_per_token(model.ref, type_k, type_v) do
-      {:ok, bytes} -> {:ok, Config.resolve_budget(cfg, bytes)}
-      {:error, _} = error -> error
+    with {:ok, {type_k, type_v}} <- Context.kv_types(cfg.context_opts),
+         {:ok, bytes} <- NIF.kv_bytes_per_token(model.ref, type_k, type_v) do
+      {:ok, Config.resolve_budget(cfg, bytes)}
     end
   end
 
@@ -542,13 +535,10 @@ defmodule LlamaCppEx.Server do
     do: {:reply, {:error, :not_ready}, st}
 
   def handle_call(:fetch_model, _from, st),
-    do:
-      {:reply,
-       {:ok, st.model,
-        %{sampler_defaults: st.config.sampler_defaults, n_batch: st.config.n_batch}}, st}
+    do: {:reply, {:ok, st.model, Config.public(st.config)}, st}
 
   def handle_call(:get_stats, _from, st) do
-    waiting = st.embed_jobs |> Map.values() |> Enum.map(&length(&1.todo)) |> Enum.sum()
+    waiting = Tick.embed_texts_waiting(st)
     stats = Stats.snapshot(st.stats, st.slots, :queue.len(st.queue), st.config, waiting)
 
     {:reply, Map.merge(stats, %{paused: st.pause_level != :none, pause_level: st.pause_level}),

@@ -106,6 +106,13 @@ defmodule LlamaCppEx.Server.Config do
   end
 
   @doc """
+  What callers read from a running server's config (through the registry or `:fetch_model`)
+  to build their requests in their own process: sampler defaults and `n_batch`.
+  """
+  @spec public(t()) :: %{sampler_defaults: keyword(), n_batch: pos_integer()}
+  def public(cfg), do: %{sampler_defaults: cfg.sampler_defaults, n_batch: cfg.n_batch}
+
+  @doc """
   The config with `:n_ctx` (and the context's KV size and batch) from `:kv_budget_mb` and the
   model's bytes per cached token in the chosen KV types; unchanged without a byte budget.
   """

@@ -8,13 +8,16 @@ defmodule LlamaCppEx.Server.EmbedJob do
   alias LlamaCppEx.Telemetry
 
   @enforce_keys [:ref, :pid, :pooling, :normalize, :todo, :n_texts, :n_tokens, :t_start]
-  defstruct @enforce_keys ++ [:monitor_ref, results: %{}]
+  # `waiting`: tokens of the texts in `todo` (kept, not summed, as every tick reads it)
+  defstruct @enforce_keys ++ [:monitor_ref, :waiting, results: %{}]
 
   @type t :: %__MODULE__{}
 
   @doc "A job for `ids` (one list per text) replying to `pid` as `{ref, result}`."
   @spec new([[non_neg_integer()]], integer(), integer(), pid(), reference()) :: t()
   def new(ids, pooling, normalize, pid, ref) do
+    n_tokens = ids |> Enum.map(&length/1) |> Enum.sum()
+
     %__MODULE__{
       ref: ref,
       pid: pid,
@@ -22,15 +25,11 @@ defmodule LlamaCppEx.Server.EmbedJob do
       normalize: normalize,
       todo: Enum.with_index(ids),
       n_texts: length(ids),
-      n_tokens: ids |> Enum.map(&length/1) |> Enum.sum(),
+      n_tokens: n_tokens,
+      waiting: n_tokens,
       t_start: System.monotonic_time(:millisecond)
     }
   end
-
-  @doc "Tokens of the texts not yet placed in a step."
-  @spec waiting_tokens(t()) :: non_neg_integer()
-  def waiting_tokens(%__MODULE__{todo: todo}),
-    do: todo |> Enum.map(fn {ids, _} -> length(ids) end) |> Enum.sum()
 
   @doc """
   Takes texts, in order, while each fits the `left` tokens and a free sequence id remains:
@@ -41,8 +40,10 @@ defmodule LlamaCppEx.Server.EmbedJob do
   def take(job, left, free), do: take(job, left, free, [])
 
   defp take(%__MODULE__{todo: [{ids, i} | rest]} = job, left, [seq | free], acc)
-       when length(ids) <= left,
-       do: take(%{job | todo: rest}, left - length(ids), free, [{seq, i, ids} | acc])
+       when length(ids) <= left do
+    n = length(ids)
+    take(%{job | todo: rest, waiting: job.waiting - n}, left - n, free, [{seq, i, ids} | acc])
+  end
 
   defp take(job, left, free, acc), do: {job, Enum.reverse(acc), left, free}
 

@@ -27,6 +27,10 @@ defmodule LlamaCppEx.Server.Tick do
 
   defp embeds_waiting?(st), do: Enum.any?(st.embed_jobs, fn {_, j} -> j.todo != [] end)
 
+  @doc "Texts of `embed/3` calls not yet placed in a step."
+  def embed_texts_waiting(st),
+    do: st.embed_jobs |> Map.values() |> Enum.map(&length(&1.todo)) |> Enum.sum()
+
   @doc "One tick: consult the pause level, place, plan, submit."
   def run(st) do
     st = %{st | tick_scheduled: false}
@@ -77,8 +81,7 @@ defmodule LlamaCppEx.Server.Tick do
     info = %{
       active_slots: Enum.count(st.slots, fn {_, s} -> Slot.active?(s) end),
       queue_depth: :queue.len(st.queue),
-      embed_queue_depth:
-        st.embed_jobs |> Map.values() |> Enum.map(&length(&1.todo)) |> Enum.sum(),
+      embed_queue_depth: embed_texts_waiting(st),
       tick: st.tick,
       manual: st.pause_manual
     }
@@ -177,8 +180,7 @@ defmodule LlamaCppEx.Server.Tick do
         decoding = Enum.any?(st.slots, fn {_, s} -> s.state == :generating end)
         share = if decoding, do: st.config.embed_chunk, else: div(st.config.n_batch, 2)
 
-        waiting =
-          st.embed_jobs |> Map.values() |> Enum.map(&EmbedJob.waiting_tokens/1) |> Enum.sum()
+        waiting = st.embed_jobs |> Map.values() |> Enum.map(& &1.waiting) |> Enum.sum()
 
         min(waiting, max(share, length(first)))
     end

@@ -258,17 +258,21 @@ impl Context {
             self.logits.extend_from_slice(&self.ws.hidden);
         } else {
             self.logits.extend_from_slice(&self.ws.logits);
-            let d = self.model.config.n_embd;
-            let mut row = (self.embd.len() / d) as i32;
-            for i in 0..batch.len() {
-                if batch.is_embd(i) {
-                    self.embd_rows.push(row);
-                    row += 1;
-                } else {
-                    self.embd_rows.push(-1);
-                }
-            }
+            // embedding rows are rare: a batch without any costs nothing here (an entry past
+            // `embd_rows` has none)
             if batch.has_embd() {
+                let d = self.model.config.n_embd;
+                let mut row = (self.embd.len() / d) as i32;
+                self.embd_rows
+                    .resize(self.output_rows.len() - batch.len(), -1);
+                for i in 0..batch.len() {
+                    if batch.is_embd(i) {
+                        self.embd_rows.push(row);
+                        row += 1;
+                    } else {
+                        self.embd_rows.push(-1);
+                    }
+                }
                 self.embd.extend_from_slice(&self.ws.hidden);
             }
         }

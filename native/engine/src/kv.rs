@@ -427,8 +427,6 @@ impl KvCache {
         Ok(truncate_to == p0)
     }
 
-    /// Positions `seq` can still add: the unused part of the blocks it holds, plus the free
-    /// blocks (the smallest figure over the layer groups).
     /// Tokens the free blocks hold (in the fullest layer group).
     pub fn free_tokens(&self) -> usize {
         self.groups
@@ -438,6 +436,8 @@ impl KvCache {
             .unwrap_or(0)
     }
 
+    /// Positions `seq` can still add: the unused part of the blocks it holds, plus the free
+    /// blocks (the smallest figure over the layer groups).
     pub fn room(&self, seq: usize) -> usize {
         let len = self.lens[seq];
         self.groups
@@ -774,19 +774,10 @@ fn read_rows(kv_type: KvType, words: &[u32], at: usize, out: &mut [f32]) {
     }
 }
 
-/// Whether the quantized KV reads may use AVX2 (the engine's SIMD switch can force them off).
+/// Whether the quantized KV reads may use AVX2: any SIMD level the engine runs at (cached by
+/// `simd_level`, which `LLAMA_CPP_EX_SIMD=scalar` forces off) includes it.
 fn avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static AVX2: OnceLock<bool> = OnceLock::new();
-        *AVX2.get_or_init(|| {
-            is_x86_feature_detected!("avx2")
-                && crate::kernels::simd_level() != crate::kernels::SimdLevel::Scalar
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    crate::kernels::simd_level() != crate::kernels::SimdLevel::Scalar
 }
 
 /// 32 q8_0 values `d · q` into `out`.

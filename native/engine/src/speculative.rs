@@ -99,22 +99,13 @@ impl Context {
                 "speculate: the history must end with the token being evaluated".into(),
             ));
         }
-        let mut draft = lookup.draft(history);
-        // the draft must fit the context and the batch
-        let room = self.params.n_ctx.saturating_sub(pos + 1);
-        draft.truncate(room.min(self.params.n_batch.saturating_sub(1)));
-        let mut batch = Batch::with_capacity(draft.len() + 1);
+        let mut batch = Batch::with_capacity(lookup.n_draft + 1);
         batch.push(token, pos, seq, true);
-        for (i, &d) in draft.iter().enumerate() {
-            batch.push(d, pos + 1 + i, seq, true);
-        }
+        let n_drafted = self.push_draft(&mut batch, 0, history, lookup, usize::MAX);
         self.decode(&batch)?;
-        let rows: Vec<usize> = (0..=draft.len()).collect();
+        let rows: Vec<usize> = (0..=n_drafted).collect();
         let tokens = self.verify_draft(seq, &rows, &batch, sampler)?;
-        Ok(SpecOutcome {
-            tokens,
-            n_drafted: draft.len(),
-        })
+        Ok(SpecOutcome { tokens, n_drafted })
     }
 
     /// Verifies a draft evaluated in the last batch: `rows` are the entries of `seq` with
@@ -166,8 +157,7 @@ impl Context {
         let mut budget = self
             .kv
             .free_tokens()
-            .saturating_sub(batch.len() + crate::kv::KV_BLOCK_SIZE * specs.len())
-            .min(self.params.n_batch.saturating_sub(batch.len()));
+            .saturating_sub(batch.len() + crate::kv::KV_BLOCK_SIZE * specs.len());
         let mut drafted = Vec::with_capacity(specs.len());
         for spec in specs {
             let Some(i) = (0..batch.len()).find(|&i| batch.seq[i] == spec.seq && batch.logits[i])
@@ -177,16 +167,33 @@ impl Context {
             if spec.history.last() != Some(&batch.tokens[i]) {
                 continue;
             }
-            let pos = batch.pos[i];
-            let mut draft = spec.lookup.draft(&spec.history);
-            draft.truncate(self.params.n_ctx.saturating_sub(pos + 1).min(budget));
-            budget -= draft.len();
-            for (k, &d) in draft.iter().enumerate() {
-                batch.push(d, pos + 1 + k, spec.seq, true);
-            }
-            drafted.push((spec.seq, draft.len()));
+            let n = self.push_draft(batch, i, &spec.history, &spec.lookup, budget);
+            budget -= n;
+            drafted.push((spec.seq, n));
         }
         drafted
+    }
+
+    /// Appends the prompt-lookup draft of `history` after entry `row` of `batch` (the token
+    /// it ends with), at most `budget` tokens and within the context and the batch size;
+    /// returns its length. The one draft rule of the local and the Server's speculation.
+    fn push_draft(
+        &self,
+        batch: &mut Batch,
+        row: usize,
+        history: &[TokenId],
+        lookup: &PromptLookup,
+        budget: usize,
+    ) -> usize {
+        let (seq, pos) = (batch.seq[row], batch.pos[row]);
+        let mut draft = lookup.draft(history);
+        let room = self.params.n_ctx.saturating_sub(pos + 1);
+        let batch_room = self.params.n_batch.saturating_sub(batch.len());
+        draft.truncate(room.min(batch_room).min(budget));
+        for (k, &d) in draft.iter().enumerate() {
+            batch.push(d, pos + 1 + k, seq, true);
+        }
+        draft.len()
     }
 }
 
