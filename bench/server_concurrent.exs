@@ -12,7 +12,10 @@
 # timings taken from its responses) and our/their ratios are printed.
 #
 # Workload 2: 8 conversations x 4 turns sharing a long system prompt; TTFT with the prompt
-# cache off, per slot (kv_unified: false) and across slots.
+# cache off, per slot (kv_unified: false) and across slots, then with a KV budget too small
+# for all eight conversations (n_ctx 2048), without and with the level-2 RAM prompt cache
+# (prompt_cache_ram_mb: 256). BENCH_LEVELS="" skips workload 1, BENCH_SKIP_PREFIX workload 2,
+# BENCH_PREFIX_MODES picks modes (e.g. "small_kv,small_kv_ram").
 
 alias LlamaCppEx.Server
 
@@ -215,12 +218,13 @@ defmodule Bench.Prefix do
         :off -> [cache_prompt: false]
         :per_slot -> [kv_unified: false]
         :cross_slot -> []
+        # a KV budget that holds the 4 active conversations but not all 8
+        :small_kv -> [n_ctx: 2048]
+        :small_kv_ram -> [n_ctx: 2048, prompt_cache_ram_mb: 256]
       end
 
-    {:ok, s} =
-      Server.start_link(
-        [model_path: path, n_parallel: 4, n_ctx: 8192, temp: 0.0, n_threads: threads] ++ opts
-      )
+    base = [model_path: path, n_parallel: 4, n_ctx: 8192, temp: 0.0, n_threads: threads]
+    {:ok, s} = Server.start_link(Keyword.merge(base, opts))
 
     Bench.Concurrent.wait(s)
 
@@ -259,8 +263,9 @@ defmodule Bench.Prefix do
       )
       |> Enum.flat_map(fn {:ok, t} -> t end)
 
+    stats = Server.get_stats(s)
     GenServer.stop(s)
-    {Bench.Concurrent.pct(ttfts, 50), Bench.Concurrent.pct(ttfts, 95)}
+    {Bench.Concurrent.pct(ttfts, 50), Bench.Concurrent.pct(ttfts, 95), stats.ram_cache_hits}
   end
 end
 
@@ -275,7 +280,7 @@ threads = String.to_integer(System.get_env("LLAMA_THREADS") || "#{System.schedul
 
 levels =
   (System.get_env("BENCH_LEVELS") || "1,2,4,8,16")
-  |> String.split(",")
+  |> String.split(",", trim: true)
   |> Enum.map(&String.to_integer/1)
 
 max_tokens = String.to_integer(System.get_env("BENCH_TOKENS") || "128")
@@ -319,11 +324,17 @@ end)
 
 unless System.get_env("BENCH_SKIP_PREFIX") do
   IO.puts("\nprefix reuse: 8 conversations x 4 turns, shared system prompt, 24 tokens per turn")
-  IO.puts("| cache | TTFT p50 ms | TTFT p95 ms |")
-  IO.puts("|---|---:|---:|")
+  IO.puts("| cache | n_ctx | TTFT p50 ms | TTFT p95 ms | RAM cache restores |")
+  IO.puts("|---|---:|---:|---:|---:|")
 
-  for mode <- [:off, :per_slot, :cross_slot] do
-    {p50, p95} = Bench.Prefix.run(path, threads, mode)
-    IO.puts("| #{mode} | #{f.(p50)} | #{f.(p95)} |")
+  modes =
+    (System.get_env("BENCH_PREFIX_MODES") || "off,per_slot,cross_slot,small_kv,small_kv_ram")
+    |> String.split(",", trim: true)
+    |> Enum.map(&String.to_atom/1)
+
+  for mode <- modes do
+    {p50, p95, hits} = Bench.Prefix.run(path, threads, mode)
+    n_ctx = if mode in [:small_kv, :small_kv_ram], do: 2048, else: 8192
+    IO.puts("| #{mode} | #{n_ctx} | #{f.(p50)} | #{f.(p95)} | #{hits} |")
   end
 end

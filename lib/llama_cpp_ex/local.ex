@@ -138,7 +138,7 @@ defmodule LlamaCppEx.Local do
   defp run(s, entries, sample?) do
     samplers = if sample?, do: [{0, s.sampler.ref}], else: []
 
-    case NIF.context_step(s.ctx.ref, {[], entries, samplers, [], [], []}) do
+    case NIF.context_step(s.ctx.ref, {[], entries, samplers, {[], 0}, [], []}) do
       {:ok, {[{0, token, piece, eog, logprobs}], _, _, _, _, _, _}} ->
         s = if s.n_draft, do: %{s | rev_history: [token | s.rev_history]}, else: s
 

@@ -57,6 +57,11 @@ defmodule LlamaCppEx.NIF do
   def request_cancel(_flag), do: err()
   def generate(_ctx, _sampler, _prompt, _max_tokens, _cancel), do: err()
 
+  # snapshot.rs
+  def kv_snapshot_to_binary(_snapshot), do: err()
+  def kv_snapshot_from_binary(_binary), do: err()
+  def kv_snapshot_check(_ctx, _snapshot), do: err()
+
   # engine.rs
   def engine_start(_ctx), do: err()
   def engine_submit(_engine, _pid, _ref, _step), do: err()

@@ -53,6 +53,20 @@ defmodule LlamaCppEx.Server do
   need) waits in the queue for requests to finish instead of taking a slot and failing
   mid-prompt.
 
+  ## Prompt cache beyond the KV budget
+
+  With `prompt_cache_ram_mb: mb`, a slot's cache that is about to be lost (another request
+  takes the slot, or KV pressure evicts it) is first copied to host RAM, in the KV cache's
+  own block types, when it holds at least 32 tokens no entry already covers. A later request
+  whose prompt starts with an entry's tokens (same `:cache_scope`, at least a quarter of the
+  entry matched) gets those blocks copied back instead of evaluating them; a slot's own cache
+  and other slots' blocks are preferred when they match as much. Entries are evicted oldest
+  first to stay within `mb`. `save_prefix/4` writes a cached prefix to disk and
+  `load_prefix/3` puts it in a server's RAM cache (e.g. a long system prompt at start-up).
+  `get_stats/1` reports `ram_cache_entries`, `ram_cache_bytes`, `ram_cache_budget_bytes`,
+  `ram_cache_hits`, `ram_cache_saves` and `ram_cache_evictions`; every save, restore and
+  eviction is a `[:llama_cpp_ex, :server, :ram_cache]` telemetry event.
+
   ## Non-blocking
 
   Forward passes run on an engine thread fed through a channel; the result comes back as a
@@ -79,6 +93,9 @@ defmodule LlamaCppEx.Server do
       (`:none | :prefill | :full`, the level now in effect), `previous`, `manual`.
     * `[:llama_cpp_ex, :server, :kv_pressure]` - `purged_slots`, `batch_splits`.
     * `[:llama_cpp_ex, :server, :prefix_instability]` - `matched_tokens`, `cached_tokens`.
+    * `[:llama_cpp_ex, :server, :ram_cache]` - `bytes`, `tokens` (of the entry saved or
+      evicted, restored tokens for a restore), `total_bytes`, `entries` (after the
+      operation); metadata `server`, `op` (`:save`, `:restore` or `:evict`).
   """
 
   use GenServer
@@ -96,7 +113,18 @@ defmodule LlamaCppEx.Server do
     Tokenizer
   }
 
-  alias LlamaCppEx.Server.{Config, EmbedJob, Request, Slot, State, Stats, Tick}
+  alias LlamaCppEx.Server.{
+    Config,
+    EmbedJob,
+    PrefixFile,
+    PromptCache,
+    Request,
+    Slot,
+    Slots,
+    State,
+    Stats,
+    Tick
+  }
 
   @request_keys [:cache_prompt, :session, :cache_scope, :stop, :speculative]
   @call_keys [:max_tokens, :timeout]
@@ -146,7 +174,8 @@ defmodule LlamaCppEx.Server do
     * `:n_threads` and other context tuning options, `:requantize`, `:quantize` (Hugging
       Face directories) and model tuning options, and server-wide sampler defaults (`:temp`,
       `:top_k`, ...).
-    * `:prompt_cache_ram_mb` - only 0: the level-2 RAM prompt cache is not implemented yet.
+    * `:prompt_cache_ram_mb` - host RAM for the level-2 prompt cache (see "Prompt cache
+      beyond the KV budget"). Default 0 (off).
 
   Unknown options raise `ArgumentError` in the caller.
   """
@@ -396,6 +425,89 @@ defmodule LlamaCppEx.Server do
   @spec resume(GenServer.server()) :: :ok
   def resume(server), do: GenServer.call(server, {:pause, :none})
 
+  @doc """
+  Writes the KV cache of a prompt prefix (text, tokenized like `generate/3`'s prompt, or
+  token ids) to `path`, so a server of the same model can start with it in its RAM prompt
+  cache (`load_prefix/3`) instead of evaluating it, e.g. a long system prompt every
+  conversation shares. The prefix is copied from a slot that holds it; when none does, it is
+  evaluated first (one `complete_tokens/3` with `max_tokens: 1`).
+
+  Options: `:cache_scope` (the scope the prefix is cached in and restored for; default
+  `nil`), `:timeout` (default 60_000 ms).
+
+      :ok = LlamaCppEx.Server.save_prefix(MyApp.LLM, system_prompt, "system.prefix")
+
+  Errors: `{:error, :not_cached}` when no slot kept the prefix (e.g. evicted at once under
+  KV pressure), `{:error, :timeout}`, `{:error, :empty_prompt}`, `{:error, :invalid_token}`,
+  file errors.
+  """
+  @spec save_prefix(GenServer.server(), String.t() | [non_neg_integer()], Path.t(), keyword()) ::
+          :ok | {:error, term()}
+  def save_prefix(server, prompt, path, opts \\ []) do
+    Options.validate!(opts, [:cache_scope, :timeout], "LlamaCppEx.Server.save_prefix/4")
+    scope = Keyword.get(opts, :cache_scope)
+    timeout = Options.timeout(opts, :blocking)
+
+    with {:ok, model} <- fetch_model(server),
+         {:ok, ids} <- prefix_ids(model, prompt),
+         {:ok, {tokens, scope, ref, _bytes}} <- copy_prefix(server, ids, scope, timeout) do
+      PrefixFile.write(path, model, tokens, scope, ref)
+    end
+  end
+
+  defp prefix_ids(model, prompt) when is_binary(prompt) do
+    with {:ok, ids} <- Tokenizer.encode(model, prompt), do: prefix_ids(model, ids)
+  end
+
+  defp prefix_ids(_model, []), do: {:error, :empty_prompt}
+
+  defp prefix_ids(model, ids) when is_list(ids) do
+    with :ok <- Tokenizer.check_ids(ids), :ok <- check_ids(model, ids), do: {:ok, ids}
+  end
+
+  defp copy_prefix(server, ids, scope, timeout) do
+    case plain_call(server, {:save_prefix, ids, scope}, timeout) do
+      {:error, :not_cached} ->
+        opts = [max_tokens: 1, cache_scope: scope, timeout: timeout]
+
+        with {:ok, _} <- complete_tokens(server, ids, opts),
+             do: plain_call(server, {:save_prefix, ids, scope}, timeout)
+
+      other ->
+        other
+    end
+  end
+
+  @doc """
+  Loads a prefix written by `save_prefix/4` into the server's RAM prompt cache (the server
+  needs a `:prompt_cache_ram_mb` large enough for it): a request whose prompt starts with the
+  prefix, in the same `:cache_scope`, gets those tokens' KV restored instead of evaluated.
+  The file must come from the same model with the same KV cache types.
+
+  Options: `:timeout` (default 60_000 ms).
+
+  Errors: `{:error, :model_mismatch}`, `{:error, :invalid_prefix_file}`,
+  `{:error, :prompt_cache_disabled}`, `{:error, {:prompt_cache_too_small, bytes}}`, a message
+  when the KV cache types differ, file errors.
+  """
+  @spec load_prefix(GenServer.server(), Path.t(), keyword()) :: :ok | {:error, term()}
+  def load_prefix(server, path, opts \\ []) do
+    Options.validate!(opts, [:timeout], "LlamaCppEx.Server.load_prefix/3")
+    timeout = Options.timeout(opts, :blocking)
+
+    with {:ok, model} <- fetch_model(server),
+         {:ok, prefix} <- PrefixFile.read(path, model) do
+      plain_call(server, {:load_prefix, prefix}, timeout)
+    end
+  end
+
+  defp plain_call(server, message, timeout) do
+    GenServer.call(server, message, timeout)
+  catch
+    :exit, {:timeout, _} -> {:error, :timeout}
+    :exit, reason -> {:error, exit_reason(reason)}
+  end
+
   @doc "Cancels the request streaming to `ref` (or removes it from the queue)."
   @spec cancel(GenServer.server(), reference()) :: :ok
   def cancel(server, ref), do: GenServer.cast(server, {:cancel, ref})
@@ -441,7 +553,8 @@ defmodule LlamaCppEx.Server do
 
   @doc """
   Slot and queue counters plus throughput: `active_slots`, `idle_slots`, `prefilling_slots`,
-  `queue_depth`, `n_parallel`, `n_batch`, `ram_cache_entries`, `ram_cache_bytes`,
+  `queue_depth`, `n_parallel`, `n_batch`, `ram_cache_entries`, `ram_cache_bytes` (and
+  `ram_cache_budget_bytes`, `ram_cache_hits`, `ram_cache_saves`, `ram_cache_evictions`),
   `tokens_generated` (since start), `requests_completed`, `embed_queue_depth` (texts of
   `embed/3` calls not yet evaluated), `embeddings_completed` (texts), `paused` and
   `pause_level` (see `pause/2`), `paused_ms` (time in a full pause within the window), and
@@ -484,8 +597,12 @@ defmodule LlamaCppEx.Server do
   @impl true
   def init(opts) do
     case Config.new(opts) do
-      {:ok, config} -> {:ok, %State{config: config, stats: Stats.new()}, {:continue, :load}}
-      {:error, reason} -> {:stop, reason}
+      {:ok, config} ->
+        cache = PromptCache.new(config.prompt_cache_ram_mb)
+        {:ok, %State{config: config, stats: Stats.new(), prompt_cache: cache}, {:continue, :load}}
+
+      {:error, reason} ->
+        {:stop, reason}
     end
   end
 
@@ -541,8 +658,51 @@ defmodule LlamaCppEx.Server do
     waiting = Tick.embed_texts_waiting(st)
     stats = Stats.snapshot(st.stats, st.slots, :queue.len(st.queue), st.config, waiting)
 
-    {:reply, Map.merge(stats, %{paused: st.pause_level != :none, pause_level: st.pause_level}),
-     st}
+    stats =
+      stats
+      |> Map.merge(PromptCache.stats(st.prompt_cache))
+      |> Map.merge(%{paused: st.pause_level != :none, pause_level: st.pause_level})
+
+    {:reply, stats, st}
+  end
+
+  def handle_call({:save_prefix, _tokens, _scope}, _from, %State{model: nil} = st),
+    do: {:reply, {:error, :not_ready}, st}
+
+  # the copy is taken by the next step (before any op placed after this one) and answered
+  # when its outcome comes back
+  def handle_call({:save_prefix, tokens, scope}, from, st) do
+    n = length(tokens)
+
+    holder =
+      Enum.find(st.slots, fn {_, s} ->
+        s.cache_scope == scope and Slots.donor_prefix_match(s, tokens) >= n
+      end)
+
+    case holder do
+      nil ->
+        {:reply, {:error, :not_cached}, st}
+
+      {seq, _} ->
+        {cache, op} = PromptCache.reply_op(st.prompt_cache, seq, tokens, scope, from)
+        st = %{st | prompt_cache: cache, pending_ops: st.pending_ops ++ [op]}
+        {:noreply, Tick.schedule(st)}
+    end
+  end
+
+  def handle_call({:load_prefix, _prefix}, _from, %State{model: nil} = st),
+    do: {:reply, {:error, :not_ready}, st}
+
+  def handle_call({:load_prefix, p}, _from, st) do
+    with :ok <- NIF.kv_snapshot_check(st.ctx.ref, p.ref),
+         {:ok, cache, entry, evicted} <-
+           PromptCache.load(st.prompt_cache, p.tokens, p.scope, p.ref, p.bytes) do
+      PromptCache.emit(cache, :save, entry.bytes, entry.len)
+      Enum.each(evicted, &PromptCache.emit(cache, :evict, &1.bytes, &1.len))
+      {:reply, :ok, %{st | prompt_cache: cache}}
+    else
+      {:error, reason} -> {:reply, {:error, reason}, st}
+    end
   end
 
   def handle_call({:pause, level}, _from, st),

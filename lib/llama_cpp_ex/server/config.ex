@@ -143,27 +143,19 @@ defmodule LlamaCppEx.Server.Config do
   defp pause_policy(other), do: {:error, {:invalid_pause_policy, other}}
 
   defp sizes(own) do
-    with :ok <-
-           Options.check_all(Keyword.reject(own, fn {_, v} -> is_nil(v) end),
-             n_parallel: {:int, 1, 4096},
-             n_ctx: {:int, 1, 4_194_304},
-             n_batch: {:int, 1, 4_194_304},
-             chunk_size: {:int, 1, 4_194_304},
-             max_queue: {:int, 0, 1_000_000_000},
-             embed_parallel: {:int, 1, 1024},
-             embed_chunk: {:int, 1, 4_194_304},
-             kv_budget_mb: {:int, 1, 16_777_216},
-             pause_poll_ms: {:int, 1, 3_600_000},
-             cache_prompt: :boolean,
-             kv_unified: :boolean,
-             prompt_cache_ram_mb: {:int, 0, 1_000_000_000}
-           ) do
-      if own[:prompt_cache_ram_mb] > 0,
-        do:
-          {:error,
-           {:unsupported_option, :prompt_cache_ram_mb,
-            "the RAM prompt cache is not implemented yet; use 0"}},
-        else: :ok
-    end
+    Options.check_all(Keyword.reject(own, fn {_, v} -> is_nil(v) end),
+      n_parallel: {:int, 1, 4096},
+      n_ctx: {:int, 1, 4_194_304},
+      n_batch: {:int, 1, 4_194_304},
+      chunk_size: {:int, 1, 4_194_304},
+      max_queue: {:int, 0, 1_000_000_000},
+      embed_parallel: {:int, 1, 1024},
+      embed_chunk: {:int, 1, 4_194_304},
+      kv_budget_mb: {:int, 1, 16_777_216},
+      pause_poll_ms: {:int, 1, 3_600_000},
+      cache_prompt: :boolean,
+      kv_unified: :boolean,
+      prompt_cache_ram_mb: {:int, 0, 16_777_216}
+    )
   end
 end

@@ -3,9 +3,11 @@ defmodule LlamaCppEx.Server.Placement do
   # Where a queued request goes and what it reuses: the idle slot (session affinity, then the
   # longest cached prefix, then least recently used) and the longest prefix already in the
   # cache, its own slot's or any other slot's in the same cache scope (shared by blocks, never
-  # re-evaluated). Decisions become KV operations shipped with the next step.
+  # re-evaluated), or in the level-2 RAM cache (copied back). A slot's cache about to be
+  # overwritten is copied to the RAM cache first. Decisions become KV operations shipped with
+  # the next step.
 
-  alias LlamaCppEx.Server.{Request, Slot, Slots, Stats}
+  alias LlamaCppEx.Server.{PromptCache, Request, Slot, Slots, Stats}
   require Logger
 
   @prefix_instability_min 64
@@ -96,12 +98,44 @@ defmodule LlamaCppEx.Server.Placement do
         do: best_donor(st, seq, r.cache_scope, r.tokens, n),
         else: {nil, 0}
 
-    {match, ops} =
+    {entry, ram_len} =
+      if r.cache_prompt,
+        do:
+          PromptCache.best(st.prompt_cache, r.tokens, r.cache_scope, fn len, l ->
+            Slots.prefix_usable?(len, l, st.swa_window)
+          end),
+        else: {nil, 0}
+
+    # ties go to the slot's own cache (nothing moves), then a donor's blocks (shared, not
+    # copied), then the RAM cache (copied back)
+    best = Enum.max([own, donor_len, ram_len])
+
+    {source, match} =
       cond do
-        donor != nil and donor_len > own -> {donor_len, [{:share, donor, seq, donor_len}]}
-        length(old.cached) > own -> {own, [{:trim, seq, own}]}
-        true -> {own, []}
+        own == best -> {:own, own}
+        donor_len == best -> {:donor, donor_len}
+        true -> {:ram, ram_len}
       end
+
+    ops =
+      case source do
+        :own when length(old.cached) > own -> [{:trim, seq, own}]
+        :own -> []
+        :donor -> [{:share, donor, seq, donor_len}]
+        :ram -> [{:restore, seq, entry.ref, ram_len}]
+      end
+
+    # what the slot held beyond what it keeps is copied to the RAM cache before it goes
+    kept = if source == :own, do: own, else: 0
+
+    {cache, save} =
+      if length(old.cached) > kept,
+        do: PromptCache.save_op(st.prompt_cache, seq, old.cached, old.cache_scope),
+        else: {st.prompt_cache, nil}
+
+    ops = if save, do: [save | ops], else: ops
+    cache = if source == :ram, do: restored(cache, entry, match), else: cache
+    st = %{st | prompt_cache: cache}
 
     warned = prefix_instability(st, seq, old, own, n)
     now = Stats.now_ms()
@@ -139,6 +173,12 @@ defmodule LlamaCppEx.Server.Placement do
         pending_ops: st.pending_ops ++ ops,
         warned_instability: warned
     }
+  end
+
+  defp restored(cache, entry, tokens) do
+    cache = PromptCache.hit(cache)
+    PromptCache.emit(cache, :restore, entry.bytes, tokens)
+    cache
   end
 
   defp best_donor(st, seq, scope, tokens, n) do

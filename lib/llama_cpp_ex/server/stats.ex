@@ -80,8 +80,6 @@ defmodule LlamaCppEx.Server.Stats do
       n_parallel: config.n_parallel,
       n_batch: config.n_batch,
       n_ctx: config.n_ctx,
-      ram_cache_entries: 0,
-      ram_cache_bytes: 0,
       tokens_generated: stats.tokens_generated + running,
       requests_completed: stats.requests_completed,
       embed_queue_depth: embed_waiting,

@@ -8,7 +8,18 @@ defmodule LlamaCppEx.Server.Tick do
   # one step is in flight.
 
   alias LlamaCppEx.{NIF, Pipeline, Telemetry}
-  alias LlamaCppEx.Server.{EmbedJob, PausePolicy, Placement, Plan, Request, Slot, Stats}
+
+  alias LlamaCppEx.Server.{
+    EmbedJob,
+    PausePolicy,
+    Placement,
+    Plan,
+    PromptCache,
+    Request,
+    Slot,
+    Stats
+  }
+
   require Logger
 
   @doc "Sends `:tick` unless one is pending or a step is in flight."
@@ -154,12 +165,14 @@ defmodule LlamaCppEx.Server.Tick do
           st.engine,
           self(),
           ref,
-          {st.pending_ops, entries ++ embed_entries, samplers, purgeable, wire_embeds, specs}
+          {st.pending_ops, entries ++ embed_entries, samplers,
+           {purgeable, PromptCache.purge_save_bytes(st.prompt_cache)}, wire_embeds, specs}
         )
 
       flight =
         counts
         |> Map.put(:ref, ref)
+        |> Map.put(:save_tags, for({:save, _, _, _, tag} <- st.pending_ops, do: tag))
         |> Map.put(:embed, length(embed_entries))
         |> Map.put(:embeds, Map.new(embeds, fn {seq, r, i, _, _} -> {seq, {r, i}} end))
 
@@ -232,7 +245,8 @@ defmodule LlamaCppEx.Server.Tick do
   @doc "Applies a step's outcome."
   def apply_outcome(
         st,
-        {sampled, purged, n_splits, failed, eval_us, embedded, {kv_free, drafted}}
+        {sampled, purged, n_splits, failed, eval_us, embedded,
+         {kv_free, drafted, saved, restore_failed}}
       ) do
     flight = st.in_flight
 
@@ -242,6 +256,11 @@ defmodule LlamaCppEx.Server.Tick do
         embed_free: Map.keys(flight.embeds) ++ st.embed_free,
         kv_free: kv_free
     }
+
+    # copies first: an evicted slot's copy is known by the tokens the slot still lists
+    st = Enum.reduce(saved, st, &keep_copy/2)
+    st = drop_saves(st, flight.save_tags)
+    st = Enum.reduce(restore_failed, st, &restore_failed/2)
 
     {failed_embeds, failed} = Enum.split_with(failed, &Map.has_key?(flight.embeds, &1))
     st = Enum.reduce(failed_embeds, st, &fail_embed(&2, flight.embeds[&1], :context_full))
@@ -284,9 +303,55 @@ defmodule LlamaCppEx.Server.Tick do
     if has_work?(st), do: schedule(st), else: st
   end
 
+  # A copy the engine made (a save op's or an evicted cache's) goes to the RAM cache or to
+  # the save_prefix/4 call waiting for it.
+  defp keep_copy({seq, tag, copy}, st) do
+    slot = Map.fetch!(st.slots, seq)
+
+    {cache, event} =
+      PromptCache.saved(st.prompt_cache, tag, copy, {slot.cached, slot.cache_scope})
+
+    case event do
+      nil ->
+        :ok
+
+      {:reply, from, prefix} ->
+        GenServer.reply(from, {:ok, prefix})
+
+      {:saved, entry, evicted} ->
+        PromptCache.emit(cache, :save, entry.bytes, entry.len)
+        Enum.each(evicted, &PromptCache.emit(cache, :evict, &1.bytes, &1.len))
+    end
+
+    %{st | prompt_cache: cache}
+  end
+
+  # save ops of the step that brought no copy (the sequence was shorter, the copy too big)
+  defp drop_saves(st, tags) do
+    {cache, waiting} = PromptCache.drop_pending(st.prompt_cache, tags)
+    Enum.each(waiting, &GenServer.reply(&1, {:error, :not_cached}))
+    %{st | prompt_cache: cache}
+  end
+
+  # A restore the cache could not take: the sequence is empty and its rows were not
+  # evaluated, so the request evaluates its whole prompt instead.
+  defp restore_failed(seq, st) do
+    slot =
+      case Map.fetch!(st.slots, seq) do
+        %Slot{request: nil} = slot ->
+          %{slot | cached: []}
+
+        %Slot{request: r} = slot ->
+          %{slot | prefill_pos: 0, pos: 0, request: %{r | n_prefix_cache: 0}}
+      end
+
+    %{st | slots: Map.put(st.slots, seq, slot)}
+  end
+
   @doc "A failed step fails every active request and every embedding call it carried."
   def apply_error(st, reason) do
     embeds = st.in_flight.embeds
+    st = drop_saves(st, st.in_flight.save_tags)
     st = %{st | in_flight: nil, embed_free: Map.keys(embeds) ++ st.embed_free}
 
     st =

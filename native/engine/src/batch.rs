@@ -78,6 +78,14 @@ impl Batch {
     }
 
     /// Whether entry `i` is an embedding row.
+    /// The batch without the entries of `seqs`.
+    pub fn without(&self, seqs: &[usize]) -> Batch {
+        if seqs.is_empty() {
+            return self.clone();
+        }
+        self.filter(|i| !seqs.contains(&self.seq[i]))
+    }
+
     pub fn is_embd(&self, i: usize) -> bool {
         self.embd.get(i).copied().unwrap_or(false)
     }

@@ -3,7 +3,7 @@
 use crate::batch::Batch;
 use crate::embedding::{pool, EmbedRequest};
 use crate::error::{EngineError, Result};
-use crate::kv::{KvCache, KvType, KvUsage};
+use crate::kv::{KvCache, KvSnapshot, KvType, KvUsage};
 use crate::model::{Model, Workspace};
 use crate::sampler::{Sampler, TokenLogprobs};
 use crate::tokenizer::TokenId;
@@ -460,14 +460,6 @@ fn micro_batch_end(seqs: &[usize], start: usize, end: usize) -> usize {
         .unwrap_or(seqs.len())
 }
 
-/// `batch` without the entries of `seqs`.
-fn without(batch: &Batch, seqs: &[usize]) -> Batch {
-    if seqs.is_empty() {
-        return batch.clone();
-    }
-    batch.filter(|i| !seqs.contains(&batch.seq[i]))
-}
-
 /// `(seq, first position, end position)` of every sequence in a (validated) batch.
 fn seq_ranges(batch: &Batch) -> Vec<(usize, usize, usize)> {
     let mut ranges = Vec::new();
@@ -508,11 +500,23 @@ pub struct EvalOutcome {
     pub failed: Vec<usize>,
     /// The pooled vector (or why there is none) of every embedding sequence evaluated.
     pub embedded: Vec<(usize, std::result::Result<Vec<f32>, String>)>,
+    /// Copies of purged caches taken before they were dropped (see [`Purge::save_max_bytes`]).
+    pub saved: Vec<(usize, Arc<KvSnapshot>)>,
+}
+
+/// Which idle caches a pass may drop under KV pressure, and whether to keep copies of them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Purge<'a> {
+    /// Idle sequences, first to go first.
+    pub order: &'a [usize],
+    /// When positive, a purged cache of at most this many bytes is copied first
+    /// ([`EvalOutcome::saved`]): the Server's level-2 prompt cache.
+    pub save_max_bytes: usize,
 }
 
 impl Context {
     /// Evaluates a batch and samples one token for every entry with its logits flag set, with
-    /// that entry's sequence's sampler. Under KV pressure, drops the caches of `purgeable`
+    /// that entry's sequence's sampler. Under KV pressure, drops the caches of `purge.order`
     /// sequences (in order) first, then fails the sequences that still do not fit and evaluates
     /// the rest, so one request outgrowing the cache does not fail the others.
     ///
@@ -525,7 +529,7 @@ impl Context {
         &mut self,
         batch: &Batch,
         samplers: &mut [(usize, &mut Sampler)],
-        purgeable: &[usize],
+        purge: Purge<'_>,
         embeds: &[EmbedRequest],
         speculating: &[usize],
     ) -> Result<EvalOutcome> {
@@ -537,11 +541,16 @@ impl Context {
             .filter(|&(_, _, end)| end > n_ctx)
             .map(|(s, _, _)| s)
             .collect();
-        let mut batch = without(batch, &outcome.failed);
+        let mut batch = batch.without(&outcome.failed);
         self.validate(&batch)?;
         let in_batch = |s: &usize| batch.seq.contains(s);
-        let purge_order: Vec<usize> = purgeable.iter().copied().filter(|s| !in_batch(s)).collect();
-        let mut purge = purge_order.into_iter();
+        let purge_order: Vec<usize> = purge
+            .order
+            .iter()
+            .copied()
+            .filter(|s| !in_batch(s))
+            .collect();
+        let mut victims = purge_order.into_iter();
         loop {
             if batch.is_empty() {
                 return Ok(outcome);
@@ -550,13 +559,18 @@ impl Context {
                 Ok(()) => break,
                 Err(seq) => {
                     outcome.n_splits += 1;
-                    if let Some(p) = purge.next() {
+                    if let Some(p) = victims.next() {
+                        if let Some(snap) =
+                            self.snapshot_within(p, usize::MAX, purge.save_max_bytes)
+                        {
+                            outcome.saved.push((p, snap));
+                        }
                         self.kv.seq_clear(p);
                         outcome.purged.push(p);
                         continue;
                     }
                     outcome.failed.push(seq);
-                    batch = without(&batch, &[seq]);
+                    batch = batch.without(&[seq]);
                 }
             }
         }

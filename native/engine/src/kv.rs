@@ -10,6 +10,9 @@ use crate::error::{EngineError, Result};
 use half::f16;
 use std::alloc::{alloc_zeroed, Layout};
 
+mod snapshot;
+pub use snapshot::{KvLayout, KvSnapshot};
+
 /// Tokens per KV block.
 pub const KV_BLOCK_SIZE: usize = 16;
 

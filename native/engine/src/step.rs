@@ -6,9 +6,10 @@
 //! caller between steps and shipped as [`KvOp`]s, so a step needs nothing but its own input.
 
 use crate::batch::Batch;
-use crate::context::{Context, EvalOutcome};
+use crate::context::{Context, EvalOutcome, Purge};
 use crate::embedding::EmbedRequest;
 use crate::error::{EngineError, Result};
+use crate::kv::KvSnapshot;
 use crate::sampler::{Sampler, TokenLogprobs};
 use crate::speculative::SpecRequest;
 use crate::tokenizer::TokenId;
@@ -21,7 +22,7 @@ use std::time::Instant;
 pub type SharedSampler = Arc<Mutex<Sampler>>;
 
 /// A cache edit applied before a step's batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvOp {
     /// Keep the first `keep` positions of `seq` (when a sliding window already dropped what
     /// position `keep` needs, the sequence is cleared instead).
@@ -30,6 +31,23 @@ pub enum KvOp {
     Share { src: usize, dst: usize, len: usize },
     /// Drop everything `seq` holds.
     Clear { seq: usize },
+    /// Copy the first `len` positions of `seq` into [`StepOutcome::saved`] under `tag`, unless
+    /// the copy would take more than `max_bytes` (the level-2 prompt cache's budget).
+    Save {
+        seq: usize,
+        len: usize,
+        max_bytes: usize,
+        tag: u64,
+    },
+    /// Make `seq` hold the first `len` positions of a snapshot (copied into new blocks, idle
+    /// caches of [`Step::purgeable`] dropped first when the free blocks cannot hold it). When
+    /// even that is not enough, `seq` is left empty, its rows are left out of the step and it
+    /// is reported in [`StepOutcome::restore_failed`].
+    Restore {
+        seq: usize,
+        snapshot: Arc<KvSnapshot>,
+        len: usize,
+    },
 }
 
 /// A step's input.
@@ -41,6 +59,9 @@ pub struct Step {
     pub samplers: Vec<(usize, SharedSampler)>,
     /// Idle sequences whose cache may be dropped under KV pressure, first to go first.
     pub purgeable: Vec<usize>,
+    /// When positive, a purged cache of at most this many bytes is copied into
+    /// [`StepOutcome::saved`] (tag 0) before it is dropped.
+    pub save_purged_max_bytes: usize,
     /// Embedding texts in the batch, one sequence each: their entries keep hidden states
     /// instead of logits, are pooled into [`StepOutcome::embeddings`], and the sequences are
     /// cleared once the step ran (whatever its outcome).
@@ -80,6 +101,11 @@ pub struct StepOutcome {
     pub kv_free_tokens: usize,
     /// Draft tokens proposed per speculating sequence (accepted: its sampled tokens - 1).
     pub drafted: Vec<(usize, usize)>,
+    /// `(seq, tag, copy)` of every [`KvOp::Save`] (its tag) and every purged cache that was
+    /// copied (tag 0), in the order taken.
+    pub saved: Vec<(usize, u64, Arc<KvSnapshot>)>,
+    /// Sequences whose [`KvOp::Restore`] did not fit: left empty, their rows not evaluated.
+    pub restore_failed: Vec<usize>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -88,11 +114,95 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// What [`Context::apply_kv_ops`] produced besides the edits.
+#[derive(Debug, Default)]
+pub struct OpsOutcome {
+    pub saved: Vec<(usize, u64, Arc<KvSnapshot>)>,
+    pub purged: Vec<usize>,
+    pub restore_failed: Vec<usize>,
+}
+
 impl Context {
-    /// Applies cache edits in order.
-    pub fn apply_kv_ops(&mut self, ops: &[KvOp]) -> Result<()> {
+    /// A copy of the first `len` positions of `seq`, when it takes at most `max_bytes` and a
+    /// sliding window has not dropped what it needs.
+    pub fn snapshot_within(
+        &self,
+        seq: usize,
+        len: usize,
+        max_bytes: usize,
+    ) -> Option<Arc<KvSnapshot>> {
+        let len = len.min(self.kv.seq_len(seq));
+        if len == 0 || self.kv.snapshot_bytes(seq, len) > max_bytes {
+            return None;
+        }
+        self.kv.snapshot(seq, len).ok().map(Arc::new)
+    }
+
+    /// Applies cache edits in order. A restore may drop idle caches of `purge` (copied first
+    /// when `purge.save_max_bytes` allows).
+    pub fn apply_kv_ops(&mut self, ops: &[KvOp], purge: Purge<'_>) -> Result<OpsOutcome> {
+        let mut out = OpsOutcome::default();
+        // a cache a later op shares from is not dropped to make room for a restore
+        let sources: Vec<usize> = ops
+            .iter()
+            .filter_map(|op| match *op {
+                KvOp::Share { src, .. } => Some(src),
+                _ => None,
+            })
+            .collect();
+        let mut victims = purge.order.iter().copied().filter(|p| !sources.contains(p));
         for op in ops {
             match *op {
+                KvOp::Save {
+                    seq,
+                    len,
+                    max_bytes,
+                    tag,
+                } => {
+                    let seq = self.kv.check_seq(seq as i64)?;
+                    if let Some(snap) = self.snapshot_within(seq, len, max_bytes) {
+                        out.saved.push((seq, tag, snap));
+                    }
+                }
+                KvOp::Restore {
+                    seq,
+                    ref snapshot,
+                    len,
+                } => {
+                    let seq = self.kv.check_seq(seq as i64)?;
+                    loop {
+                        match self.kv.restore(seq, snapshot) {
+                            Ok(()) => {
+                                if !self.kv.seq_rm(seq, len, None)? {
+                                    self.kv.seq_clear(seq);
+                                }
+                                break;
+                            }
+                            Err(EngineError::ContextFull { .. }) => {
+                                // an idle cache goes (the target itself was cleared)
+                                let Some(p) = victims.by_ref().find(|&p| {
+                                    p != seq && !out.purged.contains(&p) && self.kv.seq_len(p) > 0
+                                }) else {
+                                    out.restore_failed.push(seq);
+                                    break;
+                                };
+                                if let Some(snap) =
+                                    self.snapshot_within(p, usize::MAX, purge.save_max_bytes)
+                                {
+                                    out.saved.push((p, 0, snap));
+                                }
+                                self.kv.seq_clear(p);
+                                out.purged.push(p);
+                            }
+                            // a snapshot of another layout: the request evaluates its
+                            // prompt instead (the caller checked when it loaded the file)
+                            Err(_) => {
+                                out.restore_failed.push(seq);
+                                break;
+                            }
+                        }
+                    }
+                }
                 KvOp::Trim { seq, keep } => {
                     let seq = self.kv.check_seq(seq as i64)?;
                     if !self.kv.seq_rm(seq, keep, None)? {
@@ -110,7 +220,7 @@ impl Context {
                 }
             }
         }
-        Ok(())
+        Ok(out)
     }
 
     /// Runs one step: the cache edits, then the batch (an empty batch only edits), sampling
@@ -123,17 +233,40 @@ impl Context {
             .iter()
             .map(|(seq, s)| (*seq, lock(s)))
             .collect();
-        self.apply_kv_ops(&step.ops)?;
-        let mut outcome = StepOutcome::default();
-        if !step.batch.is_empty() {
+        let purge = Purge {
+            order: &step.purgeable,
+            save_max_bytes: step.save_purged_max_bytes,
+        };
+        let ops = self.apply_kv_ops(&step.ops, purge)?;
+        let mut outcome = StepOutcome {
+            saved: ops.saved,
+            purged: ops.purged,
+            restore_failed: ops.restore_failed,
+            ..StepOutcome::default()
+        };
+        // what the ops dropped is not dropped again; what failed to restore is not evaluated
+        let purgeable: Vec<usize> = step
+            .purgeable
+            .iter()
+            .copied()
+            .filter(|p| !outcome.purged.contains(p))
+            .collect();
+        let restricted;
+        let step_batch = if outcome.restore_failed.is_empty() {
+            &step.batch
+        } else {
+            restricted = step.batch.without(&outcome.restore_failed);
+            &restricted
+        };
+        if !step_batch.is_empty() {
             let mut samplers: Vec<(usize, &mut Sampler)> =
                 guards.iter_mut().map(|(seq, g)| (*seq, &mut **g)).collect();
             let extended;
             let batch = if step.embeds.is_empty() && step.specs.is_empty() {
-                &step.batch
+                step_batch
             } else {
                 let seqs: Vec<usize> = step.embeds.iter().map(|e| e.seq).collect();
-                let mut b = step.batch.clone();
+                let mut b = step_batch.clone();
                 b.mark_embedding_rows(&seqs);
                 outcome.drafted = self.add_drafts(&mut b, &step.specs);
                 extended = b;
@@ -143,7 +276,10 @@ impl Context {
             let evaluated = self.eval_sample(
                 batch,
                 &mut samplers,
-                &step.purgeable,
+                Purge {
+                    order: &purgeable,
+                    ..purge
+                },
                 &step.embeds,
                 &speculating,
             );
@@ -159,8 +295,12 @@ impl Context {
                 n_splits,
                 failed,
                 embedded,
+                saved,
             } = evaluated?;
             outcome.embeddings = embedded;
+            outcome
+                .saved
+                .extend(saved.into_iter().map(|(seq, snap)| (seq, 0, snap)));
             let tokenizer = &self.model.tokenizer;
             outcome.sampled = sampled
                 .into_iter()
@@ -175,7 +315,7 @@ impl Context {
                     logprobs: s.logprobs,
                 })
                 .collect();
-            outcome.purged = purged;
+            outcome.purged.extend(purged);
             outcome.n_splits = n_splits;
             outcome.failed = failed;
         }

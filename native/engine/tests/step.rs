@@ -117,9 +117,7 @@ fn kv_ops_apply_in_order_before_the_batch() {
             ],
             batch: Batch::for_sequence(&prompt[keep..], keep, 1),
             samplers: vec![(1, sampler)],
-            purgeable: vec![],
-            embeds: vec![],
-            specs: vec![],
+            ..Default::default()
         })
         .unwrap();
     assert_eq!(c.kv.seq_len(1), n);
@@ -245,4 +243,129 @@ fn decode_tokens_is_all_or_nothing() {
     assert_eq!(c.kv.seq_len(0), 64);
     assert!(c.decode_tokens(&[], 0).is_err());
     assert!(c.decode_tokens(&[42], 1).is_err());
+}
+
+/// The level-2 prompt cache's primitives: a saved prefix restored into another sequence
+/// continues exactly as the original, a purge can keep a copy, and a restore that cannot fit
+/// leaves only its own sequence out of the step.
+#[test]
+fn saved_prefixes_restore_and_continue_exactly() {
+    let model = load(SMOLLM2, Requantize::Off);
+    let prompt = model
+        .tokenizer
+        .encode(
+            &"The capital of France is Paris, and the capital of Italy is Rome. ".repeat(5),
+            true,
+            true,
+        )
+        .unwrap();
+    let n = prompt.len();
+    // the small cache below (n_ctx n + 1, one spare block per sequence) holds one prompt, not two
+    assert!(n > 4 * 16, "{n} tokens");
+    let want = alone(&model, &prompt, 1)[0];
+    let mut c = ctx(&model, 256, 3);
+    c.step(&Step {
+        batch: prefill(&prompt, 0),
+        ..Default::default()
+    })
+    .unwrap();
+    // too small a budget copies nothing; a large one copies every block
+    let o = c
+        .step(&Step {
+            ops: vec![
+                KvOp::Save {
+                    seq: 0,
+                    len: n,
+                    max_bytes: 1000,
+                    tag: 6,
+                },
+                KvOp::Save {
+                    seq: 0,
+                    len: n,
+                    max_bytes: usize::MAX,
+                    tag: 7,
+                },
+                KvOp::Clear { seq: 0 },
+            ],
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(o.saved.len(), 1);
+    let (seq, tag, snap) = o.saved[0].clone();
+    assert_eq!((seq, tag, snap.len()), (0, 7, n));
+    assert_eq!(c.kv.seq_len(0), 0);
+    let out = c
+        .step(&Step {
+            ops: vec![KvOp::Restore {
+                seq: 1,
+                snapshot: snap.clone(),
+                len: n - 1,
+            }],
+            batch: Batch::for_sequence(&prompt[n - 1..], n - 1, 1),
+            samplers: vec![(1, greedy(&model))],
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(out.sampled[0].token, want);
+    assert_eq!(c.kv.seq_len(1), n);
+    c.kv.audit().unwrap();
+
+    // a cache just big enough for one prompt: a new prompt on seq 2 purges seq 1 (copied)
+    let mut small = ctx(&model, n + 1, 3);
+    small
+        .step(&Step {
+            batch: prefill(&prompt, 1),
+            ..Default::default()
+        })
+        .unwrap();
+    let o = small
+        .step(&Step {
+            batch: prefill(&prompt, 2),
+            purgeable: vec![1],
+            save_purged_max_bytes: usize::MAX,
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(o.purged, vec![1]);
+    assert_eq!((o.saved[0].0, o.saved[0].1, o.saved[0].2.len()), (1, 0, n));
+    // restoring into seq 0 purges seq 2 (copied) and continues
+    let o = small
+        .step(&Step {
+            ops: vec![KvOp::Restore {
+                seq: 0,
+                snapshot: o.saved[0].2.clone(),
+                len: n - 1,
+            }],
+            batch: Batch::for_sequence(&prompt[n - 1..], n - 1, 0),
+            samplers: vec![(0, greedy(&model))],
+            purgeable: vec![2],
+            save_purged_max_bytes: usize::MAX,
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(o.purged, vec![2]);
+    assert_eq!(o.saved.len(), 1);
+    assert_eq!(o.sampled[0].token, want);
+    // nothing left to purge: the restore fails alone, the other sequence is still evaluated
+    let o = small
+        .step(&Step {
+            ops: vec![KvOp::Restore {
+                seq: 1,
+                snapshot: snap,
+                len: n - 1,
+            }],
+            batch: {
+                let mut b = Batch::for_sequence(&prompt[n - 1..], n - 1, 1);
+                b.push(want, n, 0, true);
+                b
+            },
+            samplers: vec![(0, greedy(&model)), (1, greedy(&model))],
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(o.restore_failed, vec![1]);
+    assert_eq!(o.sampled.len(), 1);
+    assert_eq!(o.sampled[0].seq, 0);
+    assert_eq!(small.kv.seq_len(1), 0);
+    small.kv.audit().unwrap();
 }

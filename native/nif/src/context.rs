@@ -4,7 +4,7 @@ use crate::atoms;
 use crate::error::{guard, lock, message, Out, Status};
 use crate::model::ModelRes;
 use crate::step::{encode_outcome, StepTerm};
-use llama_cpp_ex_engine::kv::KvType;
+use llama_cpp_ex_engine::kv::{KvLayout, KvType};
 use llama_cpp_ex_engine::{Context, ContextParams};
 use rustler::{Atom, Encoder, Env, NifMap, ResourceArc, Term};
 use std::sync::{Arc, Mutex};
@@ -15,6 +15,7 @@ pub struct ContextRes {
     // kept outside the mutex so these reads never wait for a running forward pass
     n_ctx: usize,
     n_seq_max: usize,
+    pub kv_layout: KvLayout,
 }
 
 #[rustler::resource_impl]
@@ -75,7 +76,9 @@ fn context_create<'a>(env: Env<'a>, m: ResourceArc<ModelRes>, opts: ContextOpts)
             n_threads_batch: opts.n_threads_batch,
         };
         let ctx = Context::new(m.model.clone(), params)?;
+        let kv_layout = ctx.kv.layout();
         Ok(ResourceArc::new(ContextRes {
+            kv_layout,
             ctx: Arc::new(Mutex::new(ctx)),
             model: m.model.clone(),
             n_ctx: opts.n_ctx,

@@ -14,6 +14,7 @@
 //! | `generate.rs` | the blocking generation loop and its cancel flags |
 //! | `engine.rs` | the Server's engine thread: start, submit a step, stop |
 //! | `step.rs` | the step and outcome terms shared by `context.rs` and `engine.rs` |
+//! | `snapshot.rs` | KV snapshots (the level-2 prompt cache's entries) and their byte form |
 //! | `limits.rs` | input limits, the KV block size and its prefix rule, the SIMD level |
 
 mod atoms;
@@ -25,6 +26,7 @@ mod generate;
 mod limits;
 mod model;
 mod sampler;
+mod snapshot;
 mod step;
 mod tokenizer;
 

@@ -3,29 +3,34 @@
 
 use crate::error::binary;
 use crate::sampler::SamplerRes;
+use crate::snapshot::{encode_snapshot, SnapshotRes};
 use llama_cpp_ex_engine::embedding::{EmbedRequest, Pooling};
 use llama_cpp_ex_engine::sampler::TokenLogprobs;
 use llama_cpp_ex_engine::speculative::{PromptLookup, SpecRequest};
 use llama_cpp_ex_engine::{Batch, KvOp, Model, Step, StepOutcome};
 use rustler::{Encoder, Env, NifTaggedEnum, NifTuple, ResourceArc, Term};
 
-/// `{:trim, seq, keep}`, `{:share, src, dst, len}` or `{:clear, seq}`.
+/// `{:trim, seq, keep}`, `{:share, src, dst, len}`, `{:clear, seq}`,
+/// `{:save, seq, len, max_bytes, tag}` or `{:restore, seq, snapshot, len}`.
 #[derive(NifTaggedEnum)]
 pub enum KvOpTerm {
     Trim(usize, usize),
     Share(usize, usize, usize),
     Clear(usize),
+    Save(usize, usize, usize, u64),
+    Restore(usize, ResourceArc<SnapshotRes>, usize),
 }
 
-/// `{ops, [{token, pos, seq, logits?}], [{seq, sampler}], purgeable_seqs,
+/// `{ops, [{token, pos, seq, logits?}], [{seq, sampler}], {purgeable_seqs, save_max_bytes},
 /// [{embed_seq, pooling, normalize}], [{seq, history, n_draft}]}` (pooling in llama.cpp's
-/// numbering, -1 the model's own; history: the sequence's tokens, its next one last).
+/// numbering, -1 the model's own; history: the sequence's tokens, its next one last;
+/// save_max_bytes 0: purged caches are not copied).
 #[derive(NifTuple)]
 pub struct StepTerm {
     ops: Vec<KvOpTerm>,
     entries: Vec<(u32, usize, usize, bool)>,
     samplers: Vec<(usize, ResourceArc<SamplerRes>)>,
-    purgeable: Vec<usize>,
+    purgeable: (Vec<usize>, usize),
     embeds: Vec<(usize, i64, i32)>,
     specs: Vec<(usize, Vec<u32>, usize)>,
 }
@@ -55,6 +60,17 @@ impl StepTerm {
                     KvOpTerm::Trim(seq, keep) => KvOp::Trim { seq, keep },
                     KvOpTerm::Share(src, dst, len) => KvOp::Share { src, dst, len },
                     KvOpTerm::Clear(seq) => KvOp::Clear { seq },
+                    KvOpTerm::Save(seq, len, max_bytes, tag) => KvOp::Save {
+                        seq,
+                        len,
+                        max_bytes,
+                        tag,
+                    },
+                    KvOpTerm::Restore(seq, s, len) => KvOp::Restore {
+                        seq,
+                        snapshot: s.snapshot.clone(),
+                        len,
+                    },
                 })
                 .collect(),
             batch,
@@ -63,7 +79,8 @@ impl StepTerm {
                 .into_iter()
                 .map(|(seq, s)| (seq, s.sampler.clone()))
                 .collect(),
-            purgeable: self.purgeable,
+            purgeable: self.purgeable.0,
+            save_purged_max_bytes: self.purgeable.1,
             embeds,
             specs: self
                 .specs
@@ -96,7 +113,7 @@ pub fn encode_logprobs<'a>(env: Env<'a>, model: &Model, lp: &TokenLogprobs) -> T
 
 /// `{[{seq, token, piece, eog?, logprobs | nil}], purged, n_splits, failed, eval_us,
 /// [{embed_seq, {:ok, f32_binary} | {:error, message}}], {kv_free_tokens,
-/// [{seq, n_drafted}]}}`.
+/// [{seq, n_drafted}], [{seq, tag, {snapshot, bytes, len}}], restore_failed_seqs}}`.
 pub fn encode_outcome<'a>(env: Env<'a>, model: &Model, o: &StepOutcome) -> Term<'a> {
     let sampled: Vec<Term> = o
         .sampled
@@ -123,6 +140,11 @@ pub fn encode_outcome<'a>(env: Env<'a>, model: &Model, o: &StepOutcome) -> Term<
             (*seq, r).encode(env)
         })
         .collect();
+    let saved: Vec<Term> = o
+        .saved
+        .iter()
+        .map(|(seq, tag, s)| (*seq, *tag, encode_snapshot(env, s)).encode(env))
+        .collect();
     (
         sampled,
         &o.purged,
@@ -130,7 +152,7 @@ pub fn encode_outcome<'a>(env: Env<'a>, model: &Model, o: &StepOutcome) -> Term<
         &o.failed,
         o.eval_us,
         embeddings,
-        (o.kv_free_tokens, &o.drafted),
+        (o.kv_free_tokens, &o.drafted, saved, &o.restore_failed),
     )
         .encode(env)
 }
