@@ -99,3 +99,66 @@ for n <- [1, 4] do
 end
 
 GenServer.stop(server)
+
+# Draft-model speculation. The pair this machine has shares a vocabulary but not a size:
+# the target is the same model re-quantized to Q8_0 (`requantize: :all`), the draft its own
+# file, so the draft costs about as much per token as the target and no speedup is expected;
+# what this measures is acceptance and the cost per emitted token (draft passes + one target
+# verification pass), which tells what a draft k times cheaper would give.
+alias LlamaCppEx.Local
+
+{:ok, target} = LlamaCppEx.load_model(path, requantize: :all)
+
+run_local = fn m, msgs, opts ->
+  {:ok, prompt} = LlamaCppEx.Chat.apply_template(m, msgs)
+  {:ok, ids} = LlamaCppEx.Tokenizer.encode(m, prompt)
+  opts = [temp: 0.0, n_threads: threads] ++ opts
+  {:ok, s} = Local.start(m, ids, opts)
+
+  loop = fn loop, s, passes ->
+    case Local.step(s) do
+      {:cont, _, s} -> loop.(loop, s, passes + 1)
+      {:done, _, s} -> {s, passes + 1}
+    end
+  end
+
+  {us, {s, passes}} = :timer.tc(fn -> loop.(loop, s, 0) end)
+  {us / 1000, s, passes}
+end
+
+decode = fn m, msgs, opts ->
+  runs =
+    for _ <- 1..3 do
+      {full, s, passes} = run_local.(m, msgs, [max_tokens: 128] ++ opts)
+      {prefill, _, _} = run_local.(m, msgs, [max_tokens: 1] ++ opts)
+      {full - prefill, s, passes}
+    end
+
+  Enum.sort_by(runs, &elem(&1, 0)) |> Enum.at(1)
+end
+
+IO.puts(
+  "\nDraft model (target #{LlamaCppEx.Model.desc(target)} re-quantized to Q8_0, draft: the file itself, n_draft 4, 128 greedy tokens):"
+)
+
+IO.puts(
+  "| workload | tokens | target decode ms/token | draft decode ms/token | speculative ms/token | tokens per target pass | acceptance |"
+)
+
+IO.puts("|---|---:|---:|---:|---:|---:|---:|")
+
+for {label, msgs} <- workloads do
+  {plain, s0, _} = decode.(target, msgs, [])
+  {draft_only, d0, _} = decode.(model, msgs, [])
+  {spec, s, passes} = decode.(target, msgs, speculative: [mode: :draft, draft_model: model])
+  n = Local.generated(s0)
+  {drafted, accepted} = Local.speculation(s)
+  # passes counted over the whole run: the prompt step(s) are not decode passes
+  decode_passes = max(passes - 1, 1)
+
+  IO.puts(
+    "| #{label} | #{n} | #{Float.round(plain / n, 2)} | #{Float.round(draft_only / Local.generated(d0), 2)} | " <>
+      "#{Float.round(spec / Local.generated(s), 2)} | #{Float.round(Local.generated(s) / decode_passes, 2)} | " <>
+      "#{Float.round(accepted / max(drafted, 1), 2)} |"
+  )
+end

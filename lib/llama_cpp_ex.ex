@@ -169,8 +169,10 @@ defmodule LlamaCppEx do
     * `:timeout` - the longest one step may take, in ms (default 60_000); past it the result
       is `{:error, :timeout}`.
     * `:speculative` - `[mode: :prompt_lookup, n_draft: 8]` drafts tokens from the prompt and
-      the output so far and verifies them in one pass; the text is the same as without it
-      (lossless for every sampler). Off by default; `mode: :draft` is not implemented yet.
+      the output so far and verifies them in one pass; `[mode: :draft, draft_model: m,
+      n_draft: 4]` drafts with a smaller model sharing the vocabulary (a `LlamaCppEx.Model`
+      or a GGUF path, loaded per call). Either way the text is the same as without it
+      (lossless for every sampler). Off by default.
 
   ## Example
 

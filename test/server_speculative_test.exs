@@ -1,7 +1,8 @@
 defmodule LlamaCppEx.ServerSpeculativeTest do
   @moduledoc """
-  Prompt-lookup speculation per request in the Server: drafts and their verification are more
-  rows of the same forward pass as everyone else's decode. The text is the one without
+  Speculation per request in the Server (prompt lookup, and a draft model started with the
+  Server): drafts and their verification are more rows of the same forward pass as everyone
+  else's decode. The text is the one without
   speculation (greedy and seeded), next to plain requests too; the cache stays consistent when
   a request ends inside a verified draft; acceptance shows in telemetry and `get_stats/1`.
   """
@@ -144,8 +145,90 @@ defmodule LlamaCppEx.ServerSpeculativeTest do
       Server.generate(server, "hi", max_tokens: 2, speculative: [n_draft: 0])
     end
 
-    assert_raise ArgumentError, ~r/:draft/, fn ->
-      Server.generate(server, "hi", max_tokens: 2, speculative: [mode: :draft])
+    assert_raise ArgumentError, ~r/draft model/, fn ->
+      Server.generate(server, "hi",
+        max_tokens: 2,
+        speculative: [mode: :draft, draft_model: TestModels.smollm2()]
+      )
+    end
+
+    # a server without a draft model refuses draft-model requests
+    assert {:error, msg} =
+             Server.generate(server, "hi", max_tokens: 2, speculative: [mode: :draft])
+
+    assert msg =~ "draft_model"
+  end
+
+  test "draft-model speculation: a draft model's drafts are more rows of the shared pass", %{
+    prompt: prompt
+  } do
+    # the target is SmolLM2 re-quantized to Q8_0; its Q4_1 file drafts (they disagree now
+    # and then, so drafts are both accepted and rejected)
+    {server, _} =
+      TestModels.start_server(
+        n_parallel: 3,
+        n_ctx: 4096,
+        requantize: :all,
+        draft_model: TestModels.smollm2_path()
+      )
+
+    attach_done()
+    other = "Once upon a time, in a lighthouse by the sea, there lived"
+
+    for opts <- [[temp: 0.0], [temp: 0.8, seed: 5, penalty_repeat: 1.1]] do
+      opts = [max_tokens: 40, cache_prompt: false] ++ opts
+      {:ok, want_a} = Server.generate(server, prompt, opts)
+      {:ok, want_b} = Server.generate(server, other, opts)
+      flush_done()
+
+      tasks = [
+        Task.async(fn ->
+          Server.generate(server, prompt, [speculative: [mode: :draft]] ++ opts)
+        end),
+        Task.async(fn -> Server.generate(server, other, opts) end),
+        Task.async(fn ->
+          Server.generate(server, other, [speculative: [mode: :draft, n_draft: 6]] ++ opts)
+        end),
+        Task.async(fn -> Server.generate(server, prompt, [speculative: []] ++ opts) end)
+      ]
+
+      assert [{:ok, ^want_a}, {:ok, ^want_b}, {:ok, ^want_b}, {:ok, ^want_a}] =
+               Task.await_many(tasks, 120_000)
+
+      drafted = for _ <- 1..4, do: assert_receive({:done, m, _}, 5_000) && m.drafted_tokens
+      assert Enum.count(drafted, &(&1 > 0)) >= 3
+    end
+
+    stats = Server.get_stats(server)
+    assert stats.speculative_accepted > 0
+    assert stats.speculative_accepted < stats.speculative_drafted
+    audit_consistent(server)
+  end
+
+  @tag capture_log: true
+  test "a draft model with another vocabulary fails the start" do
+    Process.flag(:trap_exit, true)
+
+    {:ok, pid} =
+      Server.start_link(
+        model_path: TestModels.smollm2_path(),
+        draft_model: TestModels.gemma3_path(),
+        n_parallel: 1,
+        n_ctx: 256
+      )
+
+    assert_receive {:EXIT, ^pid, {:load_failed, msg}}, 60_000
+    assert msg =~ "vocabulary"
+
+    assert {:error, {:invalid_draft_model, 3}} =
+             Server.start_link(model_path: TestModels.smollm2_path(), draft_model: 3)
+  end
+
+  defp flush_done do
+    receive do
+      {:done, _, _} -> flush_done()
+    after
+      0 -> :ok
     end
   end
 end

@@ -121,6 +121,34 @@ defmodule LlamaCppEx.Context do
   @spec create(Model.t(), keyword()) :: {:ok, t()} | {:error, String.t()}
   def create(%Model{ref: mref} = model, opts \\ []) do
     Options.validate!(opts, @tuning_keys ++ @structural_keys, "LlamaCppEx.Context.create/2")
+
+    with {:ok, native} <- native_opts(opts),
+         {:ok, ref} <- NIF.context_create(mref, native) do
+      {:ok, %__MODULE__{ref: ref, model: model}}
+    else
+      {:error, msg} -> {:error, "failed to create context: #{msg}"}
+    end
+  end
+
+  @doc """
+  Gives `ctx` a draft model for speculative decoding (`speculative: [mode: :draft]`): a
+  context of `draft` made with `opts` (those of `create/2`), whose sequences shadow the
+  context's. The draft model must share the context model's vocabulary and `opts` must hold
+  at least as many sequences (`:n_seq_max`) as the context.
+  """
+  @spec attach_draft(t(), Model.t(), keyword()) :: :ok | {:error, String.t()}
+  def attach_draft(%__MODULE__{ref: ref}, %Model{ref: dref}, opts \\ []) do
+    Options.validate!(opts, @tuning_keys ++ @structural_keys, "LlamaCppEx.Context.attach_draft/3")
+
+    with {:ok, native} <- native_opts(opts),
+         :ok <- NIF.context_attach_draft(ref, dref, native) do
+      :ok
+    else
+      {:error, msg} -> {:error, "failed to attach the draft model: #{msg}"}
+    end
+  end
+
+  defp native_opts(opts) do
     n_ctx = Keyword.get(opts, :n_ctx, 2048)
 
     with :ok <- check_sizes(opts),
@@ -128,31 +156,18 @@ defmodule LlamaCppEx.Context do
          {:ok, {type_k, type_v}} <- kv_types(opts) do
       n_threads = Keyword.get(opts, :n_threads) || default_threads()
 
-      native = %{
-        n_ctx: n_ctx,
-        n_batch: Keyword.get(opts, :n_batch) || n_ctx,
-        n_ubatch: Keyword.get(opts, :n_ubatch, 512),
-        n_threads: n_threads,
-        n_threads_batch: Keyword.get(opts, :n_threads_batch) || n_threads,
-        n_seq_max: Keyword.get(opts, :n_seq_max, 1),
-        n_seq_embd: Keyword.get(opts, :n_seq_embd, 0),
-        type_k: type_k,
-        type_v: type_v
-      }
-
-      case NIF.context_create(mref, native) do
-        {:ok, ref} -> {:ok, %__MODULE__{ref: ref, model: model}}
-        {:error, msg} -> {:error, "failed to create context: #{msg}"}
-      end
-    end
-    |> case do
-      {:error, msg} = error when is_binary(msg) ->
-        if String.starts_with?(msg, "failed to create context"),
-          do: error,
-          else: {:error, "failed to create context: #{msg}"}
-
-      other ->
-        other
+      {:ok,
+       %{
+         n_ctx: n_ctx,
+         n_batch: Keyword.get(opts, :n_batch) || n_ctx,
+         n_ubatch: Keyword.get(opts, :n_ubatch, 512),
+         n_threads: n_threads,
+         n_threads_batch: Keyword.get(opts, :n_threads_batch) || n_threads,
+         n_seq_max: Keyword.get(opts, :n_seq_max, 1),
+         n_seq_embd: Keyword.get(opts, :n_seq_embd, 0),
+         type_k: type_k,
+         type_v: type_v
+       }}
     end
   end
 

@@ -16,9 +16,10 @@ defmodule LlamaCppEx.Local do
     :chunk,
     :next_token,
     :n_prompt,
-    # prompt-lookup speculation: draft length (nil = off), the sequence so far (newest
-    # first) and counters
+    # speculation: draft length (nil = off), whether drafts come from the context's draft
+    # model (else prompt lookup), the sequence so far (newest first) and counters
     :n_draft,
+    draft_model?: false,
     rev_history: [],
     n_drafted: 0,
     n_accepted: 0
@@ -37,7 +38,13 @@ defmodule LlamaCppEx.Local do
   """
   @spec start(Model.t(), [non_neg_integer()], keyword()) :: {:ok, t()} | {:error, term()}
   def start(%Model{} = model, tokens, opts) do
-    n_draft = Options.speculative!(Keyword.get(opts, :speculative))
+    spec = Options.speculative!(Keyword.get(opts, :speculative))
+
+    if spec && spec.mode == :draft && spec.draft_model == nil do
+      raise ArgumentError, "speculative mode :draft needs a :draft_model (a Model or a path)"
+    end
+
+    n_draft = spec && spec.n_draft
     n_prompt = length(tokens)
     max_tokens = Keyword.fetch!(opts, :max_tokens)
     explicit = Keyword.get(opts, :n_ctx)
@@ -61,6 +68,7 @@ defmodule LlamaCppEx.Local do
           |> Keyword.put(:n_ctx, size)
 
         with {:ok, ctx} <- Context.create(model, ctx_opts),
+             :ok <- attach_draft(ctx, spec, ctx_opts),
              {:ok, sampler} <- Sampler.create(model, Keyword.take(opts, Sampler.all_keys())) do
           {:ok,
            %__MODULE__{
@@ -74,6 +82,7 @@ defmodule LlamaCppEx.Local do
              chunk: min(Keyword.get(opts, :n_batch) || @default_chunk, size),
              n_prompt: n_prompt,
              n_draft: n_draft,
+             draft_model?: spec != nil and spec.mode == :draft,
              rev_history: if(n_draft, do: Enum.reverse(tokens), else: [])
            }}
         end
@@ -103,7 +112,15 @@ defmodule LlamaCppEx.Local do
   def step(%__MODULE__{next_token: token, n_draft: n_draft} = s) do
     history = Enum.reverse(s.rev_history)
 
-    case NIF.context_speculate(s.ctx.ref, s.sampler.ref, token, s.pos, history, n_draft) do
+    case NIF.context_speculate(
+           s.ctx.ref,
+           s.sampler.ref,
+           token,
+           s.pos,
+           history,
+           n_draft,
+           s.draft_model?
+         ) do
       {:ok, {tokens, n_drafted}} ->
         s = %{
           s
@@ -131,7 +148,17 @@ defmodule LlamaCppEx.Local do
     end
   end
 
-  @doc "Draft tokens proposed and accepted so far (prompt-lookup speculation)."
+  # the draft model's context mirrors the target's (size, batch, threads, KV types)
+  defp attach_draft(ctx, %{mode: :draft, draft_model: draft}, ctx_opts) do
+    with {:ok, draft} <- draft_model(draft), do: Context.attach_draft(ctx, draft, ctx_opts)
+  end
+
+  defp attach_draft(_ctx, _spec, _ctx_opts), do: :ok
+
+  defp draft_model(%Model{} = m), do: {:ok, m}
+  defp draft_model(path), do: Model.load(path)
+
+  @doc "Draft tokens proposed and accepted so far (speculation)."
   @spec speculation(t()) :: {non_neg_integer(), non_neg_integer()}
   def speculation(%__MODULE__{n_drafted: d, n_accepted: a}), do: {d, a}
 

@@ -22,7 +22,11 @@ defmodule LlamaCppEx.NIF do
   # embedding.rs
   def embed(_model, _texts, _pooling, _normalize, _n_ctx, _n_threads), do: err()
   def rerank(_model, _query, _documents, _n_ctx, _n_threads), do: err()
-  def context_speculate(_ctx, _sampler, _token, _pos, _history, _n_draft), do: err()
+
+  def context_speculate(_ctx, _sampler, _token, _pos, _history, _n_draft, _draft_model),
+    do: err()
+
+  def context_attach_draft(_ctx, _draft_model, _opts), do: err()
 
   # tokenizer.rs
   def tokenize(_model, _text, _add_special, _parse_special), do: err()

@@ -144,36 +144,60 @@ defmodule LlamaCppEx.Options do
   defp valid?(v, {:list, spec}), do: is_list(v) and Enum.all?(v, &valid?(&1, spec))
 
   @doc """
-  The draft length of a `:speculative` option (`nil` when off), raising `ArgumentError` for
-  a malformed one: `[mode: :prompt_lookup, n_draft: 1..64]` (default 8). Shared by the model
-  route and `LlamaCppEx.Server`.
+  A `:speculative` option resolved to `nil` (off) or `%{mode:, n_draft:, draft_model:}`,
+  raising `ArgumentError` for a malformed one: `mode: :prompt_lookup` (default) or `:draft`;
+  `n_draft: 1..64` (default 8 for prompt lookup, 4 for a draft model); `draft_model:` a
+  `LlamaCppEx.Model` or a GGUF path, only with `mode: :draft` (required on a model route; a
+  Server uses its own). Shared by the model route and `LlamaCppEx.Server`.
   """
-  @spec speculative!(term()) :: pos_integer() | nil
+  @spec speculative!(term()) ::
+          %{
+            mode: :prompt_lookup | :draft,
+            n_draft: pos_integer(),
+            draft_model: LlamaCppEx.Model.t() | String.t() | nil
+          }
+          | nil
   def speculative!(nil), do: nil
   def speculative!(false), do: nil
 
   def speculative!(opts) when is_list(opts) do
-    opts = Keyword.validate!(opts, mode: :prompt_lookup, n_draft: 8)
+    opts = Keyword.validate!(opts, mode: :prompt_lookup, n_draft: nil, draft_model: nil)
+    mode = opts[:mode]
 
-    case opts[:mode] do
-      :prompt_lookup ->
+    unless mode in [:prompt_lookup, :draft] do
+      raise ArgumentError,
+            "unknown speculative mode #{inspect(mode)}, expected :prompt_lookup or :draft"
+    end
+
+    case {mode, opts[:draft_model]} do
+      {_, nil} ->
         :ok
 
-      :draft ->
+      {:draft, %LlamaCppEx.Model{}} ->
+        :ok
+
+      {:draft, path} when is_binary(path) ->
+        :ok
+
+      {:draft, other} ->
         raise ArgumentError,
-              "speculative mode :draft (a draft model) is not implemented yet; use :prompt_lookup"
+              "speculative :draft_model must be a LlamaCppEx.Model or a path, got #{inspect(other)}"
 
-      other ->
-        raise ArgumentError, "unknown speculative mode #{inspect(other)}, expected :prompt_lookup"
+      {:prompt_lookup, _} ->
+        raise ArgumentError, "speculative :draft_model is only used with mode: :draft"
     end
 
-    case opts[:n_draft] do
-      n when is_integer(n) and n in 1..64 ->
-        n
+    n_draft =
+      case opts[:n_draft] || if(mode == :draft, do: 4, else: 8) do
+        n when is_integer(n) and n in 1..64 ->
+          n
 
-      n ->
-        raise ArgumentError, "speculative :n_draft must be an integer in 1..64, got #{inspect(n)}"
-    end
+        n ->
+          raise ArgumentError,
+                "speculative :n_draft must be an integer in 1..64, got #{inspect(n)}"
+      end
+
+    %{mode: mode, n_draft: n_draft, draft_model: opts[:draft_model]}
   end
 
   def speculative!(other),

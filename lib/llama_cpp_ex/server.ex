@@ -29,7 +29,10 @@ defmodule LlamaCppEx.Server do
   request on top of the server-wide defaults. `:cache_prompt`, `:session` and `:cache_scope`
   steer prefix reuse. `:stop` takes stop strings (matched across token boundaries, never
   emitted; the request finishes with `:stop`); `:logprobs` / `:top_logprobs` add per-token
-  log-probabilities to `complete_tokens/3`'s reply.
+  log-probabilities to `complete_tokens/3`'s reply. `:speculative` turns on lossless
+  speculative decoding for the request: `[n_draft: 8]` drafts by prompt lookup, `[mode:
+  :draft]` with the Server's `:draft_model` (drafts of all such requests in one batched
+  draft pass per position); the drafts are extra rows of the tick's forward pass.
 
   Every request streams its events to its caller; blocking calls (`generate/3`,
   `complete_tokens/3`) collect them there. `:timeout` bounds the wait for each event
@@ -176,6 +179,10 @@ defmodule LlamaCppEx.Server do
       `:top_k`, ...).
     * `:prompt_cache_ram_mb` - host RAM for the level-2 prompt cache (see "Prompt cache
       beyond the KV budget"). Default 0 (off).
+    * `:draft_model` - a `LlamaCppEx.Model` or GGUF path sharing the model's vocabulary, for
+      requests with `speculative: [mode: :draft]`. Its context mirrors the server's (`n_ctx`,
+      sequences, KV types), so it adds its own KV bytes on top of `:kv_budget_mb`. A draft
+      model with another vocabulary fails the start. Default `nil`.
 
   Unknown options raise `ArgumentError` in the caller.
   """
@@ -279,11 +286,16 @@ defmodule LlamaCppEx.Server do
     {timeout, opts} = Keyword.pop(opts, :timeout, Options.stream_timeout())
 
     # a malformed :speculative raises here, in the caller
-    n_draft = Options.speculative!(Keyword.get(opts, :speculative))
-    opts = opts |> Keyword.delete(:speculative) |> Keyword.put(:n_draft, n_draft)
+    spec = speculative!(Keyword.get(opts, :speculative))
+
+    opts =
+      opts
+      |> Keyword.delete(:speculative)
+      |> Keyword.merge(n_draft: spec && spec.n_draft, draft_model?: spec && spec.mode == :draft)
 
     with :ok <- check_request(ids, max_tokens, opts),
-         {:ok, model, %{sampler_defaults: defaults}} <- fetch_model_and_config(server),
+         {:ok, model, %{sampler_defaults: defaults} = config} <- fetch_model_and_config(server),
+         :ok <- check_draft_model(opts, config),
          :ok <- check_generative(model),
          :ok <- check_ids(model, ids),
          {:ok, sampler} <-
@@ -291,6 +303,24 @@ defmodule LlamaCppEx.Server do
       request = Request.stream(ids, max_tokens, Keyword.put(opts, :sampler, sampler), self(), ref)
       call(server, {:subscribe, request}, timeout, ref)
     end
+  end
+
+  defp speculative!(opt) do
+    spec = Options.speculative!(opt)
+
+    if spec && spec.draft_model do
+      raise ArgumentError,
+            "a Server's requests use its own draft model: pass :draft_model to start_link/1, " <>
+              "not per request"
+    end
+
+    spec
+  end
+
+  defp check_draft_model(opts, %{draft_model?: has}) do
+    if opts[:draft_model?] && !has,
+      do: {:error, "speculative mode :draft needs a Server started with :draft_model"},
+      else: :ok
   end
 
   defp check_request([], _max, _opts), do: {:error, :empty_prompt}
@@ -611,6 +641,7 @@ defmodule LlamaCppEx.Server do
     with {:ok, model} <- Model.load(cfg.model_path, cfg.model_opts),
          {:ok, cfg} <- kv_budget(cfg, model),
          {:ok, ctx} <- Context.create(model, cfg.context_opts),
+         :ok <- attach_draft(ctx, cfg),
          {:ok, engine} <- NIF.engine_start(ctx.ref) do
       Process.flag(:trap_exit, true)
       {:ok, _} = Registry.register(LlamaCppEx.Registry, {__MODULE__, self()}, model)
@@ -634,6 +665,15 @@ defmodule LlamaCppEx.Server do
        }}
     else
       {:error, reason} -> {:stop, {:load_failed, reason}, st}
+    end
+  end
+
+  # the draft model's context mirrors the target's: its size, sequences, threads, KV types
+  defp attach_draft(_ctx, %Config{draft_model: nil}), do: :ok
+
+  defp attach_draft(ctx, %Config{draft_model: draft} = cfg) do
+    with {:ok, draft} <- if(is_binary(draft), do: Model.load(draft), else: {:ok, draft}) do
+      Context.attach_draft(ctx, draft, cfg.context_opts)
     end
   end
 

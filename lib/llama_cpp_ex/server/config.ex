@@ -23,6 +23,7 @@ defmodule LlamaCppEx.Server.Config do
     cache_prompt: true,
     kv_unified: true,
     prompt_cache_ram_mb: 0,
+    draft_model: nil,
     batch_strategy: LlamaCppEx.Server.Strategy.DecodeMaximal
   ]
 
@@ -49,6 +50,7 @@ defmodule LlamaCppEx.Server.Config do
     with {:ok, path} <- path(Keyword.fetch(opts, :model_path)),
          :ok <- strategy(own[:batch_strategy]),
          :ok <- pause_policy(own[:pause_policy]),
+         :ok <- draft_model(own[:draft_model]),
          :ok <- sizes(own) do
       n_ctx = own[:n_ctx]
 
@@ -107,10 +109,21 @@ defmodule LlamaCppEx.Server.Config do
 
   @doc """
   What callers read from a running server's config (through the registry or `:fetch_model`)
-  to build their requests in their own process: sampler defaults and `n_batch`.
+  to build their requests in their own process: sampler defaults, `n_batch` and whether a
+  draft model is attached.
   """
-  @spec public(t()) :: %{sampler_defaults: keyword(), n_batch: pos_integer()}
-  def public(cfg), do: %{sampler_defaults: cfg.sampler_defaults, n_batch: cfg.n_batch}
+  @spec public(t()) :: %{
+          sampler_defaults: keyword(),
+          n_batch: pos_integer(),
+          draft_model?: boolean()
+        }
+  def public(cfg) do
+    %{
+      sampler_defaults: cfg.sampler_defaults,
+      n_batch: cfg.n_batch,
+      draft_model?: cfg.draft_model != nil
+    }
+  end
 
   @doc """
   The config with `:n_ctx` (and the context's KV size and batch) from `:kv_budget_mb` and the
@@ -130,6 +143,15 @@ defmodule LlamaCppEx.Server.Config do
         context_opts: Keyword.merge(cfg.context_opts, n_ctx: n_ctx, n_batch: n_batch)
     }
   end
+
+  defp draft_model(nil), do: :ok
+  defp draft_model(%Model{}), do: :ok
+
+  defp draft_model(path) when is_binary(path) do
+    if File.exists?(path), do: :ok, else: {:error, {:model_not_found, path}}
+  end
+
+  defp draft_model(other), do: {:error, {:invalid_draft_model, other}}
 
   defp pause_policy(nil), do: :ok
   defp pause_policy({mod, _arg}) when is_atom(mod), do: pause_policy(mod)

@@ -52,7 +52,8 @@ defmodule LlamaCppEx.Server.Plan do
 
   @doc """
   `{entries, slots, samplers, counts}` for a checked plan; `counts` is
-  `%{decode: n, prefill: m, specs: [{seq, history, n_draft}]}` (the speculating decodes).
+  `%{decode: n, prefill: m, specs: [{seq, history, n_draft, draft_model?}]}` (the
+  speculating decodes).
   """
   @spec to_step(list(), map()) :: {list(), map(), list(), map()}
   def to_step(plan, slots) do
@@ -64,10 +65,13 @@ defmodule LlamaCppEx.Server.Plan do
           s = %{s | fed: [s.pending | s.fed], pending: nil}
           c = %{c | decode: c.decode + 1}
 
-          # prompt lookup: the engine drafts from the sequence's tokens, the one to decode last
+          # the engine drafts (by lookup or with the draft model) from the sequence's tokens,
+          # the one to decode last
+          r = s.request
+
           c =
-            if s.request.n_draft,
-              do: %{c | specs: [{seq, Slot.fed_tokens(s), s.request.n_draft} | c.specs]},
+            if r.n_draft,
+              do: %{c | specs: [{seq, Slot.fed_tokens(s), r.n_draft, r.draft_model?} | c.specs]},
               else: c
 
           {[entry | es], Map.put(ss, seq, s), [{seq, s.request.sampler.ref} | samplers], c}

@@ -22,8 +22,10 @@ defmodule LlamaCppEx.Server.Request do
     t_start: nil,
     t_first_token: nil,
     n_prefix_cache: 0,
-    # prompt-lookup speculation: the draft length (nil: off), drafts proposed and accepted
+    # speculation: the draft length (nil: off), whether drafts come from the Server's draft
+    # model (else prompt lookup), drafts proposed and accepted
     n_draft: nil,
+    draft_model?: false,
     n_drafted: 0,
     n_accepted: 0
   ]
@@ -53,6 +55,7 @@ defmodule LlamaCppEx.Server.Request do
       cache_scope: Keyword.get(opts, :cache_scope),
       sampler: Keyword.get(opts, :sampler),
       n_draft: Keyword.get(opts, :n_draft),
+      draft_model?: Keyword.get(opts, :draft_model?) == true,
       pipeline: Pipeline.new(Keyword.put(opts, :max_tokens, max))
     )
   end

@@ -75,6 +75,9 @@ pub struct Context {
     ws: Workspace,
     next_pos: Vec<Option<usize>>,
     ranges: Vec<(usize, usize, usize)>,
+    /// A draft model attached for speculative decoding (its own context and KV), used by
+    /// sequences that ask for draft-model drafts.
+    pub(crate) drafter: Option<Box<crate::speculative::DraftModel>>,
 }
 
 impl Context {
@@ -132,6 +135,7 @@ impl Context {
             },
             next_pos: Vec::new(),
             ranges: Vec::new(),
+            drafter: None,
         })
     }
 

@@ -13,6 +13,9 @@
 //! request gives the same text, and penalties, grammars and logit biases the same states.
 //! Rejected positions are rolled back from the KV cache before the step returns.
 
+mod draft;
+pub use draft::{DraftModel, DraftRequest};
+
 use crate::batch::Batch;
 use crate::context::Context;
 use crate::error::{EngineError, Result};
@@ -81,10 +84,11 @@ pub struct SpecOutcome {
 }
 
 impl Context {
-    /// Evaluates `token` at `pos` of `seq` together with a prompt-lookup draft taken from
-    /// `history` (the sequence's tokens so far, `token` last), verifies the draft with
-    /// `sampler` and rolls back the rejected positions: the cache then holds `seq` up to
-    /// `pos + tokens.len()` and the last emitted token is the next one to evaluate.
+    /// Evaluates `token` at `pos` of `seq` together with a draft from `source` — looked up in
+    /// `history` (the sequence's tokens so far, `token` last) or the attached draft model's
+    /// greedy continuation of it — verifies the draft with `sampler` and rolls back the
+    /// rejected positions: the cache then holds `seq` up to `pos + tokens.len()` and the last
+    /// emitted token is the next one to evaluate.
     pub fn speculate(
         &mut self,
         seq: usize,
@@ -92,16 +96,58 @@ impl Context {
         pos: usize,
         history: &[TokenId],
         sampler: &mut Sampler,
-        lookup: &PromptLookup,
+        source: DraftSource,
+    ) -> Result<SpecOutcome> {
+        let draft = match source {
+            DraftSource::PromptLookup(lookup) => lookup.draft(history),
+            DraftSource::DraftModel { n_draft } => {
+                let room = self.params.n_ctx.saturating_sub(pos + 1);
+                let Some(drafter) = self.drafter.as_mut() else {
+                    return Err(EngineError::InvalidArgument(
+                        "speculate: no draft model is attached to this context".into(),
+                    ));
+                };
+                let request = DraftRequest {
+                    seq,
+                    history,
+                    max: n_draft.min(room),
+                };
+                drafter.draft(&[request]).pop().unwrap_or_default()
+            }
+        };
+        self.speculate_with(seq, token, pos, history, &draft, sampler)
+    }
+
+    /// Attaches a draft model's context for [`DraftSource::DraftModel`] drafts: its
+    /// vocabulary must be this model's and it must hold as many sequences as this context.
+    pub fn attach_draft(&mut self, draft: Context) -> Result<()> {
+        if draft.params.n_seq_max < self.params.n_seq_max {
+            return Err(EngineError::InvalidArgument(format!(
+                "the draft context holds {} sequences, this context {}",
+                draft.params.n_seq_max, self.params.n_seq_max
+            )));
+        }
+        self.drafter = Some(Box::new(DraftModel::new(draft, &self.model)?));
+        Ok(())
+    }
+
+    fn speculate_with(
+        &mut self,
+        seq: usize,
+        token: TokenId,
+        pos: usize,
+        history: &[TokenId],
+        draft: &[TokenId],
+        sampler: &mut Sampler,
     ) -> Result<SpecOutcome> {
         if history.last() != Some(&token) {
             return Err(EngineError::InvalidArgument(
                 "speculate: the history must end with the token being evaluated".into(),
             ));
         }
-        let mut batch = Batch::with_capacity(lookup.n_draft + 1);
+        let mut batch = Batch::with_capacity(draft.len() + 1);
         batch.push(token, pos, seq, true);
-        let n_drafted = self.push_draft(&mut batch, 0, history, lookup, usize::MAX);
+        let n_drafted = self.push_draft(&mut batch, 0, draft.to_vec(), usize::MAX);
         self.decode(&batch)?;
         let rows: Vec<usize> = (0..=n_drafted).collect();
         let tokens = self.verify_draft(seq, &rows, &batch, sampler)?;
@@ -145,48 +191,80 @@ impl Context {
         Ok(out)
     }
 
-    /// Appends prompt-lookup drafts for the sequences of `specs` to `batch` (each after the
-    /// sequence's one logits entry, its next token), within the batch size, the context and
-    /// the free KV blocks. Returns the number of draft tokens per sequence.
+    /// Appends drafts for the sequences of `specs` to `batch` (each after the sequence's one
+    /// logits entry, its next token), within the batch size, the context and the free KV
+    /// blocks; the attached draft model drafts for all its sequences in one batched pass per
+    /// draft position. Returns the number of draft tokens per sequence.
     pub(crate) fn add_drafts(
-        &self,
+        &mut self,
         batch: &mut Batch,
         specs: &[SpecRequest],
     ) -> Vec<(usize, usize)> {
+        // each speculating sequence's next-token row
+        let rows: Vec<Option<usize>> = specs
+            .iter()
+            .map(|spec| {
+                (0..batch.len())
+                    .find(|&i| batch.seq[i] == spec.seq && batch.logits[i])
+                    .filter(|&i| spec.history.last() == Some(&batch.tokens[i]))
+            })
+            .collect();
+        let mut drafts: Vec<Vec<TokenId>> = specs
+            .iter()
+            .zip(&rows)
+            .map(|(spec, row)| match (&spec.source, row) {
+                (DraftSource::PromptLookup(lookup), Some(_)) => lookup.draft(&spec.history),
+                _ => Vec::new(),
+            })
+            .collect();
+        let wanted: Vec<(usize, DraftRequest)> = specs
+            .iter()
+            .zip(&rows)
+            .enumerate()
+            .filter_map(|(k, (spec, row))| match (&spec.source, row) {
+                (DraftSource::DraftModel { n_draft }, Some(row)) => Some((
+                    k,
+                    DraftRequest {
+                        seq: spec.seq,
+                        history: &spec.history,
+                        max: (*n_draft).min(self.params.n_ctx.saturating_sub(batch.pos[*row] + 1)),
+                    },
+                )),
+                _ => None,
+            })
+            .collect();
+        if let (false, Some(drafter)) = (wanted.is_empty(), self.drafter.as_mut()) {
+            let reqs: Vec<DraftRequest> = wanted.iter().map(|(_, r)| *r).collect();
+            for ((k, _), d) in wanted.iter().zip(drafter.draft(&reqs)) {
+                drafts[*k] = d;
+            }
+        }
         // draft rows only where blocks are surely free: the batch's own needs first
         let mut budget = self
             .kv
             .free_tokens()
             .saturating_sub(batch.len() + crate::kv::KV_BLOCK_SIZE * specs.len());
         let mut drafted = Vec::with_capacity(specs.len());
-        for spec in specs {
-            let Some(i) = (0..batch.len()).find(|&i| batch.seq[i] == spec.seq && batch.logits[i])
-            else {
-                continue;
-            };
-            if spec.history.last() != Some(&batch.tokens[i]) {
-                continue;
-            }
-            let n = self.push_draft(batch, i, &spec.history, &spec.lookup, budget);
+        for ((spec, row), draft) in specs.iter().zip(rows).zip(drafts) {
+            let Some(row) = row else { continue };
+            let n = self.push_draft(batch, row, draft, budget);
             budget -= n;
             drafted.push((spec.seq, n));
         }
         drafted
     }
 
-    /// Appends the prompt-lookup draft of `history` after entry `row` of `batch` (the token
-    /// it ends with), at most `budget` tokens and within the context and the batch size;
-    /// returns its length. The one draft rule of the local and the Server's speculation.
+    /// Appends `draft` after entry `row` of `batch` (the token it follows), at most `budget`
+    /// tokens and within the context and the batch size; returns how many went in. The one
+    /// draft rule of the local and the Server's speculation.
     fn push_draft(
         &self,
         batch: &mut Batch,
         row: usize,
-        history: &[TokenId],
-        lookup: &PromptLookup,
+        mut draft: Vec<TokenId>,
         budget: usize,
     ) -> usize {
         let (seq, pos) = (batch.seq[row], batch.pos[row]);
-        let mut draft = lookup.draft(history);
         let room = self.params.n_ctx.saturating_sub(pos + 1);
         let batch_room = self.params.n_batch.saturating_sub(batch.len());
         draft.truncate(room.min(batch_room).min(budget));
@@ -198,12 +276,22 @@ impl Context {
 }
 
 /// A Server request decoding speculatively this step: its sequence's tokens so far (the one
-/// being evaluated last) and how drafts are looked up.
+/// being evaluated last) and where its drafts come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpecRequest {
     pub seq: usize,
     pub history: Vec<TokenId>,
-    pub lookup: PromptLookup,
+    pub source: DraftSource,
+}
+
+/// Where a speculating sequence's drafts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftSource {
+    /// Copied from the sequence's own earlier tokens.
+    PromptLookup(PromptLookup),
+    /// Greedy tokens of the context's attached draft model ([`Context::attach_draft`]); none
+    /// when no draft model is attached.
+    DraftModel { n_draft: usize },
 }
 
 /// The decoder interface speculative decoding is built on (ferrum's `forward_verify`,

@@ -1,12 +1,13 @@
 //! Prompt-lookup speculative decoding on SmolLM2: the tokens are exactly those of plain
 //! one-token-per-step decoding — greedy, and seeded sampling with penalties (the same random
 //! draws) — drafts are accepted on a copying workload, and rejected drafts leave no KV blocks
-//! behind.
+//! behind. The same holds for drafts from a draft model, whose sampled distribution is also
+//! checked against plain decoding with a χ² test.
 
 mod common;
 use common::*;
 use llama_cpp_ex_engine::sampler::{Sampler, SamplerParams};
-use llama_cpp_ex_engine::speculative::PromptLookup;
+use llama_cpp_ex_engine::speculative::{DraftModel, DraftSource, PromptLookup};
 use llama_cpp_ex_engine::{Batch, Context, Model, Requantize};
 use std::sync::Arc;
 
@@ -61,7 +62,14 @@ fn speculative(
     while out.len() < n {
         let pos = tokens.len() + out.len() - 1;
         let step = ctx
-            .speculate(0, *out.last().unwrap(), pos, &history, &mut s, &lookup)
+            .speculate(
+                0,
+                *out.last().unwrap(),
+                pos,
+                &history,
+                &mut s,
+                DraftSource::PromptLookup(lookup),
+            )
             .unwrap();
         passes += 1;
         drafted += step.n_drafted;
@@ -209,4 +217,213 @@ fn decoder_interface() {
     c.truncate_kv(0, 10).unwrap();
     assert_eq!(c.kv_capacity(0).unwrap(), 256 - 10);
     c.kv.audit().unwrap();
+}
+
+/// `n` tokens (at least) with a draft model: (tokens, drafted, accepted, context).
+fn with_draft_model(
+    model: &Arc<Model>,
+    draft: &Arc<Model>,
+    tokens: &[u32],
+    params: SamplerParams,
+    n: usize,
+) -> (Vec<u32>, usize, usize, Context) {
+    let mut ctx = ctx(model, 1024, 1);
+    ctx.attach_draft(self::ctx(draft, 1024, 1)).unwrap();
+    let mut s = Sampler::new(params);
+    let mut history = tokens.to_vec();
+    let mut out = vec![prefill(&mut ctx, tokens, &mut s)];
+    history.push(out[0]);
+    let (mut drafted, mut accepted) = (0, 0);
+    while out.len() < n {
+        let pos = tokens.len() + out.len() - 1;
+        let last = *out.last().unwrap();
+        let step = ctx
+            .speculate(
+                0,
+                last,
+                pos,
+                &history,
+                &mut s,
+                DraftSource::DraftModel { n_draft: 4 },
+            )
+            .unwrap();
+        drafted += step.n_drafted;
+        accepted += step.tokens.len() - 1;
+        for t in step.tokens {
+            out.push(t.token);
+            history.push(t.token);
+        }
+    }
+    (out, drafted, accepted, ctx)
+}
+
+/// A draft model (SmolLM2 with its own Q4_1 weights) proposes for the target (SmolLM2
+/// re-quantized to Q8_0, so the two disagree now and then): the tokens are exactly plain
+/// decoding's, greedy and seeded, drafts are accepted, nothing leaks; a draft model with
+/// another vocabulary is refused.
+#[test]
+fn a_draft_model_changes_nothing_but_the_number_of_passes() {
+    let target = load(SMOLLM2, Requantize::AllQ8_0);
+    let draft = load(SMOLLM2, Requantize::Off);
+    let p = prompt(&target);
+    let n = 40;
+    for (label, params) in [
+        ("greedy", SamplerParams::greedy()),
+        (
+            "seeded sampling with penalties",
+            SamplerParams {
+                temp: 0.8,
+                top_k: 40,
+                penalty_repeat: 1.1,
+                seed: 11,
+                ..Default::default()
+            },
+        ),
+    ] {
+        let want = plain(&target, &p, params.clone(), n);
+        let (got, drafted, accepted, ctx) = with_draft_model(&target, &draft, &p, params, n);
+        println!("{label}: {accepted}/{drafted} draft-model tokens accepted");
+        assert_eq!(
+            &got[..n],
+            &want[..],
+            "{label}: the draft model changed the output"
+        );
+        let held = p.len() + got.len() - 1;
+        let blocks: usize = ctx.kv_usage().owners[0].iter().map(|(_, b)| b).sum();
+        assert_eq!(blocks, held.div_ceil(16), "{label}: leaked KV blocks");
+        assert!(
+            accepted * 2 > drafted,
+            "{label}: {accepted}/{drafted} accepted"
+        );
+    }
+
+    let gemma = load_vocab(GEMMA3);
+    let err = DraftModel::new(ctx(&draft, 64, 1), &gemma).err().unwrap();
+    assert!(err.to_string().contains("vocabulary"), "{err}");
+    let mut plain_ctx = ctx(&target, 64, 1);
+    let mut s = Sampler::new(SamplerParams::greedy());
+    let err = plain_ctx
+        .speculate(
+            0,
+            p[0],
+            0,
+            &p[..1],
+            &mut s,
+            DraftSource::DraftModel { n_draft: 4 },
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("no draft model"), "{err}");
+}
+
+/// The distribution of a token that speculation verifies (the second emitted after a
+/// sampled one) matches plain decoding's over independent seeds: a χ² test of homogeneity
+/// over the most frequent tokens and the rest, at temperature 1.
+#[test]
+fn draft_model_speculation_samples_the_target_distribution() {
+    let target = load(SMOLLM2, Requantize::AllQ8_0);
+    let draft = load(SMOLLM2, Requantize::Off);
+    let p = model_prompt(&target);
+    let trials = 600;
+    let params = |seed| SamplerParams {
+        temp: 1.0,
+        seed,
+        ..Default::default()
+    };
+    let mut ctx = ctx(&target, 256, 1);
+    let mut b = Batch::with_capacity(p.len());
+    for (i, &t) in p.iter().enumerate() {
+        b.push(t, i, 0, i + 1 == p.len());
+    }
+    ctx.decode(&b).unwrap();
+    let first_logits = ctx.logits_ith(-1).unwrap().to_vec();
+    let n = p.len();
+    ctx.attach_draft(self::ctx(&draft, 256, 1)).unwrap();
+
+    // the third token of a continuation: plain decoding, seeds 0..trials
+    let mut plain_third = Vec::with_capacity(trials);
+    for seed in 0..trials as u64 {
+        let mut s = Sampler::new(params(seed));
+        let mut t = s.sample(&first_logits);
+        for pos in n..n + 2 {
+            let mut b = Batch::with_capacity(1);
+            b.push(t, pos, 0, true);
+            ctx.decode(&b).unwrap();
+            t = s.sample(ctx.logits_ith(-1).unwrap());
+        }
+        plain_third.push(t);
+        ctx.truncate_kv(0, n).unwrap();
+    }
+    // the same with draft-model speculation, other seeds
+    let mut spec_third = Vec::with_capacity(trials);
+    let mut verified = 0;
+    for seed in trials as u64..2 * trials as u64 {
+        let mut s = Sampler::new(params(seed));
+        let t1 = s.sample(&first_logits);
+        let mut history = p.clone();
+        history.push(t1);
+        let mut emitted = Vec::new();
+        while emitted.len() < 2 {
+            let (last, pos) = (*history.last().unwrap(), n + emitted.len());
+            let step = ctx
+                .speculate(
+                    0,
+                    last,
+                    pos,
+                    &history,
+                    &mut s,
+                    DraftSource::DraftModel { n_draft: 3 },
+                )
+                .unwrap();
+            if emitted.is_empty() && step.tokens.len() > 1 {
+                verified += 1;
+            }
+            for v in step.tokens {
+                emitted.push(v.token);
+                history.push(v.token);
+            }
+        }
+        spec_third.push(emitted[1]);
+        ctx.truncate_kv(0, n).unwrap();
+    }
+    // most of the speculative samples came from a verified draft row
+    assert!(
+        verified * 3 > trials,
+        "only {verified}/{trials} came from a verified draft"
+    );
+
+    let mut freq = std::collections::HashMap::new();
+    for &t in plain_third.iter().chain(&spec_third) {
+        *freq.entry(t).or_insert(0usize) += 1;
+    }
+    let mut top: Vec<(u32, usize)> = freq.into_iter().collect();
+    top.sort_by_key(|b| std::cmp::Reverse(b.1));
+    let buckets: Vec<u32> = top.iter().take(5).map(|&(t, _)| t).collect();
+    let bucket = |t: u32| {
+        buckets
+            .iter()
+            .position(|&b| b == t)
+            .unwrap_or(buckets.len())
+    };
+    let k = buckets.len() + 1;
+    let (mut a, mut c) = (vec![0f64; k], vec![0f64; k]);
+    plain_third.iter().for_each(|&t| a[bucket(t)] += 1.0);
+    spec_third.iter().for_each(|&t| c[bucket(t)] += 1.0);
+    let chi2: f64 = (0..k)
+        .filter(|&i| a[i] + c[i] > 0.0)
+        .map(|i| {
+            let e = (a[i] + c[i]) / 2.0;
+            (a[i] - e).powi(2) / e + (c[i] - e).powi(2) / e
+        })
+        .sum();
+    println!(
+        "plain {a:?}\nspeculative {c:?}\nchi2 {chi2:.2} (df {})",
+        k - 1
+    );
+    // 99.9th percentile of χ² with 5 degrees of freedom
+    assert!(chi2 < 20.52, "χ² {chi2:.2}: the distributions differ");
+}
+
+fn model_prompt(model: &Model) -> Vec<u32> {
+    let text = "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n";
+    model.tokenizer.encode(text, true, true).unwrap()
 }

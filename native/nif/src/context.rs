@@ -64,18 +64,7 @@ fn kv_bytes_per_token(m: ResourceArc<ModelRes>, type_k: Atom, type_v: Atom) -> O
 #[rustler::nif(schedule = "DirtyCpu")]
 fn context_create<'a>(env: Env<'a>, m: ResourceArc<ModelRes>, opts: ContextOpts) -> Term<'a> {
     let r: Out<ResourceArc<ContextRes>> = guard(|| {
-        let params = ContextParams {
-            n_ctx: opts.n_ctx,
-            n_batch: opts.n_batch,
-            n_ubatch: opts.n_ubatch,
-            n_seq_max: opts.n_seq_max,
-            n_seq_embd: opts.n_seq_embd,
-            kv_type: kv_type(opts.type_k)?,
-            kv_type_v: Some(kv_type(opts.type_v)?),
-            n_threads: opts.n_threads,
-            n_threads_batch: opts.n_threads_batch,
-        };
-        let ctx = Context::new(m.model.clone(), params)?;
+        let ctx = Context::new(m.model.clone(), opts.params()?)?;
         let kv_layout = ctx.kv.layout();
         Ok(ResourceArc::new(ContextRes {
             kv_layout,
@@ -86,6 +75,37 @@ fn context_create<'a>(env: Env<'a>, m: ResourceArc<ModelRes>, opts: ContextOpts)
         }))
     });
     r.encode(env)
+}
+
+impl ContextOpts {
+    fn params(&self) -> Result<ContextParams, crate::error::NifError> {
+        Ok(ContextParams {
+            n_ctx: self.n_ctx,
+            n_batch: self.n_batch,
+            n_ubatch: self.n_ubatch,
+            n_seq_max: self.n_seq_max,
+            n_seq_embd: self.n_seq_embd,
+            kv_type: kv_type(self.type_k)?,
+            kv_type_v: Some(kv_type(self.type_v)?),
+            n_threads: self.n_threads,
+            n_threads_batch: self.n_threads_batch,
+        })
+    }
+}
+
+/// Gives the context a draft model for speculative decoding, on a context of its own made
+/// with `opts` (its vocabulary must be the context's model's).
+#[rustler::nif(schedule = "DirtyCpu")]
+fn context_attach_draft(
+    c: ResourceArc<ContextRes>,
+    draft: ResourceArc<ModelRes>,
+    opts: ContextOpts,
+) -> Status {
+    Status(guard(|| {
+        let draft_ctx = Context::new(draft.model.clone(), opts.params()?)?;
+        lock(&c.ctx).attach_draft(draft_ctx)?;
+        Ok(())
+    }))
 }
 
 #[rustler::nif]
@@ -160,11 +180,13 @@ fn context_step<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, step: StepTerm) ->
     })
 }
 
-/// One prompt-lookup speculative step of sequence 0 (local generation): evaluates `token` at
-/// `pos` with a draft from `history` and returns `{[{token, piece, eog, logprobs}], n_drafted}`
-/// — the accepted draft tokens and the token sampled after them (see the engine's
+/// One speculative step of sequence 0 (local generation): evaluates `token` at `pos` with a
+/// draft of at most `n_draft` tokens — from the attached draft model when `draft_model` is
+/// true, else looked up in `history` — and returns `{[{token, piece, eog, logprobs}],
+/// n_drafted}`: the accepted draft tokens and the token sampled after them (see the engine's
 /// `speculative` module).
 #[rustler::nif(schedule = "DirtyCpu")]
+#[allow(clippy::too_many_arguments)]
 fn context_speculate<'a>(
     env: Env<'a>,
     c: ResourceArc<ContextRes>,
@@ -173,16 +195,21 @@ fn context_speculate<'a>(
     pos: usize,
     history: Vec<u32>,
     n_draft: usize,
+    draft_model: bool,
 ) -> Out<Term<'a>> {
-    use llama_cpp_ex_engine::speculative::PromptLookup;
+    use llama_cpp_ex_engine::speculative::{DraftSource, PromptLookup};
     guard(|| {
         let mut ctx = lock(&c.ctx);
         let mut sampler = lock(&s.sampler);
-        let lookup = PromptLookup {
-            n_draft,
-            ..PromptLookup::default()
+        let source = if draft_model {
+            DraftSource::DraftModel { n_draft }
+        } else {
+            DraftSource::PromptLookup(PromptLookup {
+                n_draft,
+                ..PromptLookup::default()
+            })
         };
-        let outcome = ctx.speculate(0, token, pos, &history, &mut sampler, &lookup)?;
+        let outcome = ctx.speculate(0, token, pos, &history, &mut sampler, source)?;
         let model = ctx.model.clone();
         let tokens: Vec<Term> = outcome
             .tokens

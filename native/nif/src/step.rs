@@ -6,7 +6,7 @@ use crate::sampler::SamplerRes;
 use crate::snapshot::{encode_snapshot, SnapshotRes};
 use llama_cpp_ex_engine::embedding::{EmbedRequest, Pooling};
 use llama_cpp_ex_engine::sampler::TokenLogprobs;
-use llama_cpp_ex_engine::speculative::{PromptLookup, SpecRequest};
+use llama_cpp_ex_engine::speculative::{DraftSource, PromptLookup, SpecRequest};
 use llama_cpp_ex_engine::{Batch, KvOp, Model, Step, StepOutcome};
 use rustler::{Encoder, Env, NifTaggedEnum, NifTuple, ResourceArc, Term};
 
@@ -22,8 +22,9 @@ pub enum KvOpTerm {
 }
 
 /// `{ops, [{token, pos, seq, logits?}], [{seq, sampler}], {purgeable_seqs, save_max_bytes},
-/// [{embed_seq, pooling, normalize}], [{seq, history, n_draft}]}` (pooling in llama.cpp's
-/// numbering, -1 the model's own; history: the sequence's tokens, its next one last;
+/// [{embed_seq, pooling, normalize}], [{seq, history, n_draft, draft_model?}]}` (pooling in
+/// llama.cpp's numbering, -1 the model's own; history: the sequence's tokens, its next one
+/// last; draft_model?: drafts from the context's attached draft model, else prompt lookup;
 /// save_max_bytes 0: purged caches are not copied).
 #[derive(NifTuple)]
 pub struct StepTerm {
@@ -32,7 +33,7 @@ pub struct StepTerm {
     samplers: Vec<(usize, ResourceArc<SamplerRes>)>,
     purgeable: (Vec<usize>, usize),
     embeds: Vec<(usize, i64, i32)>,
-    specs: Vec<(usize, Vec<u32>, usize)>,
+    specs: Vec<(usize, Vec<u32>, usize, bool)>,
 }
 
 impl StepTerm {
@@ -85,12 +86,16 @@ impl StepTerm {
             specs: self
                 .specs
                 .into_iter()
-                .map(|(seq, history, n_draft)| SpecRequest {
+                .map(|(seq, history, n_draft, draft_model)| SpecRequest {
                     seq,
                     history,
-                    lookup: PromptLookup {
-                        n_draft,
-                        ..PromptLookup::default()
+                    source: if draft_model {
+                        DraftSource::DraftModel { n_draft }
+                    } else {
+                        DraftSource::PromptLookup(PromptLookup {
+                            n_draft,
+                            ..PromptLookup::default()
+                        })
                     },
                 })
                 .collect(),

@@ -11,16 +11,9 @@ pub const KEY_BLOCK: usize = 2;
 /// Output columns per weighted-sum micro-kernel call (two 8-lane vectors).
 const COL_BLOCK: usize = 16;
 
+#[cfg(target_arch = "x86_64")]
 fn simd_ok(hd: usize) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        hd.is_multiple_of(COL_BLOCK) && super::has_avx2()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = hd;
-        false
-    }
+    hd.is_multiple_of(COL_BLOCK) && super::has_avx2()
 }
 
 /// `s[i * s_stride + j] = q_i · k_j` for `i < rows`, `j < keys`; `q` is `[rows, hd]`, `k` is

@@ -598,6 +598,7 @@ unsafe fn half_dots_vnni<const C: usize>(
 
 /// Rows per pass once the values are buffered: loading them from L1 is cheap, so fewer
 /// rows leave more registers to the products.
+#[cfg(target_arch = "x86_64")]
 const BUFFERED_ROWS: usize = 4;
 
 /// Where one row group's blocks live.
@@ -910,6 +911,7 @@ pub(crate) mod tests {
 
     /// The scalar, AVX2 and VNNI paths give bitwise the same products.
     pub(crate) fn assert_paths_agree(w12: &NibbleMatrix, seed: &mut u64) {
+        #[cfg(target_arch = "x86_64")]
         let kind = w12.kind;
         let (n_out, k) = (w12.n_out, w12.n_in);
         let groups = n_out.div_ceil(GROUP);

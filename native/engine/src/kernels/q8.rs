@@ -1,6 +1,7 @@
 //! Activations quantized to Q8_0 (blocks of 32 int8 values with one scale): the input side
 //! of every quantized product (`super::nibble`).
 
+#[cfg(target_arch = "x86_64")]
 use super::has_avx2;
 use half::f16;
 
@@ -170,7 +171,8 @@ unsafe fn quantize_block_avx2(xb: *const f32, qb: *mut i8) -> (f32, [i32; 2]) {
     (d, halves)
 }
 
-#[cfg(test)]
+// the scalar path against the AVX2 one
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
     use crate::kernels::lcg;
