@@ -132,15 +132,18 @@ defmodule LlamaCppEx.Context do
 
   @doc """
   Gives `ctx` a draft model for speculative decoding (`speculative: [mode: :draft]`): a
-  context of `draft` made with `opts` (those of `create/2`), whose sequences shadow the
-  context's. The draft model must share the context model's vocabulary and `opts` must hold
-  at least as many sequences (`:n_seq_max`) as the context.
+  context of `draft` (a `LlamaCppEx.Model`, or a GGUF path loaded here) made with `opts`
+  (those of `create/2`), whose sequences shadow the context's. The draft model must share
+  the context model's vocabulary and `opts` must hold at least as many sequences
+  (`:n_seq_max`) as the context.
   """
-  @spec attach_draft(t(), Model.t(), keyword()) :: :ok | {:error, String.t()}
-  def attach_draft(%__MODULE__{ref: ref}, %Model{ref: dref}, opts \\ []) do
+  @spec attach_draft(t(), Model.t() | Path.t(), keyword()) :: :ok | {:error, String.t()}
+  def attach_draft(%__MODULE__{ref: ref}, draft, opts \\ []) do
     Options.validate!(opts, @tuning_keys ++ @structural_keys, "LlamaCppEx.Context.attach_draft/3")
 
     with {:ok, native} <- native_opts(opts),
+         {:ok, %Model{ref: dref}} <-
+           if(is_binary(draft), do: Model.load(draft), else: {:ok, draft}),
          :ok <- NIF.context_attach_draft(ref, dref, native) do
       :ok
     else

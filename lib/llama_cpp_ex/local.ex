@@ -149,14 +149,10 @@ defmodule LlamaCppEx.Local do
   end
 
   # the draft model's context mirrors the target's (size, batch, threads, KV types)
-  defp attach_draft(ctx, %{mode: :draft, draft_model: draft}, ctx_opts) do
-    with {:ok, draft} <- draft_model(draft), do: Context.attach_draft(ctx, draft, ctx_opts)
-  end
+  defp attach_draft(ctx, %{mode: :draft, draft_model: draft}, ctx_opts),
+    do: Context.attach_draft(ctx, draft, ctx_opts)
 
   defp attach_draft(_ctx, _spec, _ctx_opts), do: :ok
-
-  defp draft_model(%Model{} = m), do: {:ok, m}
-  defp draft_model(path), do: Model.load(path)
 
   @doc "Draft tokens proposed and accepted so far (speculation)."
   @spec speculation(t()) :: {non_neg_integer(), non_neg_integer()}

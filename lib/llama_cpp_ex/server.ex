@@ -671,11 +671,8 @@ defmodule LlamaCppEx.Server do
   # the draft model's context mirrors the target's: its size, sequences, threads, KV types
   defp attach_draft(_ctx, %Config{draft_model: nil}), do: :ok
 
-  defp attach_draft(ctx, %Config{draft_model: draft} = cfg) do
-    with {:ok, draft} <- if(is_binary(draft), do: Model.load(draft), else: {:ok, draft}) do
-      Context.attach_draft(ctx, draft, cfg.context_opts)
-    end
-  end
+  defp attach_draft(ctx, %Config{draft_model: draft} = cfg),
+    do: Context.attach_draft(ctx, draft, cfg.context_opts)
 
   # a byte budget becomes n_ctx by the model's bytes per cached token in the chosen types
   defp kv_budget(%Config{kv_budget_mb: nil} = cfg, _model), do: {:ok, cfg}

@@ -98,24 +98,32 @@ impl Context {
         sampler: &mut Sampler,
         source: DraftSource,
     ) -> Result<SpecOutcome> {
-        let draft = match source {
-            DraftSource::PromptLookup(lookup) => lookup.draft(history),
-            DraftSource::DraftModel { n_draft } => {
-                let room = self.params.n_ctx.saturating_sub(pos + 1);
-                let Some(drafter) = self.drafter.as_mut() else {
-                    return Err(EngineError::InvalidArgument(
-                        "speculate: no draft model is attached to this context".into(),
-                    ));
-                };
-                let request = DraftRequest {
-                    seq,
-                    history,
-                    max: n_draft.min(room),
-                };
-                drafter.draft(&[request]).pop().unwrap_or_default()
-            }
+        if history.last() != Some(&token) {
+            return Err(EngineError::InvalidArgument(
+                "speculate: the history must end with the token being evaluated".into(),
+            ));
+        }
+        if matches!(source, DraftSource::DraftModel { .. }) && self.drafter.is_none() {
+            return Err(EngineError::InvalidArgument(
+                "speculate: no draft model is attached to this context".into(),
+            ));
+        }
+        let mut batch = Batch::with_capacity(1);
+        batch.push(token, pos, seq, true);
+        // the Server's path with one sequence: the same draft sources, the same limits
+        let spec = SpecRequest {
+            seq,
+            history: history.to_vec(),
+            source,
         };
-        self.speculate_with(seq, token, pos, history, &draft, sampler)
+        let n_drafted = self
+            .add_drafts(&mut batch, std::slice::from_ref(&spec))
+            .first()
+            .map_or(0, |&(_, n)| n);
+        self.decode(&batch)?;
+        let rows: Vec<usize> = (0..=n_drafted).collect();
+        let tokens = self.verify_draft(seq, &rows, &batch, sampler)?;
+        Ok(SpecOutcome { tokens, n_drafted })
     }
 
     /// Attaches a draft model's context for [`DraftSource::DraftModel`] drafts: its
@@ -129,29 +137,6 @@ impl Context {
         }
         self.drafter = Some(Box::new(DraftModel::new(draft, &self.model)?));
         Ok(())
-    }
-
-    fn speculate_with(
-        &mut self,
-        seq: usize,
-        token: TokenId,
-        pos: usize,
-        history: &[TokenId],
-        draft: &[TokenId],
-        sampler: &mut Sampler,
-    ) -> Result<SpecOutcome> {
-        if history.last() != Some(&token) {
-            return Err(EngineError::InvalidArgument(
-                "speculate: the history must end with the token being evaluated".into(),
-            ));
-        }
-        let mut batch = Batch::with_capacity(draft.len() + 1);
-        batch.push(token, pos, seq, true);
-        let n_drafted = self.push_draft(&mut batch, 0, draft.to_vec(), usize::MAX);
-        self.decode(&batch)?;
-        let rows: Vec<usize> = (0..=n_drafted).collect();
-        let tokens = self.verify_draft(seq, &rows, &batch, sampler)?;
-        Ok(SpecOutcome { tokens, n_drafted })
     }
 
     /// Verifies a draft evaluated in the last batch: `rows` are the entries of `seq` with
@@ -292,6 +277,21 @@ pub enum DraftSource {
     /// Greedy tokens of the context's attached draft model ([`Context::attach_draft`]); none
     /// when no draft model is attached.
     DraftModel { n_draft: usize },
+}
+
+impl DraftSource {
+    /// At most `n_draft` tokens from the attached draft model, or else looked up (with the
+    /// default n-gram lengths).
+    pub fn new(n_draft: usize, draft_model: bool) -> Self {
+        if draft_model {
+            DraftSource::DraftModel { n_draft }
+        } else {
+            DraftSource::PromptLookup(PromptLookup {
+                n_draft,
+                ..PromptLookup::default()
+            })
+        }
+    }
 }
 
 /// The decoder interface speculative decoding is built on (ferrum's `forward_verify`,

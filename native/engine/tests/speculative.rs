@@ -45,31 +45,25 @@ fn plain(model: &Arc<Model>, tokens: &[u32], params: SamplerParams, n: usize) ->
     out
 }
 
-/// `n` tokens (at least) with speculation: (tokens, drafted, accepted, forward passes).
+/// `n` tokens (at least) on `ctx` with drafts from `source`: (tokens, drafted, accepted,
+/// forward passes, the context).
 fn speculative(
-    model: &Arc<Model>,
+    mut ctx: Context,
     tokens: &[u32],
     params: SamplerParams,
     n: usize,
+    source: DraftSource,
 ) -> (Vec<u32>, usize, usize, usize, Context) {
-    let mut ctx = ctx(model, 1024, 1);
     let mut s = Sampler::new(params);
-    let lookup = PromptLookup::default();
     let mut history = tokens.to_vec();
     let mut out = vec![prefill(&mut ctx, tokens, &mut s)];
     history.push(out[0]);
     let (mut drafted, mut accepted, mut passes) = (0, 0, 0);
     while out.len() < n {
         let pos = tokens.len() + out.len() - 1;
+        let last = *out.last().unwrap();
         let step = ctx
-            .speculate(
-                0,
-                *out.last().unwrap(),
-                pos,
-                &history,
-                &mut s,
-                DraftSource::PromptLookup(lookup),
-            )
+            .speculate(0, last, pos, &history, &mut s, source)
             .unwrap();
         passes += 1;
         drafted += step.n_drafted;
@@ -102,7 +96,9 @@ fn speculation_changes_nothing_but_the_number_of_passes() {
         ),
     ] {
         let want = plain(&model, &p, params.clone(), n);
-        let (got, drafted, accepted, passes, ctx) = speculative(&model, &p, params, n);
+        let lookup = DraftSource::PromptLookup(PromptLookup::default());
+        let (got, drafted, accepted, passes, ctx) =
+            speculative(ctx(&model, 1024, 1), &p, params, n, lookup);
         println!(
             "{label}: {passes} passes for {} tokens, {accepted}/{drafted} drafts accepted",
             got.len()
@@ -219,44 +215,6 @@ fn decoder_interface() {
     c.kv.audit().unwrap();
 }
 
-/// `n` tokens (at least) with a draft model: (tokens, drafted, accepted, context).
-fn with_draft_model(
-    model: &Arc<Model>,
-    draft: &Arc<Model>,
-    tokens: &[u32],
-    params: SamplerParams,
-    n: usize,
-) -> (Vec<u32>, usize, usize, Context) {
-    let mut ctx = ctx(model, 1024, 1);
-    ctx.attach_draft(self::ctx(draft, 1024, 1)).unwrap();
-    let mut s = Sampler::new(params);
-    let mut history = tokens.to_vec();
-    let mut out = vec![prefill(&mut ctx, tokens, &mut s)];
-    history.push(out[0]);
-    let (mut drafted, mut accepted) = (0, 0);
-    while out.len() < n {
-        let pos = tokens.len() + out.len() - 1;
-        let last = *out.last().unwrap();
-        let step = ctx
-            .speculate(
-                0,
-                last,
-                pos,
-                &history,
-                &mut s,
-                DraftSource::DraftModel { n_draft: 4 },
-            )
-            .unwrap();
-        drafted += step.n_drafted;
-        accepted += step.tokens.len() - 1;
-        for t in step.tokens {
-            out.push(t.token);
-            history.push(t.token);
-        }
-    }
-    (out, drafted, accepted, ctx)
-}
-
 /// A draft model (SmolLM2 with its own Q4_1 weights) proposes for the target (SmolLM2
 /// re-quantized to Q8_0, so the two disagree now and then): the tokens are exactly plain
 /// decoding's, greedy and seeded, drafts are accepted, nothing leaks; a draft model with
@@ -281,7 +239,10 @@ fn a_draft_model_changes_nothing_but_the_number_of_passes() {
         ),
     ] {
         let want = plain(&target, &p, params.clone(), n);
-        let (got, drafted, accepted, ctx) = with_draft_model(&target, &draft, &p, params, n);
+        let mut c = ctx(&target, 1024, 1);
+        c.attach_draft(ctx(&draft, 1024, 1)).unwrap();
+        let source = DraftSource::DraftModel { n_draft: 4 };
+        let (got, drafted, accepted, _, ctx) = speculative(c, &p, params, n, source);
         println!("{label}: {accepted}/{drafted} draft-model tokens accepted");
         assert_eq!(
             &got[..n],

@@ -197,18 +197,11 @@ fn context_speculate<'a>(
     n_draft: usize,
     draft_model: bool,
 ) -> Out<Term<'a>> {
-    use llama_cpp_ex_engine::speculative::{DraftSource, PromptLookup};
+    use llama_cpp_ex_engine::speculative::DraftSource;
     guard(|| {
         let mut ctx = lock(&c.ctx);
         let mut sampler = lock(&s.sampler);
-        let source = if draft_model {
-            DraftSource::DraftModel { n_draft }
-        } else {
-            DraftSource::PromptLookup(PromptLookup {
-                n_draft,
-                ..PromptLookup::default()
-            })
-        };
+        let source = DraftSource::new(n_draft, draft_model);
         let outcome = ctx.speculate(0, token, pos, &history, &mut sampler, source)?;
         let model = ctx.model.clone();
         let tokens: Vec<Term> = outcome

@@ -6,7 +6,7 @@ use crate::sampler::SamplerRes;
 use crate::snapshot::{encode_snapshot, SnapshotRes};
 use llama_cpp_ex_engine::embedding::{EmbedRequest, Pooling};
 use llama_cpp_ex_engine::sampler::TokenLogprobs;
-use llama_cpp_ex_engine::speculative::{DraftSource, PromptLookup, SpecRequest};
+use llama_cpp_ex_engine::speculative::{DraftSource, SpecRequest};
 use llama_cpp_ex_engine::{Batch, KvOp, Model, Step, StepOutcome};
 use rustler::{Encoder, Env, NifTaggedEnum, NifTuple, ResourceArc, Term};
 
@@ -89,14 +89,7 @@ impl StepTerm {
                 .map(|(seq, history, n_draft, draft_model)| SpecRequest {
                     seq,
                     history,
-                    source: if draft_model {
-                        DraftSource::DraftModel { n_draft }
-                    } else {
-                        DraftSource::PromptLookup(PromptLookup {
-                            n_draft,
-                            ..PromptLookup::default()
-                        })
-                    },
+                    source: DraftSource::new(n_draft, draft_model),
                 })
                 .collect(),
         })
