@@ -7,4 +7,5 @@ defmodule LlamaCppEx.DoctestTest do
   doctest LlamaCppEx.Sampler
   doctest LlamaCppEx.Thinking
   doctest LlamaCppEx.Grammar
+  doctest LlamaCppEx.Server.KvPolicy
 end

@@ -67,7 +67,8 @@ defmodule LlamaCppEx.Context do
     :n_seq_max,
     :n_seq_embd,
     :kv_unified,
-    :n_rs_seq
+    :n_rs_seq,
+    :kv_pressure_types
   ]
   @llama_kv_types [:f32, :f16, :q4_0, :q4_1, :q5_0, :q5_1, :q8_0, :bf16]
   @kv_types [:f16, :f32, :q8_0, :q4_0]
@@ -113,6 +114,11 @@ defmodule LlamaCppEx.Context do
       block formats, each chosen independently (`:type_v` defaults to `:type_k`). Quantized
       types need a head size that is a multiple of 32. The cache stays quantized; attention
       dequantizes one head row at a time as it reads.
+    * `:kv_pressure_types` - lower precisions (`[:q8_0]`, `[:q4_0]` or `[:q8_0, :q4_0]`, each
+      smaller than the one before and than `:type_k`/`:type_v`) that blocks written later may
+      take, within the byte budget `:n_ctx` tokens take at `:type_k`/`:type_v`. A Server's
+      `:kv_policy` sets it and switches between them (`LlamaCppEx.Server.KvPolicy`); a context
+      used directly writes in `:type_k`/`:type_v`. Default `[]`.
     * the options listed under "Options that do nothing here".
 
   Returns `{:error, message}` for values of the wrong type, out of range, or refused (see
@@ -169,7 +175,8 @@ defmodule LlamaCppEx.Context do
          n_seq_max: Keyword.get(opts, :n_seq_max, 1),
          n_seq_embd: Keyword.get(opts, :n_seq_embd, 0),
          type_k: type_k,
-         type_v: type_v
+         type_v: type_v,
+         kv_pressure_types: Keyword.get(opts, :kv_pressure_types, [])
        }}
     end
   end
@@ -196,7 +203,8 @@ defmodule LlamaCppEx.Context do
       ctx_type: {:in, [:default, :mtp]},
       attention_type: {:in, [:unspecified, :causal, :non_causal]},
       rope_scaling_type: {:in, [:unspecified, :none, :linear, :yarn, :longrope]},
-      n_rs_seq: {:int, 0, 4096}
+      n_rs_seq: {:int, 0, 4096},
+      kv_pressure_types: {:list, {:in, [:q8_0, :q4_0]}}
     )
   end
 

@@ -95,6 +95,9 @@ defmodule LlamaCppEx.Server do
     * `[:llama_cpp_ex, :server, :pause]` - no measurements; metadata `server`, `level`
       (`:none | :prefill | :full`, the level now in effect), `previous`, `manual`.
     * `[:llama_cpp_ex, :server, :kv_pressure]` - `purged_slots`, `batch_splits`.
+    * `[:llama_cpp_ex, :server, :kv_precision]` - `occupancy`, `ewma` (0..1); metadata
+      `server`, `from`, `to` (`:f16 | :q8_0 | :q4_0`): the `:kv_policy` changed the precision
+      of new KV blocks.
     * `[:llama_cpp_ex, :server, :prefix_instability]` - `matched_tokens`, `cached_tokens`.
     * `[:llama_cpp_ex, :server, :ram_cache]` - `bytes`, `tokens` (of the entry saved or
       evicted, restored tokens for a restore), `total_bytes`, `entries` (after the
@@ -119,6 +122,7 @@ defmodule LlamaCppEx.Server do
   alias LlamaCppEx.Server.{
     Config,
     EmbedJob,
+    KvPolicy,
     PrefixFile,
     PromptCache,
     Request,
@@ -183,6 +187,11 @@ defmodule LlamaCppEx.Server do
       requests with `speculative: [mode: :draft]`. Its context mirrors the server's (`n_ctx`,
       sequences, KV types), so it adds its own KV bytes on top of `:kv_budget_mb`. A draft
       model with another vocabulary fails the start. Default `nil`.
+    * `:kv_policy` - `[]` (or `true`) or options: new KV blocks are written in f16 while the
+      cache has room and in `q8_0`, then `q4_0`, as it fills (an EWMA of occupancy with
+      hysteresis), within the same byte budget; see `LlamaCppEx.Server.KvPolicy`. Invalid
+      thresholds give `{:error, {:invalid_kv_policy, message}}`. Default `nil` (one precision,
+      `:type_k` / `:type_v`).
 
   Unknown options raise `ArgumentError` in the caller.
   """
@@ -190,6 +199,8 @@ defmodule LlamaCppEx.Server do
   def start_link(opts) do
     {name, opts} = Keyword.pop(opts, :name)
     Options.validate!(opts, start_option_keys(), "LlamaCppEx.Server.start_link/1")
+    # unknown keys of a nested option list raise here, in the caller, like the top-level ones
+    with policy when is_list(policy) <- opts[:kv_policy], do: KvPolicy.new(policy)
     gen_opts = if name, do: [name: name], else: []
     GenServer.start_link(__MODULE__, opts, gen_opts)
   end
@@ -589,7 +600,9 @@ defmodule LlamaCppEx.Server do
   `embed/3` calls not yet evaluated), `embeddings_completed` (texts), `paused` and
   `pause_level` (see `pause/2`), `paused_ms` (time in a full pause within the window), and
   `window_tokens`, `window_ms`, `tokens_per_second` over the window since start or the last
-  `reset_stats_window/1` (time in a full pause left out).
+  `reset_stats_window/1` (time in a full pause left out). With a `:kv_policy`: `kv_precision`
+  (of new blocks), `kv_occupancy` (after the last pass), `kv_occupancy_ewma` and
+  `kv_precision_changes`.
   """
   @spec get_stats(GenServer.server()) :: map()
   def get_stats(server), do: GenServer.call(server, :get_stats)
@@ -661,6 +674,7 @@ defmodule LlamaCppEx.Server do
            slots: slots,
            embed_free: embed_seqs,
            kv_free: cfg.n_ctx,
+           kv_policy: cfg.kv_policy,
            swa_window: Model.info(model).swa_window
        }}
     else
@@ -671,8 +685,9 @@ defmodule LlamaCppEx.Server do
   # the draft model's context mirrors the target's: its size, sequences, threads, KV types
   defp attach_draft(_ctx, %Config{draft_model: nil}), do: :ok
 
+  # (in one precision: the policy's tiers are the target cache's business)
   defp attach_draft(ctx, %Config{draft_model: draft} = cfg),
-    do: Context.attach_draft(ctx, draft, cfg.context_opts)
+    do: Context.attach_draft(ctx, draft, Keyword.delete(cfg.context_opts, :kv_pressure_types))
 
   # a byte budget becomes n_ctx by the model's bytes per cached token in the chosen types
   defp kv_budget(%Config{kv_budget_mb: nil} = cfg, _model), do: {:ok, cfg}
@@ -698,6 +713,7 @@ defmodule LlamaCppEx.Server do
     stats =
       stats
       |> Map.merge(PromptCache.stats(st.prompt_cache))
+      |> Map.merge(Tick.kv_policy_stats(st.kv_policy))
       |> Map.merge(%{paused: st.pause_level != :none, pause_level: st.pause_level})
 
     {:reply, stats, st}

@@ -4,6 +4,7 @@ defmodule LlamaCppEx.Server.Config do
   # are the contract's), with every default in one place.
 
   alias LlamaCppEx.{Context, Model, Options, Sampler}
+  alias LlamaCppEx.Server.KvPolicy
 
   @own [
     model_path: nil,
@@ -24,6 +25,7 @@ defmodule LlamaCppEx.Server.Config do
     kv_unified: true,
     prompt_cache_ram_mb: 0,
     draft_model: nil,
+    kv_policy: nil,
     batch_strategy: LlamaCppEx.Server.Strategy.DecodeMaximal
   ]
 
@@ -51,6 +53,7 @@ defmodule LlamaCppEx.Server.Config do
          :ok <- strategy(own[:batch_strategy]),
          :ok <- pause_policy(own[:pause_policy]),
          :ok <- draft_model(own[:draft_model]),
+         {:ok, kv_policy} <- kv_policy(own[:kv_policy], opts),
          :ok <- sizes(own) do
       n_ctx = own[:n_ctx]
 
@@ -58,6 +61,7 @@ defmodule LlamaCppEx.Server.Config do
         struct!(__MODULE__, own)
         |> Map.merge(%{
           model_path: path,
+          kv_policy: kv_policy,
           n_batch: own[:n_batch] || min(n_ctx, 2048),
           sampler_defaults: Keyword.take(opts, Sampler.option_keys() ++ Sampler.extra_keys()),
           model_opts:
@@ -75,6 +79,7 @@ defmodule LlamaCppEx.Server.Config do
               n_seq_max: own[:n_parallel] + own[:embed_parallel],
               n_seq_embd: own[:embed_parallel]
             )
+            |> Keyword.merge(kv_policy_types(kv_policy))
         })
 
       {:ok, config}
@@ -142,6 +147,33 @@ defmodule LlamaCppEx.Server.Config do
         n_batch: n_batch,
         context_opts: Keyword.merge(cfg.context_opts, n_ctx: n_ctx, n_batch: n_batch)
     }
+  end
+
+  defp kv_policy(nil, _opts), do: {:ok, nil}
+
+  defp kv_policy(policy_opts, opts) do
+    with {:ok, policy} <- KvPolicy.new(policy_opts) do
+      given = Keyword.take(opts, [:type_k, :type_v])
+
+      case Enum.find(given, fn {_, t} -> t != policy.min end) do
+        nil ->
+          {:ok, policy}
+
+        {key, t} ->
+          {:error,
+           {:invalid_kv_policy,
+            "#{inspect(key)} #{inspect(t)} conflicts with :kv_policy, whose :min " <>
+              "(#{inspect(policy.min)}) is the precision blocks start in"}}
+      end
+    end
+  end
+
+  # the cache holds the policy's levels: the first as its types, the others as pressure tiers
+  defp kv_policy_types(nil), do: []
+
+  defp kv_policy_types(policy) do
+    [min | lower] = KvPolicy.levels(policy)
+    [type_k: min, type_v: min, kv_pressure_types: lower]
   end
 
   defp draft_model(nil), do: :ok

@@ -25,6 +25,8 @@ defmodule LlamaCppEx.Server.State do
     embed_free: [],
     # tokens the KV cache's free blocks hold, as of the last step (admission estimate)
     kv_free: 0,
+    # the KV precision policy's live state (LlamaCppEx.Server.KvPolicy), nil without one
+    kv_policy: nil,
     # the level-2 prompt cache (LlamaCppEx.Server.PromptCache)
     prompt_cache: nil,
     # pause levels (LlamaCppEx.Server.PausePolicy): set by pause/2, and in effect

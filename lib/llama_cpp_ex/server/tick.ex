@@ -11,6 +11,7 @@ defmodule LlamaCppEx.Server.Tick do
 
   alias LlamaCppEx.Server.{
     EmbedJob,
+    KvPolicy,
     PausePolicy,
     Placement,
     Plan,
@@ -246,7 +247,7 @@ defmodule LlamaCppEx.Server.Tick do
   def apply_outcome(
         st,
         {sampled, purged, n_splits, failed, eval_us, embedded,
-         {kv_free, drafted, saved, restore_failed}}
+         {kv_free, occupancy, drafted, saved, restore_failed}}
       ) do
     flight = st.in_flight
 
@@ -256,6 +257,8 @@ defmodule LlamaCppEx.Server.Tick do
         embed_free: Map.keys(flight.embeds) ++ st.embed_free,
         kv_free: kv_free
     }
+
+    st = apply_kv_policy(st, occupancy)
 
     # copies first: an evicted slot's copy is known by the tokens the slot still lists
     st = Enum.reduce(saved, st, &keep_copy/2)
@@ -301,6 +304,42 @@ defmodule LlamaCppEx.Server.Tick do
     )
 
     if has_work?(st), do: schedule(st), else: st
+  end
+
+  # The precision policy sees every step's occupancy; a new level reaches the engine as an op
+  # of the next step (blocks allocated from then on take it).
+  defp apply_kv_policy(%{kv_policy: nil} = st, _occupancy), do: st
+
+  defp apply_kv_policy(st, occupancy) do
+    case KvPolicy.update(st.kv_policy, occupancy) do
+      {policy, nil} ->
+        %{st | kv_policy: policy}
+
+      {policy, {from, to}} ->
+        Telemetry.execute(
+          [:llama_cpp_ex, :server, :kv_precision],
+          %{occupancy: occupancy, ewma: policy.ewma},
+          %{server: self(), from: from, to: to}
+        )
+
+        %{
+          st
+          | kv_policy: policy,
+            pending_ops: st.pending_ops ++ [{:set_write_tier, KvPolicy.tier(policy)}]
+        }
+    end
+  end
+
+  @doc "The `get_stats/1` fields of the KV precision policy (none without one)."
+  def kv_policy_stats(nil), do: %{}
+
+  def kv_policy_stats(policy) do
+    %{
+      kv_precision: policy.level,
+      kv_occupancy: policy.occupancy,
+      kv_occupancy_ewma: policy.ewma,
+      kv_precision_changes: policy.changes
+    }
   end
 
   # A copy the engine made (a save op's or an evicted cache's) goes to the RAM cache or to

@@ -28,6 +28,11 @@ pub struct ContextParams {
     /// Precision of cached keys, and of cached values (`None`: as the keys).
     pub kv_type: KvType,
     pub kv_type_v: Option<KvType>,
+    /// Lower precisions (keys and values alike) the cache may switch newly written blocks to,
+    /// highest first, all within the byte budget `n_ctx` tokens take at `kv_type`/`kv_type_v`
+    /// (the Server's `kv_policy`, through [`KvOp::SetWriteTier`](crate::KvOp::SetWriteTier));
+    /// empty: one precision.
+    pub kv_pressure_types: Vec<KvType>,
     /// Threads a one-token forward pass of this context uses (the calling thread included).
     pub n_threads: usize,
     /// Threads a forward pass over several tokens uses.
@@ -44,6 +49,7 @@ impl Default for ContextParams {
             n_seq_embd: 0,
             kv_type: KvType::F16,
             kv_type_v: None,
+            kv_pressure_types: Vec::new(),
             n_threads: crate::pool::default_threads(),
             n_threads_batch: crate::pool::default_threads(),
         }
@@ -112,13 +118,25 @@ impl Context {
         }
         model.architecture()?;
         let c = &model.config;
-        let kv = KvCache::new(
+        let mut tiers = vec![(params.kv_type, params.kv_type_v.unwrap_or(params.kv_type))];
+        tiers.extend(params.kv_pressure_types.iter().map(|&t| (t, t)));
+        let row = c.n_head_kv * c.head_dim;
+        let sizes: Vec<usize> = tiers
+            .iter()
+            .map(|&(k, v)| crate::kv::bytes_per_token(1, c.n_head_kv, c.head_dim, k, v))
+            .collect();
+        if row > 0 && sizes.windows(2).any(|w| w[1] >= w[0]) {
+            return Err(EngineError::InvalidArgument(
+                "each KV pressure precision must take fewer bytes than the one before it".into(),
+            ));
+        }
+        let kv = KvCache::with_tiers(
             &c.layer_windows,
             c.n_head_kv,
             c.head_dim,
             params.n_ctx,
             (params.n_seq_max, params.n_seq_embd),
-            (params.kv_type, params.kv_type_v.unwrap_or(params.kv_type)),
+            &tiers,
         )?;
         let n_ctx_seq = params.n_ctx;
         Ok(Context {

@@ -8,7 +8,6 @@
 
 use crate::error::{EngineError, Result};
 use half::f16;
-use std::alloc::{alloc_zeroed, Layout};
 
 mod snapshot;
 pub use snapshot::{KvLayout, KvSnapshot};
@@ -75,40 +74,171 @@ impl KvType {
     }
 }
 
-/// A zero-filled `u32`-word buffer obtained from `alloc_zeroed`, so untouched pages are never
-/// committed: memory grows with the positions actually written, bounded by `n_ctx`.
-struct ZeroedBuf {
-    words: Vec<u32>,
+/// Zero-filled words in their own anonymous mapping: untouched pages are never committed, so
+/// memory grows with the blocks actually written, and [`PageBuf::release`] hands a freed
+/// block's pages back to the kernel (a cache whose blocks come in several precisions needs
+/// that to stay within its byte budget).
+struct PageBuf {
+    ptr: *mut u32,
+    n_words: usize,
 }
 
-impl ZeroedBuf {
+// SAFETY: a PageBuf owns its mapping exclusively (like a Vec); shared access is read-only.
+unsafe impl Send for PageBuf {}
+unsafe impl Sync for PageBuf {}
+
+impl PageBuf {
     fn new(n_words: usize) -> Result<Self> {
         if n_words == 0 {
-            return Ok(ZeroedBuf { words: Vec::new() });
+            return Ok(PageBuf {
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                n_words: 0,
+            });
         }
-        let layout = Layout::array::<u32>(n_words)
-            .map_err(|_| EngineError::OutOfMemory(format!("KV buffer of {n_words} words")))?;
-        // SAFETY: layout has non-zero size; the pointer is checked for null and handed to a
-        // Vec with exactly the capacity and alignment it was allocated with, and every element
-        // (a u32 of zero bits) is initialised by alloc_zeroed.
-        let words = unsafe {
-            let ptr = alloc_zeroed(layout) as *mut u32;
-            if ptr.is_null() {
-                return Err(EngineError::OutOfMemory(format!(
-                    "cannot allocate {} MiB for the KV cache",
-                    layout.size() >> 20
-                )));
+        let bytes = n_words
+            .checked_mul(4)
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| EngineError::OutOfMemory(format!("KV buffer of {n_words} words")))?;
+        let ptr = map_zeroed(bytes).ok_or_else(|| {
+            EngineError::OutOfMemory(format!(
+                "cannot reserve {} MiB for the KV cache",
+                bytes >> 20
+            ))
+        })?;
+        Ok(PageBuf {
+            ptr: ptr as *mut u32,
+            n_words,
+        })
+    }
+
+    fn words(&self) -> &[u32] {
+        // SAFETY: ptr is valid for n_words initialised words (zero pages or written values)
+        // for the buffer's lifetime, and u32 has no invalid bit patterns.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.n_words) }
+    }
+
+    fn words_mut(&mut self) -> &mut [u32] {
+        // SAFETY: as in `words`; `&mut self` makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.n_words) }
+    }
+
+    /// Gives the pages of words `[at, at + n)` back to the kernel; they read as zeros after.
+    /// The range must be page-aligned (the callers' blocks are whole pages).
+    fn release(&mut self, at: usize, n: usize) {
+        #[cfg(unix)]
+        if n > 0 {
+            // SAFETY: the range lies inside this buffer's own private anonymous mapping and is
+            // page-aligned; MADV_DONTNEED on such memory only drops its contents (later reads
+            // see zero pages), and no reference into the range exists (`&mut self`).
+            unsafe {
+                libc::madvise(
+                    self.ptr.add(at) as *mut libc::c_void,
+                    n * 4,
+                    libc::MADV_DONTNEED,
+                );
             }
-            Vec::from_raw_parts(ptr, n_words, n_words)
-        };
-        Ok(ZeroedBuf { words })
+        }
+        #[cfg(not(unix))]
+        self.words_mut()[at..at + n].fill(0);
     }
 }
 
-/// Keys and values of one layer: `[block][kv_head][slot][head_dim]`.
-struct LayerStore {
-    k: ZeroedBuf,
-    v: ZeroedBuf,
+impl Drop for PageBuf {
+    fn drop(&mut self) {
+        if self.n_words > 0 {
+            unmap(self.ptr as *mut u8, self.n_words * 4);
+        }
+    }
+}
+
+#[cfg(unix)]
+fn map_zeroed(bytes: usize) -> Option<*mut u8> {
+    // SAFETY: an anonymous private mapping with no address hint; the result is checked.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    (p != libc::MAP_FAILED).then_some(p as *mut u8)
+}
+
+#[cfg(unix)]
+fn unmap(ptr: *mut u8, bytes: usize) {
+    // SAFETY: exactly the mapping `map_zeroed` returned, unmapped once (on drop).
+    unsafe { libc::munmap(ptr as *mut libc::c_void, bytes) };
+}
+
+#[cfg(not(unix))]
+fn map_zeroed(bytes: usize) -> Option<*mut u8> {
+    let layout = Layout::from_size_align(bytes, 4096).ok()?;
+    // SAFETY: non-zero size (checked by the caller); the result is checked for null.
+    let p = unsafe { alloc_zeroed(layout) };
+    (!p.is_null()).then_some(p)
+}
+
+#[cfg(not(unix))]
+fn unmap(ptr: *mut u8, bytes: usize) {
+    use std::alloc::{dealloc, Layout};
+    // SAFETY: allocated by `map_zeroed` with this layout.
+    unsafe { dealloc(ptr, Layout::from_size_align_unchecked(bytes, 4096)) };
+}
+
+fn page_words() -> usize {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if page > 0 {
+            return page as usize / 4;
+        }
+    }
+    1024
+}
+
+/// Keys and values types of a cache's blocks.
+pub type KvTypes = (KvType, KvType);
+
+/// A block id carries its precision tier in the top bits (so block tables, and the attention
+/// reading through them, stay one `u32` per block).
+const TIER_SHIFT: u32 = 29;
+const INDEX_MASK: u32 = (1 << TIER_SHIFT) - 1;
+/// At most this many precisions in one cache (ids of tier 7 would collide with `NO_BLOCK`).
+pub const MAX_KV_TIERS: usize = 3;
+
+fn split_id(b: u32) -> (usize, usize) {
+    ((b >> TIER_SHIFT) as usize, (b & INDEX_MASK) as usize)
+}
+
+/// The blocks of one precision in one layer group: `[block][layer of the group][keys, values]`,
+/// so one block of every layer is one run of memory, released at once when freed.
+struct Tier {
+    types: KvTypes,
+    /// Words of one layer's keys / values in one block.
+    k_words: usize,
+    v_words: usize,
+    /// Words of one whole block (every layer of the group; whole pages when pages are released).
+    block_words: usize,
+    store: PageBuf,
+    refcount: Vec<u32>,
+    free: Vec<u32>,
+}
+
+impl Tier {
+    fn block_bytes(&self) -> usize {
+        self.block_words * 4
+    }
+
+    /// The keys and values of layer slot `li` of block `idx`: `(word offset of the keys,
+    /// word offset of the values)`.
+    fn layer_at(&self, idx: usize, li: usize) -> (usize, usize) {
+        let at = idx * self.block_words + li * (self.k_words + self.v_words);
+        (at, at + self.k_words)
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -117,34 +247,74 @@ struct SeqTable {
     blocks: Vec<u32>,
 }
 
-/// One allocator and one set of block tables shared by a group of layers.
+/// One allocator and one set of block tables shared by a group of layers. Blocks of every
+/// precision tier draw from one byte budget.
 struct Group {
     window: Option<usize>,
-    refcount: Vec<u32>,
-    free: Vec<u32>,
+    tiers: Vec<Tier>,
+    /// Bytes the blocks in use take, and the most they may take.
+    used_bytes: usize,
+    budget_bytes: usize,
+    /// Whether freed blocks give their pages back (several tiers share the budget, so a
+    /// tier's touched pages must not outlive its blocks).
+    release_pages: bool,
     seqs: Vec<SeqTable>,
 }
 
 impl Group {
-    fn free_blocks(&self) -> usize {
-        self.free.len()
+    /// Blocks of `tier` that can still be allocated.
+    fn free_blocks(&self, tier: usize) -> usize {
+        let t = &self.tiers[tier];
+        t.free
+            .len()
+            .min((self.budget_bytes - self.used_bytes) / t.block_bytes())
     }
 
-    fn alloc(&mut self) -> Option<u32> {
-        let b = self.free.pop()?;
-        self.refcount[b as usize] = 1;
-        Some(b)
+    fn blocks_in_use(&self) -> usize {
+        self.tiers
+            .iter()
+            .map(|t| t.refcount.iter().filter(|&&c| c > 0).count())
+            .sum()
+    }
+
+    fn alloc(&mut self, tier: usize) -> Option<u32> {
+        if self.free_blocks(tier) == 0 {
+            return None;
+        }
+        let t = &mut self.tiers[tier];
+        let idx = t.free.pop()?;
+        t.refcount[idx as usize] = 1;
+        self.used_bytes += t.block_bytes();
+        Some(((tier as u32) << TIER_SHIFT) | idx)
+    }
+
+    /// A block of `tier`, or of the first lower precision that still fits: a request is not
+    /// failed for want of room at the write precision while a smaller block would do (the
+    /// policy's level lags a burst of allocations).
+    fn alloc_from(&mut self, tier: usize) -> Option<u32> {
+        (tier..self.tiers.len()).find_map(|t| self.alloc(t))
+    }
+
+    fn refcount_mut(&mut self, b: u32) -> &mut u32 {
+        let (tier, idx) = split_id(b);
+        &mut self.tiers[tier].refcount[idx]
     }
 
     fn release(&mut self, b: u32) {
         if b == NO_BLOCK {
             return;
         }
-        let rc = &mut self.refcount[b as usize];
+        let (tier, idx) = split_id(b);
+        let t = &mut self.tiers[tier];
+        let rc = &mut t.refcount[idx];
         debug_assert!(*rc > 0, "double free of KV block {b}");
         *rc -= 1;
         if *rc == 0 {
-            self.free.push(b);
+            t.free.push(idx as u32);
+            self.used_bytes -= t.block_bytes();
+            if self.release_pages {
+                t.store.release(idx * t.block_words, t.block_words);
+            }
         }
     }
 }
@@ -157,14 +327,15 @@ pub struct SeqView<'a> {
 pub struct KvCache {
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// Blocks the budget holds at the first (highest) precision.
     pub n_blocks: usize,
-    /// Precision of the keys and of the values.
-    pub k_type: KvType,
-    pub v_type: KvType,
     n_seq_max: usize,
+    /// The group of every layer, and the layer's slot inside its group's blocks.
     layer_group: Vec<usize>,
-    layers: Vec<LayerStore>,
+    layer_slot: Vec<usize>,
     groups: Vec<Group>,
+    /// The precision tier newly allocated blocks get (see [`KvCache::set_write_tier`]).
+    write_tier: usize,
     /// Valid positions per sequence.
     lens: Vec<usize>,
 }
@@ -180,18 +351,40 @@ pub struct KvUsage {
 }
 
 impl KvCache {
-    /// `layer_windows[i]` is the sliding window of layer `i` (None for full attention). Of the
-    /// `n_seq_max` sequences, the last `n_seq_transient` only borrow blocks for one step
-    /// (embedding texts): the pool holds `n_ctx` tokens for the others.
+    /// A cache of one precision: `layer_windows[i]` is the sliding window of layer `i` (None for
+    /// full attention). Of the `n_seq_max` sequences, the last `n_seq_transient` only borrow
+    /// blocks for one step (embedding texts): the pool holds `n_ctx` tokens for the others.
     pub fn new(
         layer_windows: &[Option<usize>],
         n_kv_heads: usize,
         head_dim: usize,
         n_ctx: usize,
-        (n_seq_max, n_seq_transient): (usize, usize),
-        (k_type, v_type): (KvType, KvType),
+        seqs: (usize, usize),
+        types: KvTypes,
     ) -> Result<Self> {
-        if (k_type.quantized() || v_type.quantized()) && !head_dim.is_multiple_of(QK) {
+        Self::with_tiers(layer_windows, n_kv_heads, head_dim, n_ctx, seqs, &[types])
+    }
+
+    /// A cache whose blocks may be kept in any of `tiers` (highest precision first): `n_ctx`
+    /// tokens at the first tier's size make the byte budget every tier draws from, and
+    /// [`KvCache::set_write_tier`] picks the precision of blocks allocated from then on (the
+    /// Server's `kv_policy`). Blocks already written keep theirs.
+    pub fn with_tiers(
+        layer_windows: &[Option<usize>],
+        n_kv_heads: usize,
+        head_dim: usize,
+        n_ctx: usize,
+        (n_seq_max, n_seq_transient): (usize, usize),
+        tiers: &[KvTypes],
+    ) -> Result<Self> {
+        if tiers.is_empty() || tiers.len() > MAX_KV_TIERS {
+            return Err(EngineError::InvalidArgument(format!(
+                "a KV cache has 1 to {MAX_KV_TIERS} precisions, not {}",
+                tiers.len()
+            )));
+        }
+        let quantized = tiers.iter().any(|(k, v)| k.quantized() || v.quantized());
+        if quantized && !head_dim.is_multiple_of(QK) {
             return Err(EngineError::Unsupported(format!(
                 "a quantized KV cache needs a head size that is a multiple of {QK}, not {head_dim}"
             )));
@@ -206,71 +399,100 @@ impl KvCache {
                 "n_seq_max must be positive".into(),
             ));
         }
+        let too_large = || EngineError::InvalidArgument(format!("n_ctx {n_ctx} is too large"));
         // Each sequence may leave its last block partly empty; reserve one extra block per
         // sequence so n_ctx tokens always fit (transient ones borrow from that budget).
         let n_blocks = n_ctx.div_ceil(KV_BLOCK_SIZE) + n_seq_max - n_seq_transient.min(n_seq_max);
-        if n_blocks >= NO_BLOCK as usize {
-            return Err(EngineError::InvalidArgument(format!(
-                "n_ctx {n_ctx} is too large"
-            )));
+        if n_blocks > INDEX_MASK as usize {
+            return Err(too_large());
         }
-        let row = n_kv_heads * head_dim;
-        let elems_per_layer = n_blocks
-            .checked_mul(KV_BLOCK_SIZE * row)
-            .ok_or_else(|| EngineError::InvalidArgument(format!("n_ctx {n_ctx} is too large")))?;
-        let (k_words, v_words) = (
-            k_type.bytes(elems_per_layer).div_ceil(4),
-            v_type.bytes(elems_per_layer).div_ceil(4),
-        );
-        let total_bytes = ((k_words + v_words) as u128) * 4 * layer_windows.len() as u128;
-        if total_bytes > isize::MAX as u128 {
-            return Err(EngineError::OutOfMemory(format!(
-                "a KV cache of n_ctx {n_ctx} needs {total_bytes} bytes"
-            )));
-        }
+        let elems = KV_BLOCK_SIZE
+            .checked_mul(n_kv_heads)
+            .and_then(|x| x.checked_mul(head_dim))
+            .ok_or_else(too_large)?;
         let mut windows: Vec<Option<usize>> = Vec::new();
         let mut layer_group = Vec::with_capacity(layer_windows.len());
+        let mut layer_slot = Vec::with_capacity(layer_windows.len());
+        let mut group_layers: Vec<usize> = Vec::new();
         for w in layer_windows {
             let g = match windows.iter().position(|x| x == w) {
                 Some(g) => g,
                 None => {
                     windows.push(*w);
+                    group_layers.push(0);
                     windows.len() - 1
                 }
             };
             layer_group.push(g);
+            layer_slot.push(group_layers[g]);
+            group_layers[g] += 1;
         }
-        let mut layers = Vec::with_capacity(layer_windows.len());
-        for _ in layer_windows {
-            layers.push(LayerStore {
-                k: ZeroedBuf::new(k_words)?,
-                v: ZeroedBuf::new(v_words)?,
-            });
-        }
-        let groups = windows
-            .into_iter()
-            .map(|window| Group {
+        let release_pages = tiers.len() > 1;
+        let page = page_words();
+        let mut total_bytes: u128 = 0;
+        let mut groups = Vec::with_capacity(windows.len());
+        for (g, window) in windows.into_iter().enumerate() {
+            let shapes: Vec<(usize, usize, usize)> = tiers
+                .iter()
+                .map(|&(k, v)| {
+                    let (kw, vw) = (k.bytes(elems) / 4, v.bytes(elems) / 4);
+                    let words = (kw + vw) * group_layers[g];
+                    (
+                        kw,
+                        vw,
+                        if release_pages {
+                            words.next_multiple_of(page)
+                        } else {
+                            words
+                        },
+                    )
+                })
+                .collect();
+            let budget_bytes = (n_blocks as u128) * (shapes[0].2 as u128) * 4;
+            total_bytes += budget_bytes;
+            if total_bytes > isize::MAX as u128 / 4 {
+                return Err(EngineError::OutOfMemory(format!(
+                    "a KV cache of n_ctx {n_ctx} needs {total_bytes} bytes"
+                )));
+            }
+            let budget_bytes = budget_bytes as usize;
+            let mut group_tiers = Vec::with_capacity(tiers.len());
+            for (&types, &(k_words, v_words, block_words)) in tiers.iter().zip(&shapes) {
+                // as many blocks as the whole budget holds at this precision
+                let capacity = (budget_bytes / (block_words * 4).max(1)).min(INDEX_MASK as usize);
+                group_tiers.push(Tier {
+                    types,
+                    k_words,
+                    v_words,
+                    block_words,
+                    store: PageBuf::new(capacity * block_words)?,
+                    refcount: vec![0; capacity],
+                    free: (0..capacity as u32).rev().collect(),
+                });
+            }
+            groups.push(Group {
                 window,
-                refcount: vec![0; n_blocks],
-                free: (0..n_blocks as u32).rev().collect(),
+                tiers: group_tiers,
+                used_bytes: 0,
+                budget_bytes,
+                release_pages,
                 // room for a full context, so decoding never grows a table
                 seqs: (0..n_seq_max)
                     .map(|_| SeqTable {
                         blocks: Vec::with_capacity(n_blocks),
                     })
                     .collect(),
-            })
-            .collect();
+            });
+        }
         Ok(KvCache {
             n_kv_heads,
             head_dim,
             n_blocks,
-            k_type,
-            v_type,
             n_seq_max,
             layer_group,
-            layers,
+            layer_slot,
             groups,
+            write_tier: 0,
             lens: vec![0; n_seq_max],
         })
     }
@@ -279,9 +501,56 @@ impl KvCache {
         self.n_seq_max
     }
 
-    /// Total number of token positions the cache can hold.
+    pub fn n_layers(&self) -> usize {
+        self.layer_group.len()
+    }
+
+    /// Total number of token positions the cache can hold at its first precision.
     pub fn capacity_tokens(&self) -> usize {
         self.n_blocks * KV_BLOCK_SIZE
+    }
+
+    /// The precisions blocks may have, highest first.
+    pub fn tiers(&self) -> Vec<KvTypes> {
+        self.groups[0].tiers.iter().map(|t| t.types).collect()
+    }
+
+    /// The precision tier blocks allocated from now on get.
+    pub fn write_tier(&self) -> usize {
+        self.write_tier
+    }
+
+    /// Makes blocks allocated from now on (new positions, copies of shared blocks) use `tier`
+    /// (an index into [`KvCache::tiers`]); blocks already written keep their precision.
+    pub fn set_write_tier(&mut self, tier: usize) -> Result<()> {
+        if tier >= self.groups[0].tiers.len() {
+            return Err(EngineError::InvalidArgument(format!(
+                "KV precision tier {tier} does not exist (the cache has {})",
+                self.groups[0].tiers.len()
+            )));
+        }
+        self.write_tier = tier;
+        Ok(())
+    }
+
+    /// Fraction of the byte budget the blocks in use take (the fullest layer group).
+    pub fn occupancy(&self) -> f64 {
+        self.groups
+            .iter()
+            .map(|g| g.used_bytes as f64 / g.budget_bytes.max(1) as f64)
+            .fold(0.0, f64::max)
+    }
+
+    /// Blocks in use per precision tier, summed over the layer groups.
+    pub fn blocks_by_tier(&self) -> Vec<usize> {
+        (0..self.groups[0].tiers.len())
+            .map(|i| {
+                self.groups
+                    .iter()
+                    .map(|g| g.tiers[i].refcount.iter().filter(|&&c| c > 0).count())
+                    .sum()
+            })
+            .collect()
     }
 
     pub fn check_seq(&self, seq: i64) -> Result<usize> {
@@ -333,48 +602,37 @@ impl KvCache {
     }
 
     fn ensure_exclusive(&mut self, g: usize, seq: usize, bi: usize) -> Result<()> {
+        let tier = self.write_tier;
         let group = &mut self.groups[g];
         while group.seqs[seq].blocks.len() <= bi {
-            let b = group.alloc().ok_or(EngineError::ContextFull { seq })?;
+            let b = group
+                .alloc_from(tier)
+                .ok_or(EngineError::ContextFull { seq })?;
             group.seqs[seq].blocks.push(b);
         }
         let b = group.seqs[seq].blocks[bi];
         if b == NO_BLOCK {
-            let nb = group.alloc().ok_or(EngineError::ContextFull { seq })?;
+            let nb = group
+                .alloc_from(tier)
+                .ok_or(EngineError::ContextFull { seq })?;
             group.seqs[seq].blocks[bi] = nb;
             return Ok(());
         }
-        if group.refcount[b as usize] > 1 {
-            let nb = group.alloc().ok_or(EngineError::ContextFull { seq })?;
-            group.refcount[b as usize] -= 1;
+        if *group.refcount_mut(b) > 1 {
+            // the copy keeps the block's precision: its contents are copied, not re-quantized
+            let (src_tier, src) = split_id(b);
+            let nb = group
+                .alloc(src_tier)
+                .ok_or(EngineError::ContextFull { seq })?;
+            *group.refcount_mut(b) -= 1;
             group.seqs[seq].blocks[bi] = nb;
-            let layers: Vec<usize> = (0..self.layers.len())
-                .filter(|&l| self.layer_group[l] == g)
-                .collect();
-            for l in layers {
-                self.copy_block(l, b as usize, nb as usize);
-            }
+            let t = &mut group.tiers[src_tier];
+            let (w, dst) = (t.block_words, split_id(nb).1);
+            t.store
+                .words_mut()
+                .copy_within(src * w..(src + 1) * w, dst * w);
         }
         Ok(())
-    }
-
-    /// Words of one block of one layer (a whole number for every type: a block holds
-    /// `16 · n_kv_heads · head_dim` values, a multiple of 64 whenever the type is quantized).
-    fn block_words(&self, t: KvType) -> usize {
-        t.bytes(KV_BLOCK_SIZE * self.n_kv_heads * self.head_dim) / 4
-    }
-
-    fn copy_block(&mut self, layer: usize, src: usize, dst: usize) {
-        let (wk, wv) = (self.block_words(self.k_type), self.block_words(self.v_type));
-        let store = &mut self.layers[layer];
-        store
-            .k
-            .words
-            .copy_within(src * wk..(src + 1) * wk, dst * wk);
-        store
-            .v
-            .words
-            .copy_within(src * wv..(src + 1) * wv, dst * wv);
     }
 
     /// Marks `[len, new_len)` valid after a successful write.
@@ -430,24 +688,26 @@ impl KvCache {
         Ok(truncate_to == p0)
     }
 
-    /// Tokens the free blocks hold (in the fullest layer group).
+    /// Tokens the free budget holds at the write precision (in the fullest layer group). New
+    /// blocks may still fall back to a lower precision when that is used up, but callers that
+    /// plan (admission, drafts) count on the write precision only.
     pub fn free_tokens(&self) -> usize {
         self.groups
             .iter()
-            .map(|g| g.free_blocks() * KV_BLOCK_SIZE)
+            .map(|g| g.free_blocks(self.write_tier) * KV_BLOCK_SIZE)
             .min()
             .unwrap_or(0)
     }
 
-    /// Positions `seq` can still add: the unused part of the blocks it holds, plus the free
-    /// blocks (the smallest figure over the layer groups).
+    /// Positions `seq` can still add: the unused part of the blocks it holds, plus what the
+    /// free budget holds at the write precision (the smallest figure over the layer groups).
     pub fn room(&self, seq: usize) -> usize {
         let len = self.lens[seq];
         self.groups
             .iter()
             .map(|g| {
                 let held = g.seqs[seq].blocks.len() * KV_BLOCK_SIZE;
-                held.saturating_sub(len) + g.free_blocks() * KV_BLOCK_SIZE
+                held.saturating_sub(len) + g.free_blocks(self.write_tier) * KV_BLOCK_SIZE
             })
             .min()
             .unwrap_or(0)
@@ -510,7 +770,7 @@ impl KvCache {
             shared.extend_from_slice(&group.seqs[src].blocks[..n_blocks]);
             for &b in &shared {
                 if b != NO_BLOCK {
-                    group.refcount[b as usize] += 1;
+                    *group.refcount_mut(b) += 1;
                 }
             }
             group.seqs[dst].blocks = shared;
@@ -522,11 +782,7 @@ impl KvCache {
     pub fn usage(&self) -> KvUsage {
         KvUsage {
             n_blocks: self.n_blocks,
-            used: self
-                .groups
-                .iter()
-                .map(|g| self.n_blocks - g.free.len())
-                .collect(),
+            used: self.groups.iter().map(Group::blocks_in_use).collect(),
             owners: self
                 .groups
                 .iter()
@@ -543,36 +799,57 @@ impl KvCache {
     }
 
     /// Checks the allocator invariants: every block's reference count equals the number of
-    /// table entries pointing at it, and free blocks have none.
+    /// table entries pointing at it, free blocks have none, and the bytes in use are the sum
+    /// of the blocks in use.
     pub fn audit(&self) -> std::result::Result<(), String> {
         for (gi, g) in self.groups.iter().enumerate() {
-            let mut counts = vec![0u32; self.n_blocks];
+            let mut counts: Vec<Vec<u32>> = g
+                .tiers
+                .iter()
+                .map(|t| vec![0u32; t.refcount.len()])
+                .collect();
             for t in &g.seqs {
                 for &b in &t.blocks {
                     if b != NO_BLOCK {
-                        counts[b as usize] += 1;
+                        let (tier, idx) = split_id(b);
+                        match counts.get_mut(tier).and_then(|c| c.get_mut(idx)) {
+                            Some(c) => *c += 1,
+                            None => return Err(format!("group {gi}: block id {b} out of range")),
+                        }
                     }
                 }
             }
-            if counts != g.refcount {
-                return Err(format!(
-                    "group {gi}: reference counts differ from block tables"
-                ));
-            }
-            let mut free = g.free.clone();
-            free.sort_unstable();
-            free.dedup();
-            if free.len() != g.free.len() {
-                return Err(format!("group {gi}: a block is free twice"));
-            }
-            for &b in &g.free {
-                if counts[b as usize] != 0 {
-                    return Err(format!("group {gi}: block {b} is free but referenced"));
+            let mut bytes = 0;
+            for (ti, (t, counts)) in g.tiers.iter().zip(&counts).enumerate() {
+                if counts != &t.refcount {
+                    return Err(format!(
+                        "group {gi} tier {ti}: reference counts differ from block tables"
+                    ));
                 }
+                let mut free = t.free.clone();
+                free.sort_unstable();
+                free.dedup();
+                if free.len() != t.free.len() {
+                    return Err(format!("group {gi} tier {ti}: a block is free twice"));
+                }
+                for &b in &t.free {
+                    if counts[b as usize] != 0 {
+                        return Err(format!(
+                            "group {gi} tier {ti}: block {b} is free but referenced"
+                        ));
+                    }
+                }
+                let used = counts.iter().filter(|&&c| c > 0).count();
+                if used + t.free.len() != t.refcount.len() {
+                    return Err(format!("group {gi} tier {ti}: leaked blocks"));
+                }
+                bytes += used * t.block_bytes();
             }
-            let used = counts.iter().filter(|&&c| c > 0).count();
-            if used + g.free.len() != self.n_blocks {
-                return Err(format!("group {gi}: leaked blocks"));
+            if bytes != g.used_bytes || bytes > g.budget_bytes {
+                return Err(format!(
+                    "group {gi}: {bytes} bytes in blocks, {} counted, budget {}",
+                    g.used_bytes, g.budget_bytes
+                ));
             }
         }
         Ok(())
@@ -588,25 +865,36 @@ impl KvCache {
         self.groups[self.layer_group[layer]].window
     }
 
+    /// The tier of block `b` in `layer`'s group and the word offsets of that layer's keys and
+    /// values in it.
+    fn locate(&self, layer: usize, b: u32) -> (&Tier, usize, usize) {
+        let (tier, idx) = split_id(b);
+        let t = &self.groups[self.layer_group[layer]].tiers[tier];
+        let (k, v) = t.layer_at(idx, self.layer_slot[layer]);
+        (t, k, v)
+    }
+
     /// Writes one position's keys and values (`n_kv_heads * head_dim` each) for a layer.
     /// The block must have been reserved.
     pub fn write(&mut self, layer: usize, seq: usize, pos: usize, k: &[f32], v: &[f32]) {
         let hd = self.head_dim;
-        let b = self.groups[self.layer_group[layer]].seqs[seq].blocks[pos / KV_BLOCK_SIZE] as usize;
-        let (kt, vt) = (self.k_type, self.v_type);
-        let first = self.head_offset(b, 0) + pos % KV_BLOCK_SIZE * hd;
-        let store = &mut self.layers[layer];
+        let (g, li) = (self.layer_group[layer], self.layer_slot[layer]);
+        let b = self.groups[g].seqs[seq].blocks[pos / KV_BLOCK_SIZE];
+        let (tier, idx) = split_id(b);
+        let t = &mut self.groups[g].tiers[tier];
+        let ((kt, vt), (kw, vw)) = (t.types, (t.k_words, t.v_words));
+        let (k_at, v_at) = t.layer_at(idx, li);
+        let words = t.store.words_mut();
+        // the values follow the keys of the same layer (`Tier::layer_at`)
+        debug_assert_eq!(v_at, k_at + kw);
+        let (kd, rest) = words[k_at..].split_at_mut(kw);
+        let vd = &mut rest[..vw];
+        let first = pos % KV_BLOCK_SIZE * hd;
         for h in 0..self.n_kv_heads {
             let at = first + h * KV_BLOCK_SIZE * hd;
-            write_row(kt, &mut store.k.words, at, &k[h * hd..(h + 1) * hd]);
-            write_row(vt, &mut store.v.words, at, &v[h * hd..(h + 1) * hd]);
+            write_row(kt, kd, at, &k[h * hd..(h + 1) * hd]);
+            write_row(vt, vd, at, &v[h * hd..(h + 1) * hd]);
         }
-    }
-
-    /// Element offset of KV head `h`'s slots in block `b` (`[block][kv_head][slot][head_dim]`,
-    /// so one head's slots of a block are contiguous for the per-head attention tasks).
-    fn head_offset(&self, b: usize, h: usize) -> usize {
-        (b * self.n_kv_heads + h) * KV_BLOCK_SIZE * self.head_dim
     }
 
     /// Reads the keys (or values) of `n` consecutive slots of block `b` into `out` as f32,
@@ -623,7 +911,8 @@ impl KvCache {
     }
 
     /// Reads one KV head of the slots `slots` of block `b` into `out`
-    /// (`slots.len() * head_dim` values).
+    /// (`slots.len() * head_dim` values). Slots of KV head `h` are contiguous in a block
+    /// (`[kv_head][slot][head_dim]`), for the per-head attention tasks.
     pub fn read_head(
         &self,
         layer: usize,
@@ -634,14 +923,15 @@ impl KvCache {
         out: &mut [f32],
     ) {
         let hd = self.head_dim;
-        let store = &self.layers[layer];
-        let (words, t) = if values {
-            (&store.v.words, self.v_type)
+        let (t, k_at, v_at) = self.locate(layer, b);
+        let (at, n, ty) = if values {
+            (v_at, t.v_words, t.types.1)
         } else {
-            (&store.k.words, self.k_type)
+            (k_at, t.k_words, t.types.0)
         };
-        let at = self.head_offset(b as usize, head) + slots.start * hd;
-        read_rows(t, words, at, &mut out[..slots.len() * hd]);
+        let words = &t.store.words()[at..at + n];
+        let first = (head * KV_BLOCK_SIZE + slots.start) * hd;
+        read_rows(ty, words, first, &mut out[..slots.len() * hd]);
     }
 
     /// Asks the CPU to start loading one KV head's keys and values of block `b`, so that
@@ -651,15 +941,14 @@ impl KvCache {
         {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             const LINE_BYTES: usize = 64;
-            let store = &self.layers[layer];
-            let at = self.head_offset(b as usize, head);
+            let (t, k_at, v_at) = self.locate(layer, b);
             let n = KV_BLOCK_SIZE * self.head_dim;
-            for (words, t) in [(&store.k.words, self.k_type), (&store.v.words, self.v_type)] {
-                let (at, len) = (t.bytes(at), t.bytes(n));
-                let base = words.as_ptr() as *const i8;
+            let base = t.store.words().as_ptr() as *const i8;
+            for (at, ty) in [(k_at, t.types.0), (v_at, t.types.1)] {
+                let (at, len) = (at * 4 + ty.bytes(head * n), ty.bytes(n));
                 for off in (0..len).step_by(LINE_BYTES) {
-                    // SAFETY: a prefetch never faults, and `at + off` stays inside the layer's
-                    // buffer (block `b` exists), so the pointer arithmetic is in bounds.
+                    // SAFETY: a prefetch never faults, and `at + off` stays inside the
+                    // tier's buffer (block `b` exists), so the pointer arithmetic is in bounds.
                     unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(at + off)) };
                 }
             }
@@ -982,6 +1271,167 @@ mod tests {
         assert!(!kv.seq_rm(0, 50, None).unwrap());
         assert_eq!(kv.seq_len(0), 0);
         kv.audit().unwrap();
+    }
+
+    fn tiered(n_ctx: usize, n_seq: usize) -> KvCache {
+        KvCache::with_tiers(
+            &[None, None],
+            2,
+            32,
+            n_ctx,
+            (n_seq, 0),
+            &[
+                (KvType::F16, KvType::F16),
+                (KvType::Q8_0, KvType::Q8_0),
+                (KvType::Q4_0, KvType::Q4_0),
+            ],
+        )
+        .unwrap()
+    }
+
+    fn fill64(kv: &mut KvCache, seq: usize, from: usize, to: usize) -> Result<()> {
+        kv.reserve(seq, from, to)?;
+        let width = kv.n_kv_heads * kv.head_dim;
+        for p in from..to {
+            let row: Vec<f32> = (0..width)
+                .map(|i| ((p * 7 + i) % 13) as f32 - 6.0)
+                .collect();
+            for l in 0..kv.n_layers() {
+                kv.write(l, seq, p, &row, &row);
+            }
+        }
+        kv.commit(seq, to);
+        Ok(())
+    }
+
+    fn max_error(kv: &KvCache, seq: usize, bi: usize) -> f32 {
+        let b = kv.seq_view(1, seq).blocks[bi];
+        let mut buf = vec![0f32; KV_BLOCK_SIZE * 64];
+        kv.read_block(1, true, b, KV_BLOCK_SIZE, &mut buf);
+        let mut worst = 0f32;
+        for (s, row) in buf.chunks_exact(64).enumerate() {
+            let p = bi * KV_BLOCK_SIZE + s;
+            for (i, x) in row.iter().enumerate() {
+                worst = worst.max((x - (((p * 7 + i) % 13) as f32 - 6.0)).abs());
+            }
+        }
+        worst
+    }
+
+    #[test]
+    fn new_blocks_take_the_write_precision_and_old_ones_keep_theirs() {
+        let mut kv = tiered(256, 2);
+        fill64(&mut kv, 0, 0, 32).unwrap();
+        kv.set_write_tier(1).unwrap();
+        fill64(&mut kv, 0, 32, 64).unwrap();
+        kv.set_write_tier(2).unwrap();
+        fill64(&mut kv, 0, 64, 80).unwrap();
+        // both layers share one group: a block holds the keys and values of both
+        assert_eq!(kv.blocks_by_tier(), vec![2, 2, 1]);
+        assert_eq!(
+            max_error(&kv, 0, 0),
+            0.0,
+            "f16 holds small integers exactly"
+        );
+        assert!(max_error(&kv, 0, 2) <= 6.0 / 127.0, "q8_0 within a step");
+        assert!(
+            max_error(&kv, 0, 4) <= 6.0 / 8.0 + 1e-3,
+            "q4_0 within a step"
+        );
+        // a shared block is copied in its own precision, whatever the write precision
+        kv.seq_share_prefix(0, 1, 40).unwrap();
+        fill64(&mut kv, 1, 40, 41).unwrap();
+        assert_eq!(kv.blocks_by_tier(), vec![2, 3, 1]);
+        assert_eq!(max_error(&kv, 1, 2), max_error(&kv, 0, 2));
+        kv.audit().unwrap();
+        assert!(kv.set_write_tier(3).is_err());
+        kv.clear();
+        assert_eq!(kv.occupancy(), 0.0);
+        kv.audit().unwrap();
+    }
+
+    #[test]
+    fn one_byte_budget_holds_more_tokens_at_lower_precision() {
+        let n_ctx = 64 * KV_BLOCK_SIZE;
+        let mut held = Vec::new();
+        for tier in 0..3 {
+            // blocks are whole pages in a tiered cache: a model-sized block keeps the rounding small
+            let mut kv = KvCache::with_tiers(
+                &[None; 4],
+                4,
+                64,
+                n_ctx,
+                (1, 0),
+                &[
+                    (KvType::F16, KvType::F16),
+                    (KvType::Q8_0, KvType::Q8_0),
+                    (KvType::Q4_0, KvType::Q4_0),
+                ],
+            )
+            .unwrap();
+            kv.set_write_tier(tier).unwrap();
+            let mut len = 0;
+            while fill64(&mut kv, 0, len, len + KV_BLOCK_SIZE).is_ok() {
+                len += KV_BLOCK_SIZE;
+            }
+            assert_eq!(kv.free_tokens(), 0);
+            assert_eq!(kv.room(0), len.next_multiple_of(KV_BLOCK_SIZE) - len);
+            assert!(kv.occupancy() <= 1.0 && kv.occupancy() > 0.99);
+            kv.audit().unwrap();
+            // once the write precision is full, the rest went to the lower ones
+            let by_tier = kv.blocks_by_tier();
+            assert!(by_tier[..tier].iter().all(|&n| n == 0));
+            assert_eq!(by_tier.iter().sum::<usize>() * KV_BLOCK_SIZE, len);
+            held.push(by_tier[tier] * KV_BLOCK_SIZE);
+        }
+        // 16 pages per f16 block, 9 per q8_0 block, 5 per q4_0 block
+        assert_eq!(held[0], n_ctx + KV_BLOCK_SIZE);
+        assert!(held[1] as f64 >= 1.7 * held[0] as f64, "{held:?}");
+        assert!(held[2] as f64 >= 2.9 * held[0] as f64, "{held:?}");
+    }
+
+    #[test]
+    fn a_block_that_does_not_fit_at_the_write_precision_takes_a_lower_one() {
+        // 16 pages per f16 block, 9 per q8_0 block, 5 per q4_0 block; 64 + 2 f16 blocks of budget
+        let mut kv = KvCache::with_tiers(
+            &[None; 4],
+            4,
+            64,
+            64 * KV_BLOCK_SIZE,
+            (2, 0),
+            &[
+                (KvType::F16, KvType::F16),
+                (KvType::Q8_0, KvType::Q8_0),
+                (KvType::Q4_0, KvType::Q4_0),
+            ],
+        )
+        .unwrap();
+        kv.set_write_tier(2).unwrap();
+        fill64(&mut kv, 0, 0, KV_BLOCK_SIZE).unwrap();
+        kv.set_write_tier(0).unwrap();
+        let mut len = 0;
+        while fill64(&mut kv, 1, len, len + KV_BLOCK_SIZE).is_ok() {
+            len += KV_BLOCK_SIZE;
+        }
+        // 1051 pages left: 65 f16 blocks, then the last 11 pages take one q8_0 block
+        assert_eq!(kv.blocks_by_tier(), vec![65, 1, 1]);
+        assert_eq!(len, 66 * KV_BLOCK_SIZE);
+        kv.audit().unwrap();
+    }
+
+    #[test]
+    fn freed_blocks_of_a_tiered_cache_give_their_pages_back() {
+        let mut kv = tiered(256, 1);
+        kv.set_write_tier(1).unwrap();
+        fill64(&mut kv, 0, 0, 16).unwrap();
+        let (tier, idx) = split_id(kv.seq_view(0, 0).blocks[0]);
+        let t = &kv.groups[0].tiers[tier];
+        let span = idx * t.block_words..(idx + 1) * t.block_words;
+        assert!(t.store.words()[span.clone()].iter().any(|&w| w != 0));
+        kv.seq_clear(0);
+        // MADV_DONTNEED dropped the pages: they read as fresh zero pages
+        let t = &kv.groups[0].tiers[tier];
+        assert!(t.store.words()[span].iter().all(|&w| w == 0));
     }
 
     #[test]

@@ -48,6 +48,9 @@ pub enum KvOp {
         snapshot: Arc<KvSnapshot>,
         len: usize,
     },
+    /// Give blocks allocated from now on the cache's precision tier `tier` (0: the context's
+    /// `kv_type`, then its `kv_pressure_types`); blocks already written keep theirs.
+    SetWriteTier { tier: usize },
 }
 
 /// A step's input.
@@ -99,6 +102,8 @@ pub struct StepOutcome {
     pub eval_us: u64,
     /// Tokens the cache's free blocks hold after the step (the Server's admission estimate).
     pub kv_free_tokens: usize,
+    /// Fraction of the KV byte budget in use after the step (the Server's `kv_policy` input).
+    pub kv_occupancy: f64,
     /// Draft tokens proposed per speculating sequence (accepted: its sampled tokens - 1).
     pub drafted: Vec<(usize, usize)>,
     /// `(seq, tag, copy)` of every [`KvOp::Save`] (its tag) and every purged cache that was
@@ -218,6 +223,7 @@ impl Context {
                     let seq = self.kv.check_seq(seq as i64)?;
                     self.kv.seq_clear(seq);
                 }
+                KvOp::SetWriteTier { tier } => self.kv.set_write_tier(tier)?,
             }
         }
         Ok(out)
@@ -321,6 +327,7 @@ impl Context {
         }
         outcome.eval_us = started.elapsed().as_micros() as u64;
         outcome.kv_free_tokens = self.kv.free_tokens();
+        outcome.kv_occupancy = self.kv.occupancy();
         Ok(outcome)
     }
 }

@@ -33,6 +33,7 @@ struct ContextOpts {
     n_seq_embd: usize,
     type_k: Atom,
     type_v: Atom,
+    kv_pressure_types: Vec<Atom>,
 }
 
 fn kv_type(a: Atom) -> Result<KvType, crate::error::NifError> {
@@ -87,6 +88,11 @@ impl ContextOpts {
             n_seq_embd: self.n_seq_embd,
             kv_type: kv_type(self.type_k)?,
             kv_type_v: Some(kv_type(self.type_v)?),
+            kv_pressure_types: self
+                .kv_pressure_types
+                .iter()
+                .map(|&t| kv_type(t))
+                .collect::<Result<_, _>>()?,
             n_threads: self.n_threads,
             n_threads_batch: self.n_threads_batch,
         })

@@ -11,7 +11,8 @@ use llama_cpp_ex_engine::{Batch, KvOp, Model, Step, StepOutcome};
 use rustler::{Encoder, Env, NifTaggedEnum, NifTuple, ResourceArc, Term};
 
 /// `{:trim, seq, keep}`, `{:share, src, dst, len}`, `{:clear, seq}`,
-/// `{:save, seq, len, max_bytes, tag}` or `{:restore, seq, snapshot, len}`.
+/// `{:save, seq, len, max_bytes, tag}`, `{:restore, seq, snapshot, len}` or
+/// `{:set_write_tier, tier}`.
 #[derive(NifTaggedEnum)]
 pub enum KvOpTerm {
     Trim(usize, usize),
@@ -19,6 +20,7 @@ pub enum KvOpTerm {
     Clear(usize),
     Save(usize, usize, usize, u64),
     Restore(usize, ResourceArc<SnapshotRes>, usize),
+    SetWriteTier(usize),
 }
 
 /// `{ops, [{token, pos, seq, logits?}], [{seq, sampler}], {purgeable_seqs, save_max_bytes},
@@ -72,6 +74,7 @@ impl StepTerm {
                         snapshot: s.snapshot.clone(),
                         len,
                     },
+                    KvOpTerm::SetWriteTier(tier) => KvOp::SetWriteTier { tier },
                 })
                 .collect(),
             batch,
@@ -110,7 +113,7 @@ pub fn encode_logprobs<'a>(env: Env<'a>, model: &Model, lp: &TokenLogprobs) -> T
 }
 
 /// `{[{seq, token, piece, eog?, logprobs | nil}], purged, n_splits, failed, eval_us,
-/// [{embed_seq, {:ok, f32_binary} | {:error, message}}], {kv_free_tokens,
+/// [{embed_seq, {:ok, f32_binary} | {:error, message}}], {kv_free_tokens, kv_occupancy,
 /// [{seq, n_drafted}], [{seq, tag, {snapshot, bytes, len}}], restore_failed_seqs}}`.
 pub fn encode_outcome<'a>(env: Env<'a>, model: &Model, o: &StepOutcome) -> Term<'a> {
     let sampled: Vec<Term> = o
@@ -150,7 +153,13 @@ pub fn encode_outcome<'a>(env: Env<'a>, model: &Model, o: &StepOutcome) -> Term<
         &o.failed,
         o.eval_us,
         embeddings,
-        (o.kv_free_tokens, &o.drafted, saved, &o.restore_failed),
+        (
+            o.kv_free_tokens,
+            o.kv_occupancy,
+            &o.drafted,
+            saved,
+            &o.restore_failed,
+        ),
     )
         .encode(env)
 }

@@ -4,10 +4,11 @@
 //! `Server.save_prefix/3` writes one to disk ([`KvSnapshot::to_bytes`]).
 //!
 //! A snapshot holds whole blocks in the cache's own storage types (no conversion, so a
-//! restore gives back exactly what was cached) and the layout they came from; a restore into
-//! a cache of another layout (another model, other KV types) is an error.
+//! restore gives back exactly what was cached; under a `kv_policy` the blocks of one sequence
+//! may have different precisions, and each keeps its own) and the layout they came from; a
+//! restore into a cache of another layout (another model, other KV types) is an error.
 
-use super::{KvCache, KvType, KV_BLOCK_SIZE, NO_BLOCK};
+use super::{split_id, KvCache, KvType, KvTypes, KV_BLOCK_SIZE, MAX_KV_TIERS, NO_BLOCK};
 use crate::error::{EngineError, Result};
 
 /// What a snapshot's blocks mean: a cache must have the same layout to take them.
@@ -15,26 +16,35 @@ use crate::error::{EngineError, Result};
 pub struct KvLayout {
     n_kv_heads: usize,
     head_dim: usize,
-    k_type: KvType,
-    v_type: KvType,
+    /// The precisions a block may have (a cache's tiers).
+    tiers: Vec<KvTypes>,
     /// The layer group of every layer.
     layer_group: Vec<usize>,
     /// The sliding window of every group (None: full attention).
     windows: Vec<Option<usize>>,
 }
 
-/// The first `len` positions of one sequence: per layer group which logical blocks are held
-/// (a sliding window drops old ones), per layer the keys and values of those blocks.
+impl KvLayout {
+    /// Words of one layer's keys and of its values in one block of `tier`.
+    fn words(&self, tier: usize) -> (usize, usize) {
+        let elems = KV_BLOCK_SIZE * self.n_kv_heads * self.head_dim;
+        let (k, v) = self.tiers[tier];
+        (k.bytes(elems) / 4, v.bytes(elems) / 4)
+    }
+}
+
+/// The first `len` positions of one sequence: per layer group the tier of each logical block
+/// (`None` where a sliding window dropped it), per layer the keys and values of those blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvSnapshot {
     layout: KvLayout,
     len: usize,
-    present: Vec<Vec<bool>>,
+    present: Vec<Vec<Option<u8>>>,
     /// Per layer: the key words of its group's present blocks, then their value words.
     data: Vec<Vec<u32>>,
 }
 
-const MAGIC: &[u8; 8] = b"LCXKV\0\0\x01";
+const MAGIC: &[u8; 8] = b"LCXKV\0\0\x02";
 
 impl KvSnapshot {
     /// An error unless the snapshot can be restored into a cache of `layout`.
@@ -70,8 +80,11 @@ impl KvSnapshot {
         let mut put = |x: usize| out.extend_from_slice(&(x as u64).to_le_bytes());
         put(l.n_kv_heads);
         put(l.head_dim);
-        put(type_code(l.k_type));
-        put(type_code(l.v_type));
+        put(l.tiers.len());
+        for &(k, v) in &l.tiers {
+            put(type_code(k));
+            put(type_code(v));
+        }
         put(self.len);
         put(l.windows.len());
         for w in &l.windows {
@@ -84,7 +97,7 @@ impl KvSnapshot {
         for p in &self.present {
             put(p.len());
             for &b in p {
-                put(b as usize);
+                put(b.map_or(0, |t| t as usize + 1));
             }
         }
         for d in &self.data {
@@ -122,8 +135,16 @@ impl KvSnapshot {
         };
         let n_kv_heads = get()?;
         let head_dim = get()?;
-        let k_type = type_of(get()?).ok_or_else(|| bad("unknown key type"))?;
-        let v_type = type_of(get()?).ok_or_else(|| bad("unknown value type"))?;
+        let n_tiers = get()?;
+        if n_tiers == 0 || n_tiers > MAX_KV_TIERS {
+            return Err(bad("wrong number of precisions"));
+        }
+        let mut tiers = Vec::with_capacity(n_tiers);
+        for _ in 0..n_tiers {
+            let k = type_of(get()?).ok_or_else(|| bad("unknown key type"))?;
+            let v = type_of(get()?).ok_or_else(|| bad("unknown value type"))?;
+            tiers.push((k, v));
+        }
         let len = get()?;
         let n_groups = count(&mut get)?;
         let mut windows = Vec::with_capacity(n_groups);
@@ -144,7 +165,11 @@ impl KvSnapshot {
             let n = count(&mut get)?;
             let mut p = Vec::with_capacity(n);
             for _ in 0..n {
-                p.push(get()? != 0);
+                p.push(match get()? {
+                    0 => None,
+                    t if t <= n_tiers => Some((t - 1) as u8),
+                    _ => return Err(bad("a block names a precision that does not exist")),
+                });
             }
             present.push(p);
         }
@@ -155,8 +180,7 @@ impl KvSnapshot {
         let layout = KvLayout {
             n_kv_heads,
             head_dim,
-            k_type,
-            v_type,
+            tiers,
             layer_group,
             windows,
         };
@@ -185,27 +209,32 @@ impl KvSnapshot {
         Ok(snap)
     }
 
-    /// The sizes agree with the layout: every group has a flag per block of `len`, every
+    /// The sizes agree with the layout: every group has an entry per block of `len`, every
     /// layer the words of its group's present blocks.
     fn check(&self) -> Result<()> {
         let l = &self.layout;
         let n_blocks = self.len.div_ceil(KV_BLOCK_SIZE);
         let bad = |why: &str| EngineError::InvalidArgument(format!("not a KV snapshot: {why}"));
+        if self.present.len() != l.windows.len() || self.data.len() != l.layer_group.len() {
+            return Err(bad("groups or layers do not match the layout"));
+        }
         if self.present.iter().any(|p| p.len() != n_blocks) {
             return Err(bad("block flags do not match its length"));
         }
-        let elems = KV_BLOCK_SIZE
+        KV_BLOCK_SIZE
             .checked_mul(l.n_kv_heads)
             .and_then(|x| x.checked_mul(l.head_dim))
             .filter(|&e| e <= 1 << 32)
             .ok_or_else(|| bad("absurd head sizes"))?;
-        let (wk, wv) = (l.k_type.bytes(elems) / 4, l.v_type.bytes(elems) / 4);
         for (layer, d) in self.data.iter().enumerate() {
-            let held = self.present[l.layer_group[layer]]
-                .iter()
-                .filter(|&&b| b)
-                .count();
-            if Some(d.len()) != held.checked_mul(wk + wv) {
+            let mut words = 0usize;
+            for t in self.present[l.layer_group[layer]].iter().flatten() {
+                let (wk, wv) = l.words(*t as usize);
+                words = words
+                    .checked_add(wk + wv)
+                    .ok_or_else(|| bad("absurd sizes"))?;
+            }
+            if d.len() != words {
                 return Err(bad("layer data does not match its blocks"));
             }
         }
@@ -238,27 +267,39 @@ impl KvCache {
         KvLayout {
             n_kv_heads: self.n_kv_heads,
             head_dim: self.head_dim,
-            k_type: self.k_type,
-            v_type: self.v_type,
+            tiers: self.tiers(),
             layer_group: self.layer_group.clone(),
             windows: self.groups.iter().map(|g| g.window).collect(),
         }
+    }
+
+    /// The blocks of `seq` that hold its first `n_blocks` logical blocks, per layer group.
+    fn held_blocks(&self, seq: usize, n_blocks: usize) -> Vec<Vec<u32>> {
+        self.groups
+            .iter()
+            .map(|g| {
+                let table = &g.seqs[seq].blocks;
+                table[..n_blocks.min(table.len())].to_vec()
+            })
+            .collect()
     }
 
     /// Bytes a snapshot of the first `len` positions of `seq` would take (its blocks, keys and
     /// values of every layer), so a caller can refuse it before anything is copied.
     pub fn snapshot_bytes(&self, seq: usize, len: usize) -> usize {
         let n_blocks = len.min(self.lens[seq]).div_ceil(KV_BLOCK_SIZE);
-        let block = (self.block_words(self.k_type) + self.block_words(self.v_type)) * 4;
+        let held = self.held_blocks(seq, n_blocks);
         self.layer_group
             .iter()
             .map(|&g| {
-                let table = &self.groups[g].seqs[seq].blocks;
-                table[..n_blocks.min(table.len())]
+                held[g]
                     .iter()
                     .filter(|&&b| b != NO_BLOCK)
-                    .count()
-                    * block
+                    .map(|&b| {
+                        let t = &self.groups[g].tiers[split_id(b).0];
+                        (t.k_words + t.v_words) * 4
+                    })
+                    .sum::<usize>()
             })
             .sum()
     }
@@ -273,33 +314,38 @@ impl KvCache {
             )));
         }
         let n_blocks = len.div_ceil(KV_BLOCK_SIZE);
-        let present: Vec<Vec<bool>> = self
-            .groups
+        let held = self.held_blocks(seq, n_blocks);
+        let present: Vec<Vec<Option<u8>>> = held
             .iter()
-            .map(|g| {
+            .map(|blocks| {
                 (0..n_blocks)
-                    .map(|bi| g.seqs[seq].blocks.get(bi).is_some_and(|&b| b != NO_BLOCK))
+                    .map(|bi| {
+                        blocks
+                            .get(bi)
+                            .filter(|&&b| b != NO_BLOCK)
+                            .map(|&b| split_id(b).0 as u8)
+                    })
                     .collect()
             })
             .collect();
-        let (wk, wv) = (self.block_words(self.k_type), self.block_words(self.v_type));
-        let data = self
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(layer, store)| {
-                let blocks: Vec<usize> = self.groups[self.layer_group[layer]].seqs[seq].blocks
-                    [..n_blocks]
+        let data = (0..self.n_layers())
+            .map(|layer| {
+                let blocks: Vec<u32> = held[self.layer_group[layer]]
                     .iter()
-                    .filter(|&&b| b != NO_BLOCK)
-                    .map(|&b| b as usize)
+                    .copied()
+                    .filter(|&b| b != NO_BLOCK)
                     .collect();
-                let mut d = Vec::with_capacity(blocks.len() * (wk + wv));
-                for &b in &blocks {
-                    d.extend_from_slice(&store.k.words[b * wk..(b + 1) * wk]);
-                }
-                for &b in &blocks {
-                    d.extend_from_slice(&store.v.words[b * wv..(b + 1) * wv]);
+                let mut d = Vec::new();
+                for values in [false, true] {
+                    for &b in &blocks {
+                        let (t, k_at, v_at) = self.locate(layer, b);
+                        let (at, n) = if values {
+                            (v_at, t.v_words)
+                        } else {
+                            (k_at, t.k_words)
+                        };
+                        d.extend_from_slice(&t.store.words()[at..at + n]);
+                    }
                 }
                 d
             })
@@ -312,41 +358,49 @@ impl KvCache {
         })
     }
 
-    /// Makes `seq` hold exactly the snapshot's positions, in newly allocated blocks. Errors
-    /// (with `seq` left empty) when the layout differs or the free blocks cannot hold it.
+    /// Makes `seq` hold exactly the snapshot's positions, in newly allocated blocks of the
+    /// precisions they were saved in. Errors (with `seq` left empty) when the layout differs or
+    /// the free budget cannot hold it.
     pub fn restore(&mut self, seq: usize, snap: &KvSnapshot) -> Result<()> {
         snap.check_layout(&self.layout())?;
         self.seq_clear(seq);
         for (g, present) in snap.present.iter().enumerate() {
-            let group = &mut self.groups[g];
-            let wanted = present.iter().filter(|&&b| b).count();
-            if group.free_blocks() < wanted {
-                self.seq_clear(seq);
-                return Err(EngineError::ContextFull { seq });
-            }
             for &held in present {
-                let b = if held {
-                    group.alloc().expect("counted above")
-                } else {
-                    NO_BLOCK
+                let b = match held {
+                    None => NO_BLOCK,
+                    Some(tier) => match self.groups[g].alloc(tier as usize) {
+                        Some(b) => b,
+                        None => {
+                            self.seq_clear(seq);
+                            return Err(EngineError::ContextFull { seq });
+                        }
+                    },
                 };
-                group.seqs[seq].blocks.push(b);
+                self.groups[g].seqs[seq].blocks.push(b);
             }
         }
-        let (wk, wv) = (self.block_words(self.k_type), self.block_words(self.v_type));
         for (layer, d) in snap.data.iter().enumerate() {
-            let g = self.layer_group[layer];
-            let blocks: Vec<usize> = self.groups[g].seqs[seq]
+            let (g, li) = (self.layer_group[layer], self.layer_slot[layer]);
+            let blocks: Vec<u32> = self.groups[g].seqs[seq]
                 .blocks
                 .iter()
-                .filter(|&&b| b != NO_BLOCK)
-                .map(|&b| b as usize)
+                .copied()
+                .filter(|&b| b != NO_BLOCK)
                 .collect();
-            let (keys, values) = d.split_at(blocks.len() * wk);
-            let store = &mut self.layers[layer];
-            for (i, &b) in blocks.iter().enumerate() {
-                store.k.words[b * wk..(b + 1) * wk].copy_from_slice(&keys[i * wk..(i + 1) * wk]);
-                store.v.words[b * wv..(b + 1) * wv].copy_from_slice(&values[i * wv..(i + 1) * wv]);
+            let mut from = 0;
+            for values in [false, true] {
+                for &b in &blocks {
+                    let (tier, idx) = split_id(b);
+                    let t = &mut self.groups[g].tiers[tier];
+                    let (k_at, v_at) = t.layer_at(idx, li);
+                    let (at, n) = if values {
+                        (v_at, t.v_words)
+                    } else {
+                        (k_at, t.k_words)
+                    };
+                    t.store.words_mut()[at..at + n].copy_from_slice(&d[from..from + n]);
+                    from += n;
+                }
             }
         }
         self.lens[seq] = snap.len;
@@ -368,7 +422,7 @@ mod tests {
             let row: Vec<f32> = (0..64)
                 .map(|i| tag + p as f32 * 0.5 + i as f32 * 0.01)
                 .collect();
-            for l in 0..kv.layers.len() {
+            for l in 0..kv.n_layers() {
                 kv.write(l, seq, p, &row, &row);
             }
         }
@@ -377,7 +431,7 @@ mod tests {
 
     fn rows(kv: &KvCache, seq: usize, len: usize) -> Vec<f32> {
         let mut out = Vec::new();
-        for l in 0..kv.layers.len() {
+        for l in 0..kv.n_layers() {
             for values in [false, true] {
                 for (bi, &b) in kv.seq_view(l, seq).blocks.iter().enumerate() {
                     if b == NO_BLOCK || bi * KV_BLOCK_SIZE >= len {
@@ -418,8 +472,8 @@ mod tests {
         let mut kv = cache(&[Some(32), None], KvType::F16);
         fill(&mut kv, 0, 100, 0.0);
         let snap = kv.snapshot(0, 100).unwrap();
-        assert_eq!(snap.present[0].iter().filter(|&&b| b).count(), 3);
-        assert_eq!(snap.present[1].iter().filter(|&&b| b).count(), 7);
+        assert_eq!(snap.present[0].iter().flatten().count(), 3);
+        assert_eq!(snap.present[1].iter().flatten().count(), 7);
         assert!(
             kv.snapshot(0, 40).is_err(),
             "the window dropped what 40 needs"
@@ -448,6 +502,32 @@ mod tests {
     }
 
     #[test]
+    fn blocks_of_several_precisions_are_restored_in_theirs() {
+        let tiers = [(KvType::F16, KvType::F16), (KvType::Q4_0, KvType::Q4_0)];
+        let mut kv = KvCache::with_tiers(&[Some(32), None], 2, 32, 512, (3, 0), &tiers).unwrap();
+        fill(&mut kv, 0, 40, 1.0);
+        kv.set_write_tier(1).unwrap();
+        kv.reserve(0, 40, 70).unwrap();
+        for p in 40..70 {
+            let row: Vec<f32> = (0..64).map(|i| p as f32 * 0.5 + i as f32 * 0.01).collect();
+            for l in 0..kv.n_layers() {
+                kv.write(l, 0, p, &row, &row);
+            }
+        }
+        kv.commit(0, 70);
+        let snap = kv.snapshot(0, 70).unwrap();
+        assert_eq!(snap.bytes(), kv.snapshot_bytes(0, 70));
+        let back = KvSnapshot::from_bytes(&snap.to_bytes()).unwrap();
+        assert_eq!(back, snap);
+        kv.set_write_tier(0).unwrap();
+        kv.restore(1, &back).unwrap();
+        assert_eq!(rows(&kv, 1, 70), rows(&kv, 0, 70));
+        // the window group holds blocks 2 (f16), 3 and 4 (q4_0); the full group 0..=2 and 3, 4
+        assert_eq!(kv.blocks_by_tier(), [2 * (1 + 3), 2 * (2 + 2)]);
+        kv.audit().unwrap();
+    }
+
+    #[test]
     fn malformed_bytes_are_errors_not_panics() {
         let mut kv = cache(&[Some(32), None], KvType::Q8_0);
         fill(&mut kv, 0, 50, 0.0);
@@ -464,7 +544,7 @@ mod tests {
         assert!(KvSnapshot::from_bytes(&longer).is_err());
         // a huge count is refused before anything is allocated
         let mut huge = bytes.clone();
-        huge[8 + 5 * 8..8 + 6 * 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        huge[8 + 6 * 8..8 + 7 * 8].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(KvSnapshot::from_bytes(&huge).is_err());
         // every single-byte corruption of the header is an error or a consistent snapshot
         for i in 8..200.min(bytes.len()) {
