@@ -67,6 +67,21 @@ IO.puts(
 IO.puts("|---|---:|---:|---:|---:|---:|---:|---|")
 long = String.duplicate("The committee reviewed the budget, the schedule and the risks. ", 20)
 
+# 8 requests at once: {wall µs, completed, failed with :context_full}
+serve_eight = fn s, prompt, opts ->
+  {us, results} =
+    :timer.tc(fn ->
+      1..8
+      |> Enum.map(fn i ->
+        Task.async(fn -> Server.generate(s, prompt.(i), [timeout: 600_000] ++ opts) end)
+      end)
+      |> Task.await_many(600_000)
+    end)
+
+  {us, Enum.count(results, &match?({:ok, _}, &1)),
+   Enum.count(results, &match?({:error, :context_full}, &1))}
+end
+
 configs = [
   {"f16", [type_k: :f16, type_v: :f16]},
   {"q8_0", [type_k: :q8_0, type_v: :q8_0]},
@@ -98,19 +113,7 @@ for {label, kv_opts} <- configs do
       loop.(loop, 0)
     end)
 
-  {us, results} =
-    :timer.tc(fn ->
-      1..8
-      |> Enum.map(fn i ->
-        Task.async(fn ->
-          Server.generate(s, "#{i}. " <> long, max_tokens: 64, timeout: 600_000)
-        end)
-      end)
-      |> Task.await_many(600_000)
-    end)
-
-  done = Enum.count(results, &match?({:ok, _}, &1))
-  full = Enum.count(results, &match?({:error, :context_full}, &1))
+  {us, done, full} = serve_eight.(s, &"#{&1}. #{long}", max_tokens: 64)
 
   send(poller, :stop)
   best = receive do: ({:best, b} -> b)
@@ -135,38 +138,25 @@ IO.puts(
 IO.puts("|---|---:|---:|---:|---:|---|")
 
 for {label, kv_opts} <- configs do
-  {s, _} =
+  {s, m} =
     Bench.Models.start_server(
       path,
       [n_threads: threads, n_parallel: 8, kv_budget_mb: 8] ++ kv_opts
     )
 
   # every end-of-generation token banned, so each answer is 160 tokens long
-  {:ok, m} = Server.fetch_model(s)
-
   no_eos =
     for t <- 0..(LlamaCppEx.Tokenizer.vocab_size(m) - 1),
         LlamaCppEx.Tokenizer.eog?(m, t),
         into: %{},
         do: {t, :neg_infinity}
 
-  {us, results} =
-    :timer.tc(fn ->
-      1..8
-      |> Enum.map(fn i ->
-        Task.async(fn ->
-          Server.generate(s, "Story #{i}: once upon a time, a dragon called Bob",
-            max_tokens: 160,
-            logit_bias: no_eos,
-            timeout: 600_000
-          )
-        end)
-      end)
-      |> Task.await_many(600_000)
-    end)
+  {us, done, full} =
+    serve_eight.(s, &"Story #{&1}: once upon a time, a dragon called Bob",
+      max_tokens: 160,
+      logit_bias: no_eos
+    )
 
-  done = Enum.count(results, &match?({:ok, _}, &1))
-  full = Enum.count(results, &match?({:error, :context_full}, &1))
   stats = Server.get_stats(s)
 
   IO.puts(

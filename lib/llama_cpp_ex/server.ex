@@ -713,7 +713,7 @@ defmodule LlamaCppEx.Server do
     stats =
       stats
       |> Map.merge(PromptCache.stats(st.prompt_cache))
-      |> Map.merge(Tick.kv_policy_stats(st.kv_policy))
+      |> Map.merge(KvPolicy.stats(st.kv_policy))
       |> Map.merge(%{paused: st.pause_level != :none, pause_level: st.pause_level})
 
     {:reply, stats, st}

@@ -157,6 +157,19 @@ defmodule LlamaCppEx.Server.KvPolicy do
       else: {%{p | level: level, changes: p.changes + 1}, {p.level, level}}
   end
 
+  @doc "The `LlamaCppEx.Server.get_stats/1` fields of a policy (none without one)."
+  @spec stats(t() | nil) :: map()
+  def stats(nil), do: %{}
+
+  def stats(%__MODULE__{} = p) do
+    %{
+      kv_precision: p.level,
+      kv_occupancy: p.occupancy,
+      kv_occupancy_ewma: p.ewma,
+      kv_precision_changes: p.changes
+    }
+  end
+
   defp level_at(p, x, margin) do
     cond do
       x >= p.q4_threshold - margin -> :q4_0

@@ -330,18 +330,6 @@ defmodule LlamaCppEx.Server.Tick do
     end
   end
 
-  @doc "The `get_stats/1` fields of the KV precision policy (none without one)."
-  def kv_policy_stats(nil), do: %{}
-
-  def kv_policy_stats(policy) do
-    %{
-      kv_precision: policy.level,
-      kv_occupancy: policy.occupancy,
-      kv_occupancy_ewma: policy.ewma,
-      kv_precision_changes: policy.changes
-    }
-  end
-
   # A copy the engine made (a save op's or an evicted cache's) goes to the RAM cache or to
   # the save_prefix/4 call waiting for it.
   defp keep_copy({seq, tag, copy}, st) do

@@ -233,6 +233,10 @@ impl Tier {
         self.block_words * 4
     }
 
+    fn blocks_in_use(&self) -> usize {
+        self.refcount.iter().filter(|&&c| c > 0).count()
+    }
+
     /// The keys and values of layer slot `li` of block `idx`: `(word offset of the keys,
     /// word offset of the values)`.
     fn layer_at(&self, idx: usize, li: usize) -> (usize, usize) {
@@ -271,10 +275,7 @@ impl Group {
     }
 
     fn blocks_in_use(&self) -> usize {
-        self.tiers
-            .iter()
-            .map(|t| t.refcount.iter().filter(|&&c| c > 0).count())
-            .sum()
+        self.tiers.iter().map(Tier::blocks_in_use).sum()
     }
 
     fn alloc(&mut self, tier: usize) -> Option<u32> {
@@ -544,12 +545,7 @@ impl KvCache {
     /// Blocks in use per precision tier, summed over the layer groups.
     pub fn blocks_by_tier(&self) -> Vec<usize> {
         (0..self.groups[0].tiers.len())
-            .map(|i| {
-                self.groups
-                    .iter()
-                    .map(|g| g.tiers[i].refcount.iter().filter(|&&c| c > 0).count())
-                    .sum()
-            })
+            .map(|i| self.groups.iter().map(|g| g.tiers[i].blocks_in_use()).sum())
             .collect()
     }
 
