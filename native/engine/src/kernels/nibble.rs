@@ -601,6 +601,14 @@ unsafe fn half_dots_vnni<const C: usize>(
 #[cfg(target_arch = "x86_64")]
 const BUFFERED_ROWS: usize = 4;
 
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// The unpacked blocks of the row group a batch's product is computing (see
+    /// `group_kernel!`).
+    static BUFFERED: std::cell::RefCell<Vec<[std::arch::x86_64::__m256i; 8]>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Where one row group's blocks live.
 #[cfg(target_arch = "x86_64")]
 struct GroupRef {
@@ -673,25 +681,30 @@ macro_rules! group_kernel {
         #[target_feature(enable = $features)]
         unsafe fn $name(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &SharedMut) {
             let p = GroupRef::new(w, g, $signed);
-            let mut buffered = Vec::new();
-            let mut chunk = $rows;
-            if a.m > $rows {
-                buffered.reserve_exact(w.nb);
-                for b in 0..w.nb {
-                    buffered.push(group_block(&p, b));
+            let run = |buffered: &mut Vec<[std::arch::x86_64::__m256i; 8]>| {
+                buffered.clear();
+                let mut chunk = $rows;
+                if a.m > $rows {
+                    buffered.extend((0..w.nb).map(|b| group_block(&p, b)));
+                    chunk = BUFFERED_ROWS;
                 }
-                chunk = BUFFERED_ROWS;
-            }
-            let valid = GROUP.min(w.n_out - g * GROUP);
-            let mut r0 = 0;
-            while r0 < a.m {
-                let rows = (a.m - r0).min(chunk);
-                match rows {
-                    $($r => $pass::<$r>(w, &p, &buffered, a, r0, valid, g, out),)*
-                    _ => unreachable!(),
+                let valid = GROUP.min(w.n_out - g * GROUP);
+                let mut r0 = 0;
+                while r0 < a.m {
+                    let rows = (a.m - r0).min(chunk);
+                    match rows {
+                        $($r => $pass::<$r>(w, &p, buffered, a, r0, valid, g, out),)*
+                        _ => unreachable!(),
+                    }
+                    r0 += rows;
                 }
-                r0 += rows;
-            }
+            };
+            // one buffer per thread, grown once: a batch's products used to allocate and
+            // free one per row group (malloc was ~4% of an 8-stream decode)
+            BUFFERED.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut buffered) => run(&mut buffered),
+                Err(_) => run(&mut Vec::new()),
+            })
         }
 
         #[cfg(target_arch = "x86_64")]

@@ -1,0 +1,82 @@
+//! Times the engine's forward passes without the BEAM, for profiling (`perf record`) and for
+//! A/B checks of kernel changes:
+//!
+//!     cargo run --release --example decode_profile -- MODEL.gguf [THREADS] [STEPS] [STREAMS]
+//!
+//! prints pp512 (one 512-token prompt), tg (STEPS one-token decodes) and, with STREAMS > 1,
+//! batched decode (STREAMS sequences at different positions, one token each per pass).
+
+use llama_cpp_ex_engine::{Batch, Context, ContextParams, LoadOptions, Model, Requantize};
+use std::sync::Arc;
+use std::time::Instant;
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let path = args
+        .next()
+        .expect("usage: decode_profile MODEL.gguf [THREADS] [STEPS] [STREAMS]");
+    let threads: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(2);
+    let steps: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(128);
+    let streams: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1);
+    let opts = LoadOptions {
+        requantize: Requantize::Off,
+        vocab_only: false,
+    };
+    let model = Arc::new(Model::load(std::path::Path::new(&path), &opts).unwrap());
+    let params = |n_seq_max| ContextParams {
+        n_ctx: 4096,
+        n_seq_max,
+        n_threads: threads,
+        n_threads_batch: threads,
+        ..Default::default()
+    };
+    let prompt: Vec<u32> = (0..512u32).map(|i| 300 + i % 1000).collect();
+    // STREAMS_ONLY=1: only the batched decode (for profiling it alone)
+    let single = std::env::var_os("STREAMS_ONLY").is_none();
+    if single {
+        let mut ctx = Context::new(model.clone(), params(1)).unwrap();
+        ctx.decode(&Batch::for_sequence(&prompt, 0, 0)).unwrap();
+        let mut ctx = Context::new(model.clone(), params(1)).unwrap();
+        let t = Instant::now();
+        ctx.decode(&Batch::for_sequence(&prompt, 0, 0)).unwrap();
+        println!("pp512: {:.1} tok/s", 512.0 / t.elapsed().as_secs_f64());
+
+        // the median of 5 runs from an empty context, as llama-bench's tg runs
+        let mut runs: Vec<f64> = (0..5)
+            .map(|_| {
+                let mut ctx = Context::new(model.clone(), params(1)).unwrap();
+                ctx.decode(&Batch::for_sequence(&prompt[..1], 0, 0))
+                    .unwrap();
+                let t = Instant::now();
+                for i in 0..steps {
+                    ctx.decode(&Batch::for_sequence(&[400 + i as u32 % 500], 1 + i, 0))
+                        .unwrap();
+                }
+                steps as f64 / t.elapsed().as_secs_f64()
+            })
+            .collect();
+        runs.sort_by(f64::total_cmp);
+        println!("tg{steps}: {:.1} tok/s", runs[2]);
+    }
+
+    if streams > 1 {
+        let mut ctx = Context::new(model, params(streams)).unwrap();
+        for s in 0..streams {
+            ctx.decode(&Batch::for_sequence(&prompt[..1 + 7 * s], 0, s))
+                .unwrap();
+        }
+        let t = Instant::now();
+        for i in 0..steps {
+            let mut b = Batch::default();
+            for s in 0..streams {
+                b.push(400 + (i + s) as u32 % 500, 1 + 7 * s + i, s, true);
+            }
+            ctx.decode(&b).unwrap();
+        }
+        let n = (steps * streams) as f64;
+        println!(
+            "{streams} streams: {:.1} tok/s",
+            n / t.elapsed().as_secs_f64()
+        );
+    }
+}

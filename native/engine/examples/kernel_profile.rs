@@ -1,0 +1,86 @@
+//! Times the engine's quantized products alone on synthetic weights, in GB/s of weights read
+//! and GMAC/s, for A/B checks of kernel changes (no model, no BEAM):
+//!
+//!     cargo run --release --example kernel_profile -- [THREADS] [ROWS...]
+//!
+//! Shapes are the ones that dominate the two real models' decode: Gemma 3's tied Q8_0 output
+//! head (262144 × 640) and Q5_0 FFN (2048 × 640, 640 × 2048), SmolLM2's Q4_1 FFN (3072 × 576,
+//! 576 × 1536).
+
+use half::f16;
+use llama_cpp_ex_engine::kernels::nibble::{NibbleMatrix, NibbleType};
+use std::time::Instant;
+
+fn random_bytes(kind: NibbleType, n_out: usize, n_in: usize) -> Vec<u8> {
+    let block = match kind {
+        NibbleType::Q4_0 => 18,
+        NibbleType::Q4_1 => 20,
+        NibbleType::Q5_0 => 22,
+        NibbleType::Q5_1 => 24,
+        NibbleType::Q8_0 => 34,
+        NibbleType::Q6K => unreachable!(),
+    };
+    let mut seed = 7u64;
+    let mut next = || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as u32
+    };
+    let mut bytes = Vec::with_capacity(n_out * n_in / 32 * block);
+    for _ in 0..n_out * n_in / 32 {
+        let d = f16::from_f32(0.01 + (next() % 100) as f32 * 1e-4).to_le_bytes();
+        bytes.extend_from_slice(&d);
+        let rest = block - 2;
+        let start = bytes.len();
+        bytes.extend((0..rest).map(|_| next() as u8));
+        if matches!(kind, NibbleType::Q4_1 | NibbleType::Q5_1) {
+            bytes[start..start + 2].copy_from_slice(&f16::from_f32(-0.05).to_le_bytes());
+        }
+    }
+    bytes
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let threads: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(2);
+    let rows: Vec<usize> = args.filter_map(|a| a.parse().ok()).collect();
+    let rows = if rows.is_empty() { vec![1, 8] } else { rows };
+    println!(
+        "simd: {}, threads: {threads}",
+        llama_cpp_ex_engine::kernels::simd_level().name()
+    );
+    let shapes = [
+        ("gemma head q8_0", NibbleType::Q8_0, 262144, 640),
+        ("gemma ffn_up q5_0", NibbleType::Q5_0, 2048, 640),
+        ("gemma ffn_down q5_0", NibbleType::Q5_0, 640, 2048),
+        ("smollm2 gate_up q4_1", NibbleType::Q4_1, 3072, 576),
+        ("smollm2 down q4_1", NibbleType::Q4_1, 576, 1536),
+    ];
+    for (label, kind, n_out, n_in) in shapes {
+        let bytes = random_bytes(kind, n_out, n_in);
+        let w = NibbleMatrix::from_bytes(kind, &bytes, n_out, n_in).unwrap();
+        for &m in &rows {
+            let x: Vec<f32> = (0..m * n_in)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+                .collect();
+            let mut out = vec![0f32; m * n_out];
+            // enough repetitions for ~0.3 s and to stream more than any cache holds
+            let reps = (2_000_000_000 / (bytes.len() * m.max(1))).clamp(3, 20_000);
+            llama_cpp_ex_engine::pool::with_threads(threads, || {
+                w.matmul(&x, m, &mut out);
+                let t = Instant::now();
+                for _ in 0..reps {
+                    w.matmul(&x, m, &mut out);
+                }
+                let s = t.elapsed().as_secs_f64() / reps as f64;
+                println!(
+                    "{label:22} {n_out:6}x{n_in:<5} m={m:<3} {:8.1} us  {:6.1} GB/s  {:6.1} GMAC/s",
+                    s * 1e6,
+                    bytes.len() as f64 / s / 1e9,
+                    (m * n_out * n_in) as f64 / s / 1e9
+                );
+            });
+        }
+    }
+}
