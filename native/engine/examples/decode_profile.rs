@@ -5,6 +5,9 @@
 //!
 //! prints pp512 (one 512-token prompt), tg (STEPS one-token decodes) and, with STREAMS > 1,
 //! batched decode (STREAMS sequences at different positions, one token each per pass).
+//! Environment: `PROMPT=N` starts decoding after N prompt tokens (decode at depth N, as
+//! llama-bench's `-d N`), `TG_ONLY=1` skips pp512, `STREAMS_ONLY=1` runs only the batched
+//! decode.
 
 use llama_cpp_ex_engine::{Batch, Context, ContextParams, LoadOptions, Model, Requantize};
 use std::sync::Arc;
@@ -23,53 +26,71 @@ fn main() {
         vocab_only: false,
     };
     let model = Arc::new(Model::load(std::path::Path::new(&path), &opts).unwrap());
+    // PROMPT=N: decoding starts after N prompt tokens (stream s of the batched run after
+    // N + 7 * s), to measure decode at a longer context; default 1 (an empty context)
+    let start: usize = std::env::var("PROMPT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1)
+        .max(1);
     let params = |n_seq_max| ContextParams {
-        n_ctx: 4096,
+        n_ctx: ((start + 7 * streams + steps + 16) * streams).max(4096),
         n_seq_max,
         n_threads: threads,
         n_threads_batch: threads,
         ..Default::default()
     };
-    let prompt: Vec<u32> = (0..512u32).map(|i| 300 + i % 1000).collect();
+    let prompt: Vec<u32> = (0..(start + 7 * streams).max(512) as u32)
+        .map(|i| 300 + i % 1000)
+        .collect();
     // STREAMS_ONLY=1: only the batched decode (for profiling it alone)
     let single = std::env::var_os("STREAMS_ONLY").is_none();
     if single {
-        let mut ctx = Context::new(model.clone(), params(1)).unwrap();
-        ctx.decode(&Batch::for_sequence(&prompt, 0, 0)).unwrap();
-        let mut ctx = Context::new(model.clone(), params(1)).unwrap();
-        let t = Instant::now();
-        ctx.decode(&Batch::for_sequence(&prompt, 0, 0)).unwrap();
-        println!("pp512: {:.1} tok/s", 512.0 / t.elapsed().as_secs_f64());
+        // TG_ONLY=1: skip the prompt (for profiling decode alone)
+        if std::env::var_os("TG_ONLY").is_none() {
+            let mut ctx = Context::new(model.clone(), params(1)).unwrap();
+            ctx.decode(&Batch::for_sequence(&prompt, 0, 0)).unwrap();
+            let mut ctx = Context::new(model.clone(), params(1)).unwrap();
+            let t = Instant::now();
+            ctx.decode(&Batch::for_sequence(&prompt, 0, 0)).unwrap();
+            println!("pp512: {:.1} tok/s", 512.0 / t.elapsed().as_secs_f64());
+        }
 
-        // the median of 5 runs from an empty context, as llama-bench's tg runs
+        // the median of 5 runs from an empty context (as llama-bench's tg runs) or after
+        // PROMPT tokens
         let mut runs: Vec<f64> = (0..5)
             .map(|_| {
                 let mut ctx = Context::new(model.clone(), params(1)).unwrap();
-                ctx.decode(&Batch::for_sequence(&prompt[..1], 0, 0))
+                ctx.decode(&Batch::for_sequence(&prompt[..start], 0, 0))
                     .unwrap();
                 let t = Instant::now();
                 for i in 0..steps {
-                    ctx.decode(&Batch::for_sequence(&[400 + i as u32 % 500], 1 + i, 0))
+                    ctx.decode(&Batch::for_sequence(&[400 + i as u32 % 500], start + i, 0))
                         .unwrap();
                 }
                 steps as f64 / t.elapsed().as_secs_f64()
             })
             .collect();
         runs.sort_by(f64::total_cmp);
-        println!("tg{steps}: {:.1} tok/s", runs[2]);
+        let at = if start > 1 {
+            format!(" after {start}")
+        } else {
+            String::new()
+        };
+        println!("tg{steps}{at}: {:.1} tok/s", runs[2]);
     }
 
     if streams > 1 {
         let mut ctx = Context::new(model, params(streams)).unwrap();
         for s in 0..streams {
-            ctx.decode(&Batch::for_sequence(&prompt[..1 + 7 * s], 0, s))
+            ctx.decode(&Batch::for_sequence(&prompt[..start + 7 * s], 0, s))
                 .unwrap();
         }
         let t = Instant::now();
         for i in 0..steps {
             let mut b = Batch::default();
             for s in 0..streams {
-                b.push(400 + (i + s) as u32 % 500, 1 + 7 * s + i, s, true);
+                b.push(400 + (i + s) as u32 % 500, start + 7 * s + i, s, true);
             }
             ctx.decode(&b).unwrap();
         }

@@ -61,6 +61,11 @@ pub fn with_threads<R>(n: usize, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// The threads (the caller included) a parallel call from this thread would use.
+pub fn threads() -> usize {
+    current_threads()
+}
+
 fn current_threads() -> usize {
     match THREADS.with(|t| t.get()) {
         0 => default_threads(),

@@ -2,7 +2,12 @@
 //! `O += P·V`. Rows are query heads and keys are KV slots, both already converted to f32 in
 //! row-major scratch; callers pad `rows` to [`ROW_BLOCK`] and `keys` to [`KEY_BLOCK`] with
 //! zeros. The AVX2 path keeps 4×2 score accumulators and 4×16 output columns in registers, so
-//! every loaded key or value vector is used by four query rows.
+//! every loaded key or value vector is used by four query rows. [`exp_sum`] and [`max_of`]
+//! do the softmax of a score row between the two.
+
+use crate::model::ops::fast_exp;
+#[cfg(target_arch = "x86_64")]
+use crate::model::ops::FAST_EXP;
 
 /// Query rows per micro-kernel call.
 pub const ROW_BLOCK: usize = 4;
@@ -90,6 +95,105 @@ pub fn accumulate(
             }
         }
     }
+}
+
+/// The largest of `xs` (`-inf` when empty; NaNs are skipped, as `f32::max` does). The order
+/// of comparisons does not change a maximum, so every path gives the same value.
+pub fn max_of(xs: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2() {
+        // SAFETY: AVX2 was detected; the function reads only within `xs`.
+        return unsafe { max_of_avx2(xs) };
+    }
+    xs.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
+/// Replaces every `x` of `xs` with `fast_exp(x - m)` and returns their sum: the softmax
+/// numerators of one score row. The sum is taken in 8 lanes (lane `j` adds elements `j`,
+/// `j + 8`, ... in order) reduced as in [`lane_dot`], so the SIMD and scalar paths give
+/// bitwise the same probabilities and sum. (A plain running sum was a serial chain of
+/// dependent adds: 80% of the time of attention outside its matrix products.)
+pub fn exp_sum(xs: &mut [f32], m: f32) -> f32 {
+    let mut lanes = [0f32; 8];
+    #[cfg(target_arch = "x86_64")]
+    let done = if super::has_avx2() {
+        // SAFETY: AVX2 and FMA were detected; the function touches only `xs[..done]`.
+        unsafe { exp_sum_avx2(xs, m, &mut lanes) }
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    for (i, x) in xs.iter_mut().enumerate().skip(done) {
+        *x = fast_exp(*x - m);
+        lanes[i % 8] += *x;
+    }
+    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn max_of_avx2(xs: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_set1_ps(f32::NEG_INFINITY);
+    let chunks = xs.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        // `max_ps` returns its second operand when the first is NaN: NaNs are skipped
+        acc = _mm256_max_ps(_mm256_loadu_ps(c.as_ptr()), acc);
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    lanes
+        .iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
+/// The whole 8-element chunks of [`exp_sum`]: exponentials written back, sums added to
+/// `lanes`; returns how many elements it did.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_sum_avx2(xs: &mut [f32], m: f32, lanes: &mut [f32; 8]) -> usize {
+    use std::arch::x86_64::*;
+    let n = xs.len() / 8 * 8;
+    let mv = _mm256_set1_ps(m);
+    let mut acc = _mm256_setzero_ps();
+    for i in (0..n).step_by(8) {
+        let at = xs.as_mut_ptr().add(i);
+        let e = fast_exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(at), mv));
+        _mm256_storeu_ps(at, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    n
+}
+
+/// [`fast_exp`] on 8 lanes with the same operations in the same order (separate multiplies
+/// and adds, no fused ones), so every lane is bitwise the scalar result.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn fast_exp_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    use FAST_EXP as C;
+    let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(C.lo)), _mm256_set1_ps(C.hi));
+    let round = _mm256_set1_ps(C.round);
+    let k = _mm256_sub_ps(
+        _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(C.log2e)), round),
+        round,
+    );
+    let r = _mm256_sub_ps(
+        _mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(C.ln2_hi))),
+        _mm256_mul_ps(k, _mm256_set1_ps(C.ln2_lo)),
+    );
+    let mut p = _mm256_set1_ps(C.poly[0]);
+    for &c in &C.poly[1..] {
+        p = _mm256_add_ps(_mm256_set1_ps(c), _mm256_mul_ps(r, p));
+    }
+    let k = _mm256_slli_epi32(_mm256_cvttps_epi32(k), 23);
+    _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), k))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -211,6 +315,50 @@ mod tests {
             }
         }
         assert_eq!(o1, o2);
+    }
+
+    /// `exp_sum` and `max_of` on the machine's path against the scalar definitions, bitwise,
+    /// for lengths around the 8-lane chunks; and `fast_exp_avx2` against `fast_exp` over the
+    /// whole clamped range and beyond.
+    #[test]
+    fn softmax_helpers_are_bitwise_the_scalar_definitions() {
+        let mut seed = 3u64;
+        for n in [0usize, 1, 7, 8, 9, 16, 31, 64, 100] {
+            let xs: Vec<f32> = (0..n).map(|_| 20.0 * lcg(&mut seed)).collect();
+            let max = xs.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            assert_eq!(max_of(&xs).to_bits(), max.to_bits(), "max n={n}");
+            let mut want = xs.clone();
+            let mut lanes = [0f32; 8];
+            for (i, x) in want.iter_mut().enumerate() {
+                *x = fast_exp(*x - max);
+                lanes[i % 8] += *x;
+            }
+            let sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+                + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+            let mut got = xs.clone();
+            assert_eq!(exp_sum(&mut got, max).to_bits(), sum.to_bits(), "sum n={n}");
+            assert_eq!(got, want, "exps n={n}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        if crate::kernels::has_avx2() {
+            use std::arch::x86_64::*;
+            let xs: Vec<f32> = (0..8 * 4000)
+                .map(|i| -120.0 + i as f32 * (230.0 / 32000.0))
+                .chain([0.0, -0.0, 1e-30, -1e-30, f32::MIN, f32::MAX])
+                .collect();
+            for c in xs.chunks(8) {
+                let mut x = [0f32; 8];
+                x[..c.len()].copy_from_slice(c);
+                let mut e = [0f32; 8];
+                // SAFETY: AVX2 was detected; both arrays hold 8 floats.
+                unsafe {
+                    _mm256_storeu_ps(e.as_mut_ptr(), fast_exp_avx2(_mm256_loadu_ps(x.as_ptr())))
+                };
+                for (a, b) in x.iter().zip(e) {
+                    assert_eq!(fast_exp(*a).to_bits(), b.to_bits(), "exp({a})");
+                }
+            }
+        }
     }
 
     #[test]

@@ -7,6 +7,11 @@
 //! (`kernels::attn`), and each query row keeps an online-softmax state over the slots it can
 //! see: positions `[lo, pos]` of its sequence, where `lo` comes from the layer's sliding
 //! window. Tasks run on the engine's worker pool.
+//!
+//! A row's visible slots are cut into segments of `SEGMENT` slots, each with its own
+//! softmax state, merged in order. When there are fewer (tile, KV head) pairs than threads
+//! (one sequence decoding at a long context, with one to three KV heads) each segment is a
+//! task of its own, so both cores read the cache; the arithmetic is the same either way.
 
 use super::ops::{fast_exp, Rope};
 use crate::batch::Batch;
@@ -89,6 +94,11 @@ pub fn rotate_and_store(
 
 /// `q`: `[n_tokens, n_head * head_dim]` (already rotated). `out`: same shape. `tiles`: from
 /// [`tiles_into`]. Keys and values of every token of the batch must already be written to `kv`.
+///
+/// A task is one (tile, KV head) pair walking its segments, or, when there are too few pairs
+/// to keep every thread busy (one sequence decoding, a KV head or three), one segment of a
+/// pair, followed by a pass that merges each pair's segments in order. Both give bitwise the
+/// same result (see [`SEGMENT`]).
 pub fn paged_attention(
     kv: &KvCache,
     layer: usize,
@@ -99,24 +109,259 @@ pub fn paged_attention(
     out: &mut [f32],
 ) {
     assert_eq!(q.len(), out.len());
-    let n_tasks = tiles.len() * p.n_kv_heads;
+    let n_pairs = tiles.len() * p.n_kv_heads;
     let shared = SharedOut(out.as_mut_ptr());
-    let run = |range: std::ops::Range<usize>| {
-        let shared = &shared;
+    let shared = &shared;
+    let ratio = p.n_head / p.n_kv_heads;
+    let with_scratch = |f: &mut dyn FnMut(&mut Scratch)| {
         SCRATCH.with(|cell| {
             let mut scratch = cell.borrow_mut();
-            scratch.fit(p.head_dim, p.n_head / p.n_kv_heads);
-            for task in range.clone() {
-                let (start, len) = tiles[task / p.n_kv_heads];
-                let g = task % p.n_kv_heads;
-                attend_tile(kv, layer, batch, start, len, g, q, p, shared, &mut scratch);
-            }
-        });
+            scratch.fit(p.head_dim, ratio);
+            f(&mut scratch)
+        })
     };
-    if n_tasks <= 1 {
-        run(0..n_tasks);
+    let tile = |pair: usize| {
+        let (start, len) = tiles[pair / p.n_kv_heads];
+        Tile::new(kv, layer, batch, start, len, pair % p.n_kv_heads, p)
+    };
+    let walk = |range: std::ops::Range<usize>| {
+        with_scratch(&mut |s| {
+            for pair in range.clone() {
+                let t = tile(pair);
+                t.scale_queries(q, p, s);
+                s.reset_total(t.rows_pad, p.head_dim);
+                for seg in t.segments() {
+                    t.attend_segment(kv, seg, p, s);
+                    let (part, total) = s.state_and_total();
+                    merge(total, part.view(), t.rows, p.head_dim);
+                }
+                t.write_out(s.total.view(), p, shared);
+            }
+        })
+    };
+
+    // Few pairs: a task per segment, when that makes more tasks and the partial states fit.
+    let threads = crate::pool::threads();
+    if n_pairs < 2 * threads && threads > 1 {
+        let plan = SPLIT.with(|cell| {
+            let mut split = cell.borrow_mut();
+            split.tasks.clear();
+            let mut width = 0;
+            for pair in 0..n_pairs {
+                let t = tile(pair);
+                width = width.max(State::floats(t.rows_pad, p.head_dim));
+                split
+                    .tasks
+                    .extend(t.segments().map(|seg| (pair as u32, seg as u32)));
+            }
+            let floats = split.tasks.len() * width;
+            if split.tasks.len() <= n_pairs || floats > SPLIT_FLOATS_MAX {
+                return None;
+            }
+            if split.partials.len() < floats {
+                split.partials.resize(floats, 0.0);
+            }
+            Some((
+                std::mem::take(&mut split.tasks),
+                std::mem::take(&mut split.partials),
+                width,
+            ))
+        });
+        if let Some((tasks, mut partials, width)) = plan {
+            let parts = SharedOut(partials.as_mut_ptr());
+            let parts = &parts;
+            crate::pool::for_each_chunk(tasks.len(), |range| {
+                with_scratch(&mut |s| {
+                    for i in range.clone() {
+                        let (pair, seg) = tasks[i];
+                        let t = tile(pair as usize);
+                        t.scale_queries(q, p, s);
+                        t.attend_segment(kv, seg as usize, p, s);
+                        // SAFETY: task `i` alone writes floats `[i * width, (i + 1) * width)`
+                        // of `partials`, which holds `tasks.len() * width` of them.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(parts.0.add(i * width), width)
+                        };
+                        s.state.view().store(dst, t.rows_pad, p.head_dim);
+                    }
+                })
+            });
+            // tasks are in pair order, then segment order: merge each pair's run in order
+            let runs = &tasks;
+            crate::pool::for_each_chunk(n_pairs, |range| {
+                with_scratch(&mut |s| {
+                    for pair in range.clone() {
+                        let t = tile(pair);
+                        s.reset_total(t.rows_pad, p.head_dim);
+                        let first = runs.partition_point(|&(pp, _)| (pp as usize) < pair);
+                        let last = runs.partition_point(|&(pp, _)| (pp as usize) <= pair);
+                        for i in first..last {
+                            let part = StateView::load(
+                                &partials[i * width..(i + 1) * width],
+                                t.rows_pad,
+                                p.head_dim,
+                            );
+                            merge(s.total.view_mut(), part, t.rows, p.head_dim);
+                        }
+                        t.write_out(s.total.view(), p, shared);
+                    }
+                })
+            });
+            SPLIT.with(|cell| {
+                let mut split = cell.borrow_mut();
+                split.tasks = tasks;
+                split.partials = partials;
+            });
+            return;
+        }
+    }
+    if n_pairs <= 1 {
+        walk(0..n_pairs);
     } else {
-        crate::pool::for_each_chunk(n_tasks, run);
+        crate::pool::for_each_chunk(n_pairs, walk);
+    }
+}
+
+/// KV slots per attention segment. A row's visible slots are cut at multiples of `SEGMENT`;
+/// each segment's softmax state starts from scratch and the states are merged in segment
+/// order ([`merge`]), whether one task walks a pair's segments or each segment is its own
+/// task. So a token's result depends only on its own position and cache, never on the
+/// batch around it or the number of threads, while a single decoding sequence with few KV
+/// heads still gives every thread work. (Contexts up to `SEGMENT` are one segment: the same
+/// arithmetic as a single online softmax.)
+const SEGMENT: usize = 4 * CHUNK;
+/// Most floats of partial states the segment-parallel path may keep; past it the pairs walk
+/// their segments themselves (same result, fewer tasks).
+const SPLIT_FLOATS_MAX: usize = 1 << 20;
+
+/// Work list and partial states of the segment-parallel path, on the calling thread, grown
+/// once.
+struct Split {
+    /// (pair, segment), in pair order then segment order.
+    tasks: Vec<(u32, u32)>,
+    partials: Vec<f32>,
+}
+
+thread_local! {
+    static SPLIT: std::cell::RefCell<Split> = const {
+        std::cell::RefCell::new(Split { tasks: Vec::new(), partials: Vec::new() })
+    };
+}
+
+/// Online-softmax state of a tile's query rows: running maximum, sum of exponentials and
+/// unnormalised output.
+struct State {
+    m: Vec<f32>,
+    l: Vec<f32>,
+    o: Vec<f32>,
+}
+
+impl State {
+    const fn new() -> Self {
+        State {
+            m: Vec::new(),
+            l: Vec::new(),
+            o: Vec::new(),
+        }
+    }
+
+    /// Floats of a stored state of `rows` rows of `hd` values.
+    fn floats(rows: usize, hd: usize) -> usize {
+        rows * (hd + 2)
+    }
+
+    fn fit(&mut self, rows: usize, hd: usize) {
+        grow(&mut self.m, rows);
+        grow(&mut self.l, rows);
+        grow(&mut self.o, rows * hd);
+    }
+
+    fn reset(&mut self, rows: usize, hd: usize) {
+        self.m[..rows].fill(f32::NEG_INFINITY);
+        self.l[..rows].fill(0.0);
+        self.o[..rows * hd].fill(0.0);
+    }
+
+    fn view(&self) -> StateView<'_> {
+        StateView {
+            m: &self.m,
+            l: &self.l,
+            o: &self.o,
+        }
+    }
+
+    fn view_mut(&mut self) -> StateMut<'_> {
+        StateMut {
+            m: &mut self.m,
+            l: &mut self.l,
+            o: &mut self.o,
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct StateView<'a> {
+    m: &'a [f32],
+    l: &'a [f32],
+    o: &'a [f32],
+}
+
+impl<'a> StateView<'a> {
+    /// `[m; l; o]` of `rows` rows, as [`StateView::store`] wrote them.
+    fn load(src: &'a [f32], rows: usize, hd: usize) -> Self {
+        let (m, rest) = src.split_at(rows);
+        let (l, o) = rest.split_at(rows);
+        StateView {
+            m,
+            l,
+            o: &o[..rows * hd],
+        }
+    }
+
+    fn store(&self, dst: &mut [f32], rows: usize, hd: usize) {
+        dst[..rows].copy_from_slice(&self.m[..rows]);
+        dst[rows..2 * rows].copy_from_slice(&self.l[..rows]);
+        dst[2 * rows..2 * rows + rows * hd].copy_from_slice(&self.o[..rows * hd]);
+    }
+}
+
+struct StateMut<'a> {
+    m: &'a mut [f32],
+    l: &'a mut [f32],
+    o: &'a mut [f32],
+}
+
+/// Folds the state of one segment into the running total of the segments before it:
+/// `m = max(m₁, m₂)`, `l = l₁·e^(m₁-m) + l₂·e^(m₂-m)`, the same for `o`. A row that saw
+/// nothing in the segment (`m₂ = -inf`) is left alone; the first segment a row sees is
+/// copied.
+fn merge(total: StateMut<'_>, part: StateView<'_>, rows: usize, hd: usize) {
+    for r in 0..rows {
+        let (pm, tm) = (part.m[r], total.m[r]);
+        if pm == f32::NEG_INFINITY {
+            continue;
+        }
+        let o = &mut total.o[r * hd..(r + 1) * hd];
+        let po = &part.o[r * hd..(r + 1) * hd];
+        if tm == f32::NEG_INFINITY {
+            total.m[r] = pm;
+            total.l[r] = part.l[r];
+            o.copy_from_slice(po);
+            continue;
+        }
+        let m = tm.max(pm);
+        let (ct, cp) = (fast_exp(tm - m), fast_exp(pm - m));
+        total.m[r] = m;
+        total.l[r] = total.l[r] * ct + part.l[r] * cp;
+        for (x, y) in o.iter_mut().zip(po) {
+            *x = *x * ct + *y * cp;
+        }
+    }
+}
+
+fn grow(v: &mut Vec<f32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0.0);
     }
 }
 
@@ -128,24 +373,23 @@ struct Scratch {
     v: Vec<f32>,
     /// Scores, then probabilities, `[rows, CHUNK]`.
     s: Vec<f32>,
-    /// Unnormalised outputs, `[rows, hd]`.
-    o: Vec<f32>,
-    m: Vec<f32>,
-    l: Vec<f32>,
+    /// The current segment's state.
+    state: State,
+    /// The merged state of the segments done so far.
+    total: State,
 }
 
 thread_local! {
-    /// Per worker thread, reused by every layer and pass: `attend_tile` initialises what it
-    /// reads, so only growing it allocates.
+    /// Per worker thread, reused by every layer and pass: a task initialises what it reads,
+    /// so only growing it allocates.
     static SCRATCH: std::cell::RefCell<Scratch> = const {
         std::cell::RefCell::new(Scratch {
             q: Vec::new(),
             k: Vec::new(),
             v: Vec::new(),
             s: Vec::new(),
-            o: Vec::new(),
-            m: Vec::new(),
-            l: Vec::new(),
+            state: State::new(),
+            total: State::new(),
         })
     };
 }
@@ -154,157 +398,330 @@ impl Scratch {
     /// Sizes the buffers for heads of `head_dim` and `ratio` query heads per KV head.
     fn fit(&mut self, head_dim: usize, ratio: usize) {
         let rows = (QUERY_TILE * ratio).next_multiple_of(attn::ROW_BLOCK);
-        let grow = |v: &mut Vec<f32>, n: usize| {
-            if v.len() < n {
-                v.resize(n, 0.0);
-            }
-        };
         grow(&mut self.q, rows * head_dim);
         grow(&mut self.k, CHUNK * head_dim);
         grow(&mut self.v, CHUNK * head_dim);
         grow(&mut self.s, rows * CHUNK);
-        grow(&mut self.o, rows * head_dim);
-        grow(&mut self.m, rows);
-        grow(&mut self.l, rows);
+        self.state.fit(rows, head_dim);
+        self.total.fit(rows, head_dim);
+    }
+
+    fn reset_total(&mut self, rows: usize, hd: usize) {
+        self.total.reset(rows, hd);
+    }
+
+    fn state_and_total(&mut self) -> (&State, StateMut<'_>) {
+        (&self.state, self.total.view_mut())
     }
 }
 
-/// Attention of one tile of queries (every head of KV head `g`) over the visible KV slots,
-/// a chunk of `CHUNK` slots at a time: scores for the whole chunk, one online-softmax update
-/// per query row, then the chunk's weighted values.
-#[allow(clippy::too_many_arguments)]
-fn attend_tile(
-    kv: &KvCache,
+/// One tile of queries (every query head of KV head `g`) and the slots its rows see.
+struct Tile<'a> {
+    blocks: &'a [u32],
     layer: usize,
-    batch: &Batch,
     start: usize,
     len: usize,
     g: usize,
-    q: &[f32],
-    p: &AttnParams,
-    shared: &SharedOut,
-    s: &mut Scratch,
-) {
-    let hd = p.head_dim;
-    let ratio = p.n_head / p.n_kv_heads;
-    let row = p.n_head * hd;
-    let window = kv.layer_window(layer);
-    let seq = batch.seq[start];
-    let first = batch.pos[start];
-    let last = batch.pos[start + len - 1];
-    // the positions `[lo_of(pos), hi_of(pos))` a query at `pos` sees; both grow with `pos`
-    let causal = p.causal;
-    let seq_end = if causal {
-        last + 1
-    } else {
-        (start..batch.len())
-            .take_while(|&i| batch.seq[i] == seq)
-            .map(|i| batch.pos[i] + 1)
-            .max()
-            .unwrap_or(last + 1)
-    };
-    let lo_of = |pos: usize| match (causal, window) {
-        (_, None) => 0,
-        (true, Some(w)) => (pos + 1).saturating_sub(w),
-        (false, Some(w)) => pos.saturating_sub(w / 2),
-    };
-    let hi_of = |pos: usize| match (causal, window) {
-        (true, _) => pos + 1,
-        (false, None) => seq_end,
-        (false, Some(w)) => (pos + w / 2 + 1).min(seq_end),
-    };
-    let hi_last = hi_of(last);
-    let blocks = kv.seq_view(layer, seq).blocks;
-    let rows = len * ratio;
-    let rows_pad = rows.next_multiple_of(attn::ROW_BLOCK);
-    for t in 0..len {
-        let src = &q[(start + t) * row + g * ratio * hd..][..ratio * hd];
-        let dst = &mut s.q[t * ratio * hd..(t + 1) * ratio * hd];
-        for (d, x) in dst.iter_mut().zip(src) {
-            *d = x * p.scale;
-        }
-    }
-    s.q[rows * hd..rows_pad * hd].fill(0.0);
-    s.o[..rows_pad * hd].fill(0.0);
-    s.m[..rows_pad].fill(f32::NEG_INFINITY);
-    s.l[..rows_pad].fill(0.0);
+    first: usize,
+    last: usize,
+    ratio: usize,
+    rows: usize,
+    rows_pad: usize,
+    causal: bool,
+    window: Option<usize>,
+    seq_end: usize,
+}
 
-    let mut c0 = lo_of(first);
-    while c0 < hi_last {
-        let c1 = ((c0 / KV_BLOCK_SIZE + CHUNK_BLOCKS) * KV_BLOCK_SIZE).min(hi_last);
-        let n = c1 - c0;
-        let mut at = c0;
-        while at < c1 {
-            let bi = at / KV_BLOCK_SIZE;
-            let block_start = bi * KV_BLOCK_SIZE;
-            let end = (block_start + KV_BLOCK_SIZE).min(c1);
-            let (from, to) = ((at - c0) * hd, (end - c0) * hd);
-            let slots = at - block_start..end - block_start;
-            kv.read_head(
-                layer,
-                false,
-                blocks[bi],
-                g,
-                slots.clone(),
-                &mut s.k[from..to],
-            );
-            kv.read_head(layer, true, blocks[bi], g, slots, &mut s.v[from..to]);
-            at = end;
+impl<'a> Tile<'a> {
+    fn new(
+        kv: &'a KvCache,
+        layer: usize,
+        batch: &Batch,
+        start: usize,
+        len: usize,
+        g: usize,
+        p: &AttnParams,
+    ) -> Self {
+        let ratio = p.n_head / p.n_kv_heads;
+        let seq = batch.seq[start];
+        let last = batch.pos[start + len - 1];
+        let seq_end = if p.causal {
+            last + 1
+        } else {
+            (start..batch.len())
+                .take_while(|&i| batch.seq[i] == seq)
+                .map(|i| batch.pos[i] + 1)
+                .max()
+                .unwrap_or(last + 1)
+        };
+        let rows = len * ratio;
+        Tile {
+            blocks: kv.seq_view(layer, seq).blocks,
+            layer,
+            start,
+            len,
+            g,
+            first: batch.pos[start],
+            last,
+            ratio,
+            rows,
+            rows_pad: rows.next_multiple_of(attn::ROW_BLOCK),
+            causal: p.causal,
+            window: kv.layer_window(layer),
+            seq_end,
         }
-        let next_end = (c1 + CHUNK).min(hi_last);
-        for bi in (c1.div_ceil(KV_BLOCK_SIZE) * KV_BLOCK_SIZE..next_end).step_by(KV_BLOCK_SIZE) {
-            kv.prefetch_head(layer, blocks[bi / KV_BLOCK_SIZE], g);
-        }
-        let keys = n.next_multiple_of(attn::KEY_BLOCK);
-        s.k[n * hd..keys * hd].fill(0.0);
-        s.v[n * hd..keys * hd].fill(0.0);
-        attn::scores(&s.q, rows_pad, &s.k, keys, hd, &mut s.s, CHUNK);
-        for r in 0..rows_pad {
-            let probs = &mut s.s[r * CHUNK..r * CHUNK + keys];
-            let pos = first + r / ratio;
-            // slots of this chunk visible to the row's query, relative to c0
-            let (a, z) = (lo_of(pos).max(c0), hi_of(pos).min(c1));
-            if r >= rows || a >= z {
-                probs.fill(0.0);
-                continue;
-            }
-            let (a, z) = (a - c0, z - c0);
-            if let Some(cap) = p.softcap {
-                for x in &mut probs[a..z] {
-                    *x = cap * (*x / cap).tanh();
-                }
-            }
-            let m_chunk = probs[a..z].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let m_new = s.m[r].max(m_chunk);
-            let mut sum = 0.0;
-            for x in &mut probs[a..z] {
-                *x = fast_exp(*x - m_new);
-                sum += *x;
-            }
-            probs[..a].fill(0.0);
-            probs[z..].fill(0.0);
-            if s.m[r] != m_new && s.m[r] != f32::NEG_INFINITY {
-                let corr = fast_exp(s.m[r] - m_new);
-                s.l[r] *= corr;
-                for x in &mut s.o[r * hd..(r + 1) * hd] {
-                    *x *= corr;
-                }
-            }
-            s.l[r] += sum;
-            s.m[r] = m_new;
-        }
-        attn::accumulate(&s.s, CHUNK, rows_pad, &s.v, keys, hd, &mut s.o);
-        c0 = c1;
     }
-    for t in 0..len {
-        let off = (start + t) * row + g * ratio * hd;
-        // SAFETY: see `SharedOut`; `off + ratio * hd` is within the output (`q.len()`).
-        let o = unsafe { std::slice::from_raw_parts_mut(shared.0.add(off), ratio * hd) };
-        for h in 0..ratio {
-            let r = t * ratio + h;
-            let inv = 1.0 / s.l[r];
-            for (x, acc) in o[h * hd..(h + 1) * hd].iter_mut().zip(&s.o[r * hd..]) {
-                *x = acc * inv;
+
+    /// The first slot a query at `pos` sees; grows with `pos`.
+    fn lo_of(&self, pos: usize) -> usize {
+        match (self.causal, self.window) {
+            (_, None) => 0,
+            (true, Some(w)) => (pos + 1).saturating_sub(w),
+            (false, Some(w)) => pos.saturating_sub(w / 2),
+        }
+    }
+
+    /// One past the last slot a query at `pos` sees; grows with `pos`.
+    fn hi_of(&self, pos: usize) -> usize {
+        match (self.causal, self.window) {
+            (true, _) => pos + 1,
+            (false, None) => self.seq_end,
+            (false, Some(w)) => (pos + w / 2 + 1).min(self.seq_end),
+        }
+    }
+
+    /// The segments holding slots some row of the tile sees.
+    fn segments(&self) -> std::ops::Range<usize> {
+        let (lo, hi) = (self.lo_of(self.first), self.hi_of(self.last));
+        if hi <= lo {
+            return 0..0;
+        }
+        lo / SEGMENT..hi.div_ceil(SEGMENT)
+    }
+
+    /// The tile's queries times the softmax scale into `s.q`, padded rows zero.
+    fn scale_queries(&self, q: &[f32], p: &AttnParams, s: &mut Scratch) {
+        let hd = p.head_dim;
+        let row = p.n_head * hd;
+        for t in 0..self.len {
+            let src = &q[(self.start + t) * row + self.g * self.ratio * hd..][..self.ratio * hd];
+            let dst = &mut s.q[t * self.ratio * hd..(t + 1) * self.ratio * hd];
+            for (d, x) in dst.iter_mut().zip(src) {
+                *d = x * p.scale;
+            }
+        }
+        s.q[self.rows * hd..self.rows_pad * hd].fill(0.0);
+    }
+
+    /// The softmax state of the tile's rows over the slots of segment `seg` they see, from
+    /// scratch, into `s.state`, a chunk of `CHUNK` slots at a time: scores for the whole
+    /// chunk, one online-softmax update per query row, then the chunk's weighted values.
+    /// `s.q` must hold the scaled queries.
+    fn attend_segment(&self, kv: &KvCache, seg: usize, p: &AttnParams, s: &mut Scratch) {
+        let hd = p.head_dim;
+        let (rows, rows_pad) = (self.rows, self.rows_pad);
+        let (layer, g, blocks) = (self.layer, self.g, self.blocks);
+        s.state.reset(rows_pad, hd);
+        let end = self.hi_of(self.last).min((seg + 1) * SEGMENT);
+        let mut c0 = self.lo_of(self.first).max(seg * SEGMENT);
+        while c0 < end {
+            let c1 = ((c0 / KV_BLOCK_SIZE + CHUNK_BLOCKS) * KV_BLOCK_SIZE).min(end);
+            let n = c1 - c0;
+            let mut at = c0;
+            while at < c1 {
+                let bi = at / KV_BLOCK_SIZE;
+                let block_start = bi * KV_BLOCK_SIZE;
+                let block_end = (block_start + KV_BLOCK_SIZE).min(c1);
+                let (from, to) = ((at - c0) * hd, (block_end - c0) * hd);
+                let slots = at - block_start..block_end - block_start;
+                kv.read_head(
+                    layer,
+                    false,
+                    blocks[bi],
+                    g,
+                    slots.clone(),
+                    &mut s.k[from..to],
+                );
+                kv.read_head(layer, true, blocks[bi], g, slots, &mut s.v[from..to]);
+                at = block_end;
+            }
+            let next_end = (c1 + CHUNK).min(end);
+            for bi in (c1.div_ceil(KV_BLOCK_SIZE) * KV_BLOCK_SIZE..next_end).step_by(KV_BLOCK_SIZE)
+            {
+                kv.prefetch_head(layer, blocks[bi / KV_BLOCK_SIZE], g);
+            }
+            let keys = n.next_multiple_of(attn::KEY_BLOCK);
+            s.k[n * hd..keys * hd].fill(0.0);
+            s.v[n * hd..keys * hd].fill(0.0);
+            attn::scores(&s.q, rows_pad, &s.k, keys, hd, &mut s.s, CHUNK);
+            let st = &mut s.state;
+            for r in 0..rows_pad {
+                let probs = &mut s.s[r * CHUNK..r * CHUNK + keys];
+                let pos = self.first + r / self.ratio;
+                // slots of this chunk visible to the row's query, relative to c0
+                let (a, z) = (self.lo_of(pos).max(c0), self.hi_of(pos).min(c1));
+                if r >= rows || a >= z {
+                    probs.fill(0.0);
+                    continue;
+                }
+                let (a, z) = (a - c0, z - c0);
+                if let Some(cap) = p.softcap {
+                    for x in &mut probs[a..z] {
+                        *x = cap * (*x / cap).tanh();
+                    }
+                }
+                let m_new = st.m[r].max(attn::max_of(&probs[a..z]));
+                let sum = attn::exp_sum(&mut probs[a..z], m_new);
+                probs[..a].fill(0.0);
+                probs[z..].fill(0.0);
+                if st.m[r] != m_new && st.m[r] != f32::NEG_INFINITY {
+                    let corr = fast_exp(st.m[r] - m_new);
+                    st.l[r] *= corr;
+                    for x in &mut st.o[r * hd..(r + 1) * hd] {
+                        *x *= corr;
+                    }
+                }
+                st.l[r] += sum;
+                st.m[r] = m_new;
+            }
+            attn::accumulate(&s.s, CHUNK, rows_pad, &s.v, keys, hd, &mut st.o);
+            c0 = c1;
+        }
+    }
+
+    /// The normalised outputs of a merged state into the tile's rows of the output.
+    fn write_out(&self, total: StateView<'_>, p: &AttnParams, shared: &SharedOut) {
+        let hd = p.head_dim;
+        let row = p.n_head * hd;
+        for t in 0..self.len {
+            let off = (self.start + t) * row + self.g * self.ratio * hd;
+            // SAFETY: see `SharedOut`; `off + ratio * hd` is within the output (`q.len()`).
+            let o = unsafe { std::slice::from_raw_parts_mut(shared.0.add(off), self.ratio * hd) };
+            for h in 0..self.ratio {
+                let r = t * self.ratio + h;
+                let inv = 1.0 / total.l[r];
+                for (x, acc) in o[h * hd..(h + 1) * hd].iter_mut().zip(&total.o[r * hd..]) {
+                    *x = acc * inv;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::KvType;
+
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> f32 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+
+        fn vec(&mut self, n: usize) -> Vec<f32> {
+            (0..n).map(|_| self.next()).collect()
+        }
+    }
+
+    const HD: usize = 64;
+    const HEADS: usize = 3;
+
+    fn params() -> AttnParams {
+        AttnParams {
+            n_head: HEADS,
+            n_kv_heads: 1,
+            head_dim: HD,
+            scale: 1.0 / (HD as f32).sqrt(),
+            softcap: None,
+            causal: true,
+        }
+    }
+
+    /// One layer, one KV head; sequence 0 holds `long` positions, sequence 1 holds 64.
+    fn cache(long: usize, rng: &mut Rng) -> (KvCache, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+        let mut kv =
+            KvCache::new(&[None], 1, HD, 2 * long, (2, 0), (KvType::F32, KvType::F32)).unwrap();
+        let (mut ks, mut vs) = (Vec::new(), Vec::new());
+        for (seq, len) in [(0, long), (1, 64)] {
+            kv.reserve(seq, 0, len).unwrap();
+            for pos in 0..len {
+                // keys scaled up so the softmax is peaked and rescaling matters
+                let k: Vec<f32> = rng.vec(HD).iter().map(|x| 4.0 * x).collect();
+                let v = rng.vec(HD);
+                kv.write(0, seq, pos, &k, &v);
+                if seq == 0 {
+                    ks.push(k);
+                    vs.push(v);
+                }
+            }
+            kv.commit(seq, len);
+        }
+        (kv, ks, vs)
+    }
+
+    fn attend(kv: &KvCache, batch: &Batch, q: &[f32], threads: usize) -> Vec<f32> {
+        let mut tiles = Vec::new();
+        tiles_into(batch, &mut tiles);
+        let mut out = vec![0f32; q.len()];
+        crate::pool::with_threads(threads, || {
+            paged_attention(kv, 0, batch, &tiles, q, &params(), &mut out)
+        });
+        out
+    }
+
+    /// A decoding token at a long context: one task per segment on two threads, the pairs
+    /// walking their own segments on one thread or in a batch with more pairs than threads;
+    /// all three bitwise equal and within f32 rounding of the softmax in f64.
+    #[test]
+    fn segmented_decode_is_exact_and_independent_of_threads_and_batch() {
+        let long = 1000;
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let (kv, ks, vs) = cache(long, &mut rng);
+        let q = rng.vec(HEADS * HD);
+
+        let alone = Batch::for_sequence(&[0], long - 1, 0);
+        let split = attend(&kv, &alone, &q, 2);
+        let walked = attend(&kv, &alone, &q, 1);
+        assert_eq!(split, walked);
+
+        // four more tiles (non-consecutive positions of sequence 1): five pairs ≥ 2 × threads
+        let mut mixed = Batch::for_sequence(&[0], long - 1, 0);
+        for pos in [10, 20, 30, 40] {
+            mixed.push(0, pos, 1, true);
+        }
+        let mut q_mixed = q.clone();
+        q_mixed.extend(rng.vec(4 * HEADS * HD));
+        let in_batch = attend(&kv, &mixed, &q_mixed, 2);
+        assert_eq!(&in_batch[..HEADS * HD], &split[..]);
+
+        let scale = params().scale as f64;
+        for h in 0..HEADS {
+            let qh = &q[h * HD..(h + 1) * HD];
+            let scores: Vec<f64> = ks
+                .iter()
+                .map(|k| {
+                    scale
+                        * qh.iter()
+                            .zip(k)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let l: f64 = w.iter().sum();
+            for d in 0..HD {
+                let want = w.iter().zip(&vs).map(|(w, v)| w * v[d] as f64).sum::<f64>() / l;
+                let got = split[h * HD + d] as f64;
+                assert!(
+                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "head {h} dim {d}: {got} vs {want}"
+                );
             }
         }
     }

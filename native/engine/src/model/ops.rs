@@ -417,23 +417,52 @@ pub fn output_logits_into(
     output.forward_into(h, h.len() / d, logits)
 }
 
+/// The constants of [`fast_exp`], shared with its SIMD copy in `kernels::attn`.
+pub(crate) struct FastExp {
+    /// Inputs are clamped to `[lo, hi]`, the finite range of the result.
+    pub lo: f32,
+    pub hi: f32,
+    pub log2e: f32,
+    /// `ln 2` split in two, so `x - k·ln 2` loses no precision.
+    pub ln2_hi: f32,
+    pub ln2_lo: f32,
+    /// Adding and subtracting 1.5·2^23 rounds to the nearest integer without a libm call.
+    pub round: f32,
+    /// Taylor coefficients from the highest degree down, for Horner's scheme.
+    pub poly: [f32; 7],
+}
+
+pub(crate) const FAST_EXP: FastExp = FastExp {
+    lo: -87.3,
+    hi: 88.7,
+    log2e: std::f32::consts::LOG2_E,
+    ln2_hi: 0.693_359_4,
+    ln2_lo: -2.121_944_4e-4,
+    round: 12_582_912.0,
+    poly: [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ],
+};
+
 /// `exp(x)` without a libm call, so loops over it vectorise: `2^k · p(r)` with
 /// `r = x - k·ln 2`, `|r| ≤ ln 2 / 2`, and a degree-6 Taylor polynomial (relative error
 /// below 2e-7). Inputs are clamped to the finite range of f32.
 #[inline(always)]
 pub fn fast_exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // adding and subtracting 1.5·2^23 rounds to the nearest integer without a libm call
-    const ROUND: f32 = 12_582_912.0;
-    let x = x.clamp(-87.3, 88.7);
-    let k = (x * LOG2E + ROUND) - ROUND;
-    let r = x - k * LN2_HI - k * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let c = &FAST_EXP;
+    let x = x.clamp(c.lo, c.hi);
+    let k = (x * c.log2e + c.round) - c.round;
+    let r = x - k * c.ln2_hi - k * c.ln2_lo;
+    let mut p = c.poly[0];
+    for &a in &c.poly[1..] {
+        p = a + r * p;
+    }
     f32::from_bits((p.to_bits() as i32).wrapping_add((k as i32) << 23) as u32)
 }
 
