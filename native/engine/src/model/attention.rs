@@ -642,10 +642,19 @@ mod tests {
         }
     }
 
-    /// One layer, one KV head; sequence 0 holds `long` positions, sequence 1 holds 64.
-    fn cache(long: usize, rng: &mut Rng) -> (KvCache, Vec<Vec<f32>>, Vec<Vec<f32>>) {
-        let mut kv =
-            KvCache::new(&[None], 1, HD, 2 * long, (2, 0), (KvType::F32, KvType::F32)).unwrap();
+    /// One layer, one KV head; sequence 0 holds `long` positions, sequence 1 holds 64. Also
+    /// returns sequence 0's keys and values as the cache stores them.
+    fn cache(
+        long: usize,
+        window: Option<usize>,
+        ty: KvType,
+        rng: &mut Rng,
+    ) -> (KvCache, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+        let mut kv = KvCache::new(&[window], 1, HD, 2 * long, (2, 0), (ty, ty)).unwrap();
+        let stored = |x: Vec<f32>| match ty {
+            KvType::F16 => x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+            _ => x,
+        };
         let (mut ks, mut vs) = (Vec::new(), Vec::new());
         for (seq, len) in [(0, long), (1, 64)] {
             kv.reserve(seq, 0, len).unwrap();
@@ -655,8 +664,8 @@ mod tests {
                 let v = rng.vec(HD);
                 kv.write(0, seq, pos, &k, &v);
                 if seq == 0 {
-                    ks.push(k);
-                    vs.push(v);
+                    ks.push(stored(k));
+                    vs.push(stored(v));
                 }
             }
             kv.commit(seq, len);
@@ -674,35 +683,13 @@ mod tests {
         out
     }
 
-    /// A decoding token at a long context: one task per segment on two threads, the pairs
-    /// walking their own segments on one thread or in a batch with more pairs than threads;
-    /// all three bitwise equal and within f32 rounding of the softmax in f64.
-    #[test]
-    fn segmented_decode_is_exact_and_independent_of_threads_and_batch() {
-        let long = 1000;
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-        let (kv, ks, vs) = cache(long, &mut rng);
-        let q = rng.vec(HEADS * HD);
-
-        let alone = Batch::for_sequence(&[0], long - 1, 0);
-        let split = attend(&kv, &alone, &q, 2);
-        let walked = attend(&kv, &alone, &q, 1);
-        assert_eq!(split, walked);
-
-        // four more tiles (non-consecutive positions of sequence 1): five pairs ≥ 2 × threads
-        let mut mixed = Batch::for_sequence(&[0], long - 1, 0);
-        for pos in [10, 20, 30, 40] {
-            mixed.push(0, pos, 1, true);
-        }
-        let mut q_mixed = q.clone();
-        q_mixed.extend(rng.vec(4 * HEADS * HD));
-        let in_batch = attend(&kv, &mixed, &q_mixed, 2);
-        assert_eq!(&in_batch[..HEADS * HD], &split[..]);
-
+    /// The softmax in f64 over the slots `[lo, ks.len())`.
+    fn reference(q: &[f32], ks: &[Vec<f32>], vs: &[Vec<f32>], lo: usize) -> Vec<f64> {
         let scale = params().scale as f64;
+        let mut out = Vec::new();
         for h in 0..HEADS {
             let qh = &q[h * HD..(h + 1) * HD];
-            let scores: Vec<f64> = ks
+            let scores: Vec<f64> = ks[lo..]
                 .iter()
                 .map(|k| {
                     scale
@@ -716,12 +703,70 @@ mod tests {
             let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
             let l: f64 = w.iter().sum();
             for d in 0..HD {
-                let want = w.iter().zip(&vs).map(|(w, v)| w * v[d] as f64).sum::<f64>() / l;
-                let got = split[h * HD + d] as f64;
-                assert!(
-                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                    "head {h} dim {d}: {got} vs {want}"
+                out.push(
+                    w.iter()
+                        .zip(&vs[lo..])
+                        .map(|(w, v)| w * v[d] as f64)
+                        .sum::<f64>()
+                        / l,
                 );
+            }
+        }
+        out
+    }
+
+    fn assert_close(got: &[f32], want: &[f64]) {
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let g = *g as f64;
+            assert!(
+                (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                "value {i}: {g} vs {w}"
+            );
+        }
+    }
+
+    /// A decoding token at a long context, with an even and an odd number of slots in its
+    /// last block, with and without a sliding window (whose first block is partial), in f32
+    /// and f16 caches: one task per segment on two threads equals the pairs walking their
+    /// segments on one thread, in a batch with more pairs than threads, and the same token as
+    /// the second of a two-token tile, all bitwise, and within f32 rounding of the softmax in
+    /// f64.
+    #[test]
+    fn decode_attention_is_exact_and_independent_of_threads_batch_and_tile() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for ty in [KvType::F32, KvType::F16] {
+            for (long, window) in [
+                (1000, None),
+                (1001, None),
+                (1000, Some(301)),
+                (1001, Some(300)),
+            ] {
+                let case = format!("{ty:?} {long} {window:?}");
+                let (kv, ks, vs) = cache(long, window, ty, &mut rng);
+                let q = rng.vec(HEADS * HD);
+
+                let alone = Batch::for_sequence(&[0], long - 1, 0);
+                let split = attend(&kv, &alone, &q, 2);
+                assert_eq!(split, attend(&kv, &alone, &q, 1), "{case}: threads");
+
+                // four more tiles (non-consecutive positions of sequence 1): five pairs
+                let mut mixed = Batch::for_sequence(&[0], long - 1, 0);
+                for pos in [10, 20, 30, 40] {
+                    mixed.push(0, pos, 1, true);
+                }
+                let mut q_mixed = q.clone();
+                q_mixed.extend(rng.vec(4 * HEADS * HD));
+                let in_batch = attend(&kv, &mixed, &q_mixed, 2);
+                assert_eq!(&in_batch[..HEADS * HD], &split[..], "{case}: batch");
+
+                let pair = Batch::for_sequence(&[0, 0], long - 2, 0);
+                let mut q_pair = rng.vec(HEADS * HD);
+                q_pair.extend(&q);
+                let tiled = attend(&kv, &pair, &q_pair, 2);
+                assert_eq!(&tiled[HEADS * HD..], &split[..], "{case}: tile");
+
+                let lo = window.map_or(0, |w| long.saturating_sub(w));
+                assert_close(&split, &reference(&q, &ks, &vs, lo));
             }
         }
     }
