@@ -216,6 +216,10 @@ impl Context {
             )));
         }
         self.validate(batch)?;
+        // The last step's logits go back to the workspace, whose output head overwrites
+        // them in place (no zeroing); this step's are handed over in `decode_ranges`. Two
+        // buffers trade places every step, so neither is copied, cleared or reallocated.
+        std::mem::swap(&mut self.logits, &mut self.ws.logits);
         self.logits.clear();
         self.output_rows.clear();
         self.embd.clear();
@@ -279,7 +283,13 @@ impl Context {
         if self.ws.hidden_only {
             self.logits.extend_from_slice(&self.ws.hidden);
         } else {
-            self.logits.extend_from_slice(&self.ws.logits);
+            if self.logits.is_empty() {
+                // the first micro-batch's rows: taken, not copied (a 1 MB row per token for
+                // a 262k vocabulary)
+                std::mem::swap(&mut self.logits, &mut self.ws.logits);
+            } else {
+                self.logits.extend_from_slice(&self.ws.logits);
+            }
             // embedding rows are rare: a batch without any costs nothing here (an entry past
             // `embd_rows` has none)
             if batch.has_embd() {
