@@ -63,10 +63,6 @@ pub fn with_threads<R>(n: usize, f: impl FnOnce() -> R) -> R {
 
 /// The threads (the caller included) a parallel call from this thread would use.
 pub fn threads() -> usize {
-    current_threads()
-}
-
-fn current_threads() -> usize {
     match THREADS.with(|t| t.get()) {
         0 => default_threads(),
         n => n,
@@ -273,7 +269,7 @@ pub fn for_each_chunk(n_items: usize, f: impl Fn(std::ops::Range<usize>) + Sync)
     if n_items == 0 {
         return;
     }
-    let threads = current_threads().min(n_items).min(MAX_WORKERS + 1);
+    let threads = threads().min(n_items).min(MAX_WORKERS + 1);
     if threads <= 1 {
         return f(0..n_items);
     }

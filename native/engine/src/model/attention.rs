@@ -129,11 +129,10 @@ pub fn paged_attention(
             for pair in range.clone() {
                 let t = tile(pair);
                 t.scale_queries(q, p, s);
-                s.reset_total(t.rows_pad, p.head_dim);
+                s.total.reset(t.rows_pad, p.head_dim);
                 for seg in t.segments() {
                     t.attend_segment(kv, seg, p, s);
-                    let (part, total) = s.state_and_total();
-                    merge(total, part.view(), t.rows, p.head_dim);
+                    merge(s.total.view_mut(), s.state.view(), t.rows, p.head_dim);
                 }
                 t.write_out(s.total.view(), p, shared);
             }
@@ -192,7 +191,7 @@ pub fn paged_attention(
                 with_scratch(&mut |s| {
                     for pair in range.clone() {
                         let t = tile(pair);
-                        s.reset_total(t.rows_pad, p.head_dim);
+                        s.total.reset(t.rows_pad, p.head_dim);
                         let first = runs.partition_point(|&(pp, _)| (pp as usize) < pair);
                         let last = runs.partition_point(|&(pp, _)| (pp as usize) <= pair);
                         for i in first..last {
@@ -404,14 +403,6 @@ impl Scratch {
         grow(&mut self.s, rows * CHUNK);
         self.state.fit(rows, head_dim);
         self.total.fit(rows, head_dim);
-    }
-
-    fn reset_total(&mut self, rows: usize, hd: usize) {
-        self.total.reset(rows, hd);
-    }
-
-    fn state_and_total(&mut self) -> (&State, StateMut<'_>) {
-        (&self.state, self.total.view_mut())
     }
 }
 
