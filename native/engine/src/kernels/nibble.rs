@@ -596,6 +596,11 @@ unsafe fn half_dots_vnni<const C: usize>(
     out
 }
 
+/// Batches of at most this many rows prefetch the next row group's weights (see
+/// `group_kernel!`).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_MAX_ROWS: usize = 16;
+
 /// Rows per pass once the values are buffered: loading them from L1 is cheap, so fewer
 /// rows leave more registers to the products.
 #[cfg(target_arch = "x86_64")]
@@ -647,6 +652,42 @@ impl GroupRef {
             }
         }
     }
+
+    /// Starts loading block `b` of the next row group (laid out right after this one's `nb`
+    /// blocks) into L1.
+    #[inline(always)]
+    fn prefetch_next(&self, nb: usize, b: usize) {
+        let per_block = GROUP * self.halves;
+        let at = nb + b;
+        prefetch_span(self.q.wrapping_add(at * self.gbb), self.gbb);
+        prefetch_span(
+            self.d.wrapping_add(at * per_block) as *const u8,
+            4 * per_block,
+        );
+        if let Some(m) = self.m {
+            prefetch_span(m.wrapping_add(at * per_block) as *const u8, 4 * per_block);
+        }
+        if let Some(h) = self.h {
+            prefetch_span(h.wrapping_add(at * GROUP) as *const u8, 4 * GROUP);
+        }
+    }
+}
+
+/// Asks for every cache line of `bytes` bytes from `from` to be loaded into L1. The pointer
+/// may be past the end of its buffer (the last row group's "next"): it is never read.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_span(from: *const u8, bytes: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    const LINE: usize = 64;
+    let first = from as usize & !(LINE - 1);
+    let last = (from as usize).wrapping_add(bytes - 1);
+    let mut line = first;
+    while line <= last {
+        // SAFETY: a prefetch is a hint that never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
+        line += LINE;
+    }
 }
 
 /// The 8 quads of block `b` of a row group, whatever its storage.
@@ -692,8 +733,15 @@ macro_rules! group_kernel {
                 let mut r0 = 0;
                 while r0 < a.m {
                     let rows = (a.m - r0).min(chunk);
-                    match rows {
-                        $($r => $pass::<$r>(w, &p, buffered, a, r0, valid, g, out),)*
+                    // the first pass over a group of a small batch asks for the next
+                    // group's blocks while computing this one's, so the next unpack (or
+                    // buffer fill) reads from cache instead of stalling on memory with no
+                    // products in flight; a long batch computes long enough per group for
+                    // the hardware prefetcher, and the extra loads only cost it
+                    let prefetch = r0 == 0 && a.m <= PREFETCH_MAX_ROWS;
+                    match (rows, prefetch) {
+                        $(($r, true) => $pass::<$r, true>(w, &p, buffered, a, r0, valid, g, out),
+                          ($r, false) => $pass::<$r, false>(w, &p, buffered, a, r0, valid, g, out),)*
                         _ => unreachable!(),
                     }
                     r0 += rows;
@@ -710,7 +758,7 @@ macro_rules! group_kernel {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $pass<const R: usize>(
+        unsafe fn $pass<const R: usize, const PREFETCH: bool>(
             w: &NibbleMatrix,
             p: &GroupRef,
             buffered: &[[std::arch::x86_64::__m256i; 8]],
@@ -724,6 +772,9 @@ macro_rules! group_kernel {
             let (k, nb) = (w.n_in, w.nb);
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
+                if PREFETCH {
+                    p.prefetch_next(nb, b);
+                }
                 let v = match buffered.get(b) {
                     Some(v) => *v,
                     None => group_block(p, b),
