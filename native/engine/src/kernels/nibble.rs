@@ -601,10 +601,13 @@ unsafe fn half_dots_vnni<const C: usize>(
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_MAX_ROWS: usize = 16;
 
-/// Rows per AVX2 pass once the values are buffered: loading them from L1 is cheap, so fewer
-/// rows leave more registers to the products. The VNNI path's 32 registers hold a whole
-/// 8-row pass from the buffer too (its passes of 4 left the Q8_0 head 12% slower at 16 rows
-/// on Zen 4; the nibble types measured the same either way).
+/// Batches of more rows than this (prompts) fill a buffer with each row group's unpacked
+/// values once per matmul and read it in passes of [`BUFFERED_ROWS`]; smaller ones (decode
+/// batches) unpack again in every register pass (see `group_kernel!`).
+#[cfg(target_arch = "x86_64")]
+const UNPACK_MAX_ROWS: usize = 32;
+
+/// Rows per pass over a buffered row group.
 #[cfg(target_arch = "x86_64")]
 const BUFFERED_ROWS: usize = 4;
 
@@ -714,13 +717,20 @@ unsafe fn group_block(p: &GroupRef, b: usize) -> [std::arch::x86_64::__m256i; 8]
 
 /// One row group times every activation row. `$rows` activation rows share one pass over
 /// the group's values, with everything they need in registers (AVX2 has 16 of them, the
-/// AVX512VL encodings used by the VNNI path 32); with more rows than that the values are
-/// unpacked once per matmul into an L1-sized buffer, read by passes of `$buffered_rows`
-/// rows. Each row's arithmetic is the same
-/// whatever `R`, so a row's result does not depend on the batch around it.
+/// AVX512VL encodings used by the VNNI path 32). A batch of up to [`UNPACK_MAX_ROWS`] rows
+/// unpacks the values again in each pass, except 5-bit values on the path that sets
+/// `$buffer_5bit` (AVX2), whose fifth bits make the unpack dear enough that reading a buffer
+/// filled once is cheaper; longer batches buffer every type. Measured on Zen 4
+/// (`kernel_profile 1 8 16 32`, GMAC/s per core, buffered → unpacked per pass): VNNI Q4_1
+/// 80–84 → 110–113 at 16 rows and 94 → 114–116 at 32, Q5_0 88–90 → 105–106 and 101 →
+/// 107–109, the Q8_0 head 61 → 78 and 70 → 83; AVX2 Q4_1 64–68 → 76–83 at 8 rows and the
+/// signed Q8_0 head 32 → 38, but AVX2 Q5_0 77–78 → 73–74 at 16 rows and 85–86 → 76–77 at
+/// 32. Prompts (`pp512`) measured the same either way within noise, and keep the buffer.
+/// Each row's arithmetic is the same whatever `R`, so a row's result does not depend on the
+/// batch around it.
 macro_rules! group_kernel {
     ($name:ident, $pass:ident, $features:literal, $dot:ident, $half_dots:ident,
-     $signed:literal, $rows:literal, $buffered_rows:expr, [$($r:literal),*]) => {
+     $signed:literal, $buffer_5bit:literal, $rows:literal, [$($r:literal),*]) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         unsafe fn $name(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &SharedMut) {
@@ -728,9 +738,10 @@ macro_rules! group_kernel {
             let run = |buffered: &mut Vec<[std::arch::x86_64::__m256i; 8]>| {
                 buffered.clear();
                 let mut chunk = $rows;
-                if a.m > $rows {
+                let dear_unpack = $buffer_5bit && p.h.is_some();
+                if a.m > $rows && (a.m > UNPACK_MAX_ROWS || dear_unpack) {
                     buffered.extend((0..w.nb).map(|b| group_block(&p, b)));
-                    chunk = $buffered_rows;
+                    chunk = BUFFERED_ROWS;
                 }
                 let valid = GROUP.min(w.n_out - g * GROUP);
                 let mut r0 = 0;
@@ -856,8 +867,8 @@ group_kernel!(
     block_dot_avx2,
     half_dots_avx2,
     false,
+    true,
     4,
-    BUFFERED_ROWS,
     [1, 2, 3, 4]
 );
 group_kernel!(
@@ -867,8 +878,8 @@ group_kernel!(
     block_dot_avx2,
     half_dots_avx2,
     true,
+    false,
     4,
-    BUFFERED_ROWS,
     [1, 2, 3, 4]
 );
 group_kernel!(
@@ -878,7 +889,7 @@ group_kernel!(
     block_dot_vnni,
     half_dots_vnni,
     false,
-    8,
+    false,
     8,
     [1, 2, 3, 4, 5, 6, 7, 8]
 );
