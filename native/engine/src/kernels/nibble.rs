@@ -720,14 +720,9 @@ unsafe fn group_block(p: &GroupRef, b: usize) -> [std::arch::x86_64::__m256i; 8]
 /// AVX512VL encodings used by the VNNI path 32). A batch of up to [`UNPACK_MAX_ROWS`] rows
 /// unpacks the values again in each pass, except 5-bit values on the path that sets
 /// `$buffer_5bit` (AVX2), whose fifth bits make the unpack dear enough that reading a buffer
-/// filled once is cheaper; longer batches buffer every type. Measured on Zen 4
-/// (`kernel_profile 1 8 16 32`, GMAC/s per core, buffered → unpacked per pass): VNNI Q4_1
-/// 80–84 → 110–113 at 16 rows and 94 → 114–116 at 32, Q5_0 88–90 → 105–106 and 101 →
-/// 107–109, the Q8_0 head 61 → 78 and 70 → 83; AVX2 Q4_1 64–68 → 76–83 at 8 rows and the
-/// signed Q8_0 head 32 → 38, but AVX2 Q5_0 77–78 → 73–74 at 16 rows and 85–86 → 76–77 at
-/// 32. Prompts (`pp512`) measured the same either way within noise, and keep the buffer.
-/// Each row's arithmetic is the same whatever `R`, so a row's result does not depend on the
-/// batch around it.
+/// filled once is cheaper; longer batches buffer every type (measurements:
+/// docs/performance.md, session 15). Each row's arithmetic is the same whatever `R`, so a
+/// row's result does not depend on the batch around it.
 macro_rules! group_kernel {
     ($name:ident, $pass:ident, $features:literal, $dot:ident, $half_dots:ident,
      $signed:literal, $buffer_5bit:literal, $rows:literal, [$($r:literal),*]) => {
