@@ -239,6 +239,7 @@ fn a_draft_model_changes_nothing_but_the_number_of_passes() {
         ),
     ] {
         let want = plain(&target, &p, params.clone(), n);
+        let floor = if params.temp > 0.0 { 4 } else { 2 };
         let mut c = ctx(&target, 1024, 1);
         c.attach_draft(ctx(&draft, 1024, 1)).unwrap();
         let source = DraftSource::DraftModel { n_draft: 4 };
@@ -252,8 +253,12 @@ fn a_draft_model_changes_nothing_but_the_number_of_passes() {
         let held = p.len() + got.len() - 1;
         let blocks: usize = ctx.kv_usage().owners[0].iter().map(|(_, b)| b).sum();
         assert_eq!(blocks, held.div_ceil(16), "{label}: leaked KV blocks");
+        // greedy drafts against the Q8_0 target: nearly all accepted when it decodes greedily;
+        // when it samples (temperature 0.8) a draft is kept only if the sample equals it, and
+        // the rate depends on the sampled text (31/36, 31/44 and 22/68 on equally valid
+        // kernels' rounding) — unrelated drafts would be kept almost never
         assert!(
-            accepted * 2 > drafted,
+            accepted * floor > drafted,
             "{label}: {accepted}/{drafted} accepted"
         );
     }

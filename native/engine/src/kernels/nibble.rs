@@ -4,11 +4,14 @@
 //! 5-bit types add bit i of a 32-bit word as the value's fifth bit.
 //!
 //! With activations quantized to Q8_0 (`x ≈ d_x·a`), one block contributes
-//! `d·d_x·Σ q·a + m·(d_x·Σ a)`; the second term uses the activation block sums computed once
-//! per matmul. The values are unsigned, so `maddubs(q, a)` needs no sign trick.
+//! `d·d_x·Σ q·a + m·(d_x·Σ a)` for types that store `m`, using the activation block sums
+//! computed once per matmul. Types whose offset is implied (`w = d·(q - c)`) fold it into the
+//! integer instead: `d·d_x·(Σ q·a - c·Σ a)`, as ggml's own dot products do, which spares a
+//! multiply-add per row and block on the vector pipes the integer products also need (they
+//! bound prompts on Zen 4: docs/performance.md, session 16). The values are unsigned, so
+//! `maddubs(q, a)` needs no sign trick.
 
 use super::q8::{Q8Activations, QK8_0};
-use super::SharedMut;
 use half::f16;
 
 /// Elements per block (same as Q8_0, so activation blocks line up).
@@ -70,6 +73,16 @@ impl NibbleType {
         }
     }
 
+    /// The `c` of `w = d·(q - c)` folded into the integer dot products (0 for types that
+    /// store their offset).
+    fn folded_offset(self) -> i32 {
+        if self.has_min() {
+            0
+        } else {
+            -self.implied_offset() as i32
+        }
+    }
+
     /// The offset of a type without a stored minimum, in units of `d`.
     fn implied_offset(self) -> f32 {
         match self {
@@ -84,6 +97,47 @@ impl NibbleType {
 /// Output rows interleaved together: one 256-bit lane per row, so a block's products for all
 /// of them come out of one vector and need no horizontal sums.
 pub const GROUP: usize = 8;
+
+/// Most parts [`NibbleMatrix::matmul_parts`] writes (Q/K/V).
+pub const MAX_PARTS: usize = 4;
+
+/// Where a product's output columns go: part `p` holds columns `start[p]..start[p + 1]` as
+/// its own row-major `[m, start[p + 1] - start[p]]` matrix. One part is a plain `[m, n_out]`
+/// output; several are a stacked matrix's parts, written in place (each part but the last
+/// a whole number of row groups, so no group straddles two).
+#[derive(Clone, Copy)]
+pub(crate) struct Dest {
+    base: [*mut f32; MAX_PARTS],
+    start: [usize; MAX_PARTS + 1],
+    parts: usize,
+}
+
+// SAFETY: every task writes a distinct set of output elements (its own weight rows' columns).
+unsafe impl Sync for Dest {}
+unsafe impl Send for Dest {}
+
+impl Dest {
+    pub(crate) fn one(out: &mut [f32], n_out: usize) -> Self {
+        let mut start = [n_out; MAX_PARTS + 1];
+        start[0] = 0;
+        Dest {
+            base: [out.as_mut_ptr(); MAX_PARTS],
+            start,
+            parts: 1,
+        }
+    }
+
+    /// Column `col` of output row `r`, and the columns of its part from there on.
+    #[inline(always)]
+    fn at(&self, r: usize, col: usize) -> *mut f32 {
+        let mut p = 0;
+        while p + 1 < self.parts && col >= self.start[p + 1] {
+            p += 1;
+        }
+        let width = self.start[p + 1] - self.start[p];
+        self.base[p].wrapping_add(r * width + col - self.start[p])
+    }
+}
 
 /// A matrix `[n_out, n_in]` repacked in groups of [`GROUP`] output rows, interleaved per
 /// block so that a 256-bit vector holds 4 consecutive values of each of the 8 rows.
@@ -366,17 +420,61 @@ impl NibbleMatrix {
 
     /// `out[r * n_out + o] = Σ_i w[o, i] · x[r, i]` for `m` rows of `x`.
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
-        assert_eq!(x.len(), m * self.n_in);
         assert_eq!(out.len(), m * self.n_out);
-        let shared = SharedMut(out.as_mut_ptr());
-        Q8Activations::with_quantized(x, m, self.n_in, |a| {
-            super::for_each_tile(self.n_out, GROUP, m * self.n_out * self.n_in, |o0, _| {
-                self.group(a, o0 / GROUP, &shared)
+        self.matmul_into(x, m, &Dest::one(out, self.n_out));
+    }
+
+    /// The product of a matrix stacked from parts of `n_out`s `widths` (Q/K/V, gate/up) into
+    /// one `[m, width]` output per part, written in place instead of split afterwards (the
+    /// copy was 3% of a prompt). `None`, with nothing written, unless every part but the
+    /// last is a whole number of row groups and there are at most [`MAX_PARTS`].
+    pub fn matmul_parts(
+        &self,
+        x: &[f32],
+        m: usize,
+        widths: &[usize],
+        outs: &mut [&mut Vec<f32>],
+    ) -> Option<()> {
+        let n = widths.len();
+        let fits = n <= MAX_PARTS
+            && outs.len() == n
+            && widths.iter().sum::<usize>() == self.n_out
+            && widths[..n.saturating_sub(1)].iter().all(|w| w % GROUP == 0);
+        if !fits {
+            return None;
+        }
+        let mut dest = Dest {
+            base: [std::ptr::null_mut(); MAX_PARTS],
+            start: [self.n_out; MAX_PARTS + 1],
+            parts: n,
+        };
+        let mut col = 0;
+        for (p, (out, &width)) in outs.iter_mut().zip(widths).enumerate() {
+            out.resize(m * width, 0.0);
+            dest.base[p] = out.as_mut_ptr();
+            dest.start[p] = col;
+            col += width;
+        }
+        self.matmul_into(x, m, &dest);
+        Some(())
+    }
+
+    fn matmul_into(&self, x: &[f32], m: usize, shared: &Dest) {
+        assert_eq!(x.len(), m * self.n_in);
+        let macs = m * self.n_out * self.n_in;
+        Q8Activations::with_quantized(x, m, self.n_in, self.kind.folded_offset(), |a| {
+            if self.pairs_groups(m) {
+                return super::for_each_tile(self.n_out, 2 * GROUP, macs, |o0, rows| {
+                    self.group_pair(a, o0 / GROUP, rows, shared)
+                });
+            }
+            super::for_each_tile(self.n_out, GROUP, macs, |o0, _| {
+                self.group(a, o0 / GROUP, shared)
             })
         });
     }
 
-    fn group(&self, a: &Q8Activations, g: usize, out: &SharedMut) {
+    fn group(&self, a: &Q8Activations, g: usize, out: &Dest) {
         #[cfg(target_arch = "x86_64")]
         {
             // SAFETY: the features were detected at run time; every offset stays inside the
@@ -398,7 +496,32 @@ impl NibbleMatrix {
         self.group_scalar(a, g, out);
     }
 
-    fn group_scalar(&self, a: &Q8Activations, g: usize, out: &SharedMut) {
+    /// Whether a product of `m` activation rows runs on pairs of row groups
+    /// ([`pair_kernel_vnni`]): long batches on the VNNI path.
+    fn pairs_groups(&self, m: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if super::has_vnni() {
+            return m > UNPACK_MAX_ROWS;
+        }
+        let _ = m;
+        false
+    }
+
+    /// Row groups `g` and `g + 1` (a tile of `rows` output rows: one group when it is the
+    /// last and alone).
+    fn group_pair(&self, a: &Q8Activations, g: usize, rows: usize, out: &Dest) {
+        #[cfg(target_arch = "x86_64")]
+        if rows > GROUP {
+            // SAFETY: only called when VNNI was detected (`pairs_groups`); both groups
+            // exist (the tile has more than one group's rows) and write only their own
+            // output columns; offsets as in `group`.
+            return unsafe { pair_kernel_vnni(self, a, g, out) };
+        }
+        let _ = rows;
+        self.group(a, g, out)
+    }
+
+    fn group_scalar(&self, a: &Q8Activations, g: usize, out: &Dest) {
         thread_local! {
             /// One row's blocks, decoded once for every activation row (reused: no allocation
             /// per product once grown).
@@ -419,30 +542,32 @@ impl NibbleMatrix {
     /// Output row `o` (its blocks decoded in `blocks`) for every activation row, with the
     /// SIMD paths' arithmetic in the same order (integer dots are exact, then the same fused
     /// multiply-adds), so every path gives bitwise the same results.
-    fn row_scalar(&self, a: &Q8Activations, o: usize, blocks: &[RowBlock], out: &SharedMut) {
+    fn row_scalar(&self, a: &Q8Activations, o: usize, blocks: &[RowBlock], out: &Dest) {
         let (k, nb) = (self.n_in, self.nb);
         for r in 0..a.m {
             let mut acc = 0f32;
             for (b, blk) in blocks.iter().enumerate() {
                 let x = &a.quants[r * k + b * QK4_1..][..QK4_1];
-                let dot = |range: std::ops::Range<usize>| -> f32 {
-                    range.map(|i| blk.vals[i] as i32 * x[i] as i32).sum::<i32>() as f32
+                let dot = |range: std::ops::Range<usize>, folded: i32| -> f32 {
+                    let d = range.map(|i| blk.vals[i] as i32 * x[i] as i32).sum::<i32>();
+                    (d + folded) as f32
                 };
                 let at = r * nb + b;
                 let dx = a.scales[at];
                 if self.kind.halves() == 2 {
                     let half = QK4_1 / 2;
-                    let dot = dot(half..QK4_1).mul_add(blk.d[1], dot(0..half) * blk.d[0]);
-                    acc = dot.mul_add(dx, acc);
-                    acc = blk.m[0].mul_add(a.half_sums[2 * at], acc);
-                    acc = blk.m[1].mul_add(a.half_sums[2 * at + 1], acc);
-                } else {
-                    acc = dot(0..QK4_1).mul_add(blk.d[0] * dx, acc);
+                    let [lo, hi] = [a.folded_halves[2 * at], a.folded_halves[2 * at + 1]];
+                    let lo = dot(0..half, lo) * blk.d[0];
+                    acc = dot(half..QK4_1, hi).mul_add(blk.d[1], lo).mul_add(dx, acc);
+                } else if self.kind.has_min() {
+                    acc = dot(0..QK4_1, 0).mul_add(blk.d[0] * dx, acc);
                     acc = blk.m[0].mul_add(a.sums[at], acc);
+                } else {
+                    acc = dot(0..QK4_1, a.folded[at]).mul_add(blk.d[0] * dx, acc);
                 }
             }
             // SAFETY: (r, o) is in bounds and written by this row group only.
-            unsafe { *out.0.add(r * self.n_out + o) = acc };
+            unsafe { *out.at(r, o) = acc };
         }
     }
 }
@@ -496,6 +621,7 @@ unsafe fn load_bytes_block(qs: *const u8) -> [std::arch::x86_64::__m256i; 8] {
 unsafe fn block_dot_avx2<const C: usize>(
     v: &[std::arch::x86_64::__m256i; 8],
     x: *const i32,
+    folded: i32,
 ) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
     // maddubs pairs stay below 2·31·127, so four quads summed in 16 bits cannot overflow
@@ -503,25 +629,25 @@ unsafe fn block_dot_avx2<const C: usize>(
     let lo = _mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)));
     let hi = _mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7)));
     let ones = _mm256_set1_epi16(1);
-    _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
+    let dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+    _mm256_add_epi32(dot, _mm256_set1_epi32(folded))
 }
 
 /// Per lane (row), the dot product of a block of Q8_0 values flipped back from `q + 128` to
 /// signed `q` (see [`GroupRef::signed`]) with one activation block: `maddubs(|q|, sign(q)·x)`
 /// (the sign goes to the activation, whose range excludes -128), whose pairs stay within
-/// ±2·128·127, widened to 32 bits per quad. `bias` (`128·Σx`) is added back, so the result
-/// is exactly the integer the biased layout gives on the VNNI path.
+/// ±2·128·127, widened to 32 bits per quad: exactly the integer the VNNI path gets from the
+/// biased values and the folded offset.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn block_dot_avx2_signed(
     v: &[std::arch::x86_64::__m256i; 8],
     x: *const i32,
-    bias: i32,
 ) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
     let ones = _mm256_set1_epi16(1);
-    let mut sum = _mm256_set1_epi32(bias);
+    let mut sum = _mm256_setzero_si256();
     for (q, vq) in v.iter().enumerate() {
         let xq = _mm256_set1_epi32(*x.add(q));
         let p = _mm256_maddubs_epi16(_mm256_sign_epi8(*vq, *vq), _mm256_sign_epi8(xq, *vq));
@@ -538,9 +664,11 @@ unsafe fn block_dot_avx2_signed(
 unsafe fn block_dot_vnni<const C: usize>(
     v: &[std::arch::x86_64::__m256i; 8],
     x: *const i32,
+    folded: i32,
 ) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
     let mut s = [_mm256_setzero_si256(); C];
+    s[0] = _mm256_set1_epi32(folded);
     for (q, vq) in v.iter().enumerate() {
         s[q % C] = _mm256_dpbusd_epi32(s[q % C], *vq, _mm256_set1_epi32(*x.add(q)));
     }
@@ -551,25 +679,26 @@ unsafe fn block_dot_vnni<const C: usize>(
     sum
 }
 
-/// Per lane (row), the dot products of values 0..16 and 16..32 with one activation block
-/// (types whose halves have their own scale; values at most 63, so a sum of two `maddubs`
-/// pairs stays below 2¹⁵).
+/// Per lane (row), the dot products of values 0..16 and 16..32 with one activation block, plus
+/// their folded offsets (types whose halves have their own scale; values at most 63, so a sum
+/// of two `maddubs` pairs stays below 2¹⁵).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn half_dots_avx2<const C: usize>(
     v: &[std::arch::x86_64::__m256i; 8],
     x: *const i32,
+    folded: [i32; 2],
 ) -> [std::arch::x86_64::__m256i; 2] {
     use std::arch::x86_64::*;
     let p = |q: usize| _mm256_maddubs_epi16(v[q], _mm256_set1_epi32(*x.add(q)));
     let ones = _mm256_set1_epi16(1);
-    let half = |q: usize| {
+    let half = |q: usize, folded: i32| {
         let a = _mm256_madd_epi16(_mm256_add_epi16(p(q), p(q + 1)), ones);
         let b = _mm256_madd_epi16(_mm256_add_epi16(p(q + 2), p(q + 3)), ones);
-        _mm256_add_epi32(a, b)
+        _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_set1_epi32(folded))
     };
-    [half(0), half(4)]
+    [half(0, folded[0]), half(4, folded[1])]
 }
 
 /// `C` chains per half.
@@ -579,11 +708,13 @@ unsafe fn half_dots_avx2<const C: usize>(
 unsafe fn half_dots_vnni<const C: usize>(
     v: &[std::arch::x86_64::__m256i; 8],
     x: *const i32,
+    folded: [i32; 2],
 ) -> [std::arch::x86_64::__m256i; 2] {
     use std::arch::x86_64::*;
     let mut out = [_mm256_setzero_si256(); 2];
     for (h, half) in out.iter_mut().enumerate() {
         let mut s = [_mm256_setzero_si256(); C];
+        s[0] = _mm256_set1_epi32(folded[h]);
         for q in 0..4 {
             let at = 4 * h + q;
             s[q % C] = _mm256_dpbusd_epi32(s[q % C], v[at], _mm256_set1_epi32(*x.add(at)));
@@ -627,7 +758,6 @@ struct GroupRef {
     d: *const f32,
     /// `None` for types whose offset is implied by the scale.
     m: Option<*const f32>,
-    implied: f32,
     gbb: usize,
     bytes8: bool,
     /// Byte values are flipped from `q + 128` back to signed `q` when loaded (the AVX2 Q8_0
@@ -649,7 +779,6 @@ impl GroupRef {
                 m: w.kind
                     .has_min()
                     .then(|| w.m.as_ptr().add(g * nb * GROUP * halves)),
-                implied: w.kind.implied_offset(),
                 gbb,
                 bytes8: w.kind.byte_values(),
                 signed,
@@ -728,7 +857,7 @@ macro_rules! group_kernel {
      $signed:literal, $buffer_5bit:literal, $rows:literal, [$($r:literal),*]) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
-        unsafe fn $name(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &SharedMut) {
+        unsafe fn $name(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &Dest) {
             let p = GroupRef::new(w, g, $signed);
             let run = |buffered: &mut Vec<[std::arch::x86_64::__m256i; 8]>| {
                 buffered.clear();
@@ -775,7 +904,7 @@ macro_rules! group_kernel {
             r0: usize,
             valid: usize,
             g: usize,
-            out: &SharedMut,
+            out: &Dest,
         ) {
             use std::arch::x86_64::*;
             let (k, nb) = (w.n_in, w.nb);
@@ -791,58 +920,59 @@ macro_rules! group_kernel {
                 let x = |i: usize| a.quants.as_ptr().add((r0 + i) * k + b * QK4_1) as *const i32;
                 let at = |i: usize| (r0 + i) * nb + b;
                 if p.halves == 2 {
+                    // (split types have implied offsets, folded into the integers)
                     let dv = _mm256_loadu_ps(p.d.add(b * GROUP * 2));
                     let dv1 = _mm256_loadu_ps(p.d.add(b * GROUP * 2 + GROUP));
-                    let (mv, mv1) = match p.m {
-                        Some(m) => (
-                            _mm256_loadu_ps(m.add(b * GROUP * 2)),
-                            _mm256_loadu_ps(m.add(b * GROUP * 2 + GROUP)),
-                        ),
-                        None => (
-                            _mm256_mul_ps(_mm256_set1_ps(p.implied), dv),
-                            _mm256_mul_ps(_mm256_set1_ps(p.implied), dv1),
-                        ),
-                    };
                     for (i, acc) in acc.iter_mut().enumerate() {
+                        let f = a.folded_halves.as_ptr().add(2 * at(i));
+                        let f = [*f, *f.add(1)];
                         let [lo, hi] = if R >= 4 {
-                            $half_dots::<1>(&v, x(i))
+                            $half_dots::<1>(&v, x(i), f)
                         } else {
-                            $half_dots::<2>(&v, x(i))
+                            $half_dots::<2>(&v, x(i), f)
                         };
                         let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
-                        let sums = a.half_sums.as_ptr().add(2 * at(i));
                         let dot_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), dv);
                         let dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), dv1, dot_lo);
                         *acc = _mm256_fmadd_ps(dot, dx, *acc);
-                        *acc = _mm256_fmadd_ps(mv, _mm256_set1_ps(*sums), *acc);
-                        *acc = _mm256_fmadd_ps(mv1, _mm256_set1_ps(*sums.add(1)), *acc);
                     }
                     continue;
                 }
                 let dv = _mm256_loadu_ps(p.d.add(b * GROUP));
-                let mv = match p.m {
-                    Some(m) => _mm256_loadu_ps(m.add(b * GROUP)),
-                    None => _mm256_mul_ps(_mm256_set1_ps(p.implied), dv),
-                };
-                for (i, acc) in acc.iter_mut().enumerate() {
-                    let dot = if $signed {
-                        block_dot_avx2_signed(&v, x(i), 128 * *a.int_sums.get_unchecked(at(i)))
+                let dot = |i: usize, folded: i32| {
+                    if $signed {
+                        block_dot_avx2_signed(&v, x(i))
                     } else if R >= 4 {
-                        $dot::<1>(&v, x(i))
+                        $dot::<1>(&v, x(i), folded)
                     } else if R >= 2 {
-                        $dot::<2>(&v, x(i))
+                        $dot::<2>(&v, x(i), folded)
                     } else {
-                        $dot::<4>(&v, x(i))
-                    };
-                    let dot = _mm256_cvtepi32_ps(dot);
-                    let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
-                    let sx = _mm256_set1_ps(*a.sums.get_unchecked(at(i)));
-                    *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
-                    *acc = _mm256_fmadd_ps(mv, sx, *acc);
+                        $dot::<4>(&v, x(i), folded)
+                    }
+                };
+                match p.m {
+                    Some(m) => {
+                        let mv = _mm256_loadu_ps(m.add(b * GROUP));
+                        for (i, acc) in acc.iter_mut().enumerate() {
+                            let dot = _mm256_cvtepi32_ps(dot(i, 0));
+                            let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
+                            let sx = _mm256_set1_ps(*a.sums.get_unchecked(at(i)));
+                            *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
+                            *acc = _mm256_fmadd_ps(mv, sx, *acc);
+                        }
+                    }
+                    None => {
+                        for (i, acc) in acc.iter_mut().enumerate() {
+                            let folded = *a.folded.get_unchecked(at(i));
+                            let dot = _mm256_cvtepi32_ps(dot(i, folded));
+                            let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
+                            *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
+                        }
+                    }
                 }
             }
             for (i, acc) in acc.iter().enumerate() {
-                let dst = out.0.add((r0 + i) * w.n_out + g * GROUP);
+                let dst = out.at(r0 + i, g * GROUP);
                 if valid == GROUP {
                     _mm256_storeu_ps(dst, *acc);
                 } else {
@@ -888,6 +1018,139 @@ group_kernel!(
     8,
     [1, 2, 3, 4, 5, 6, 7, 8]
 );
+
+/// Activation rows per pass of [`pair_kernel_vnni`].
+#[cfg(target_arch = "x86_64")]
+const PAIR_ROWS: usize = 4;
+
+/// Row groups `g` and `g + 1` times every activation row of a long batch (a prompt), on the
+/// VNNI path. Both groups' blocks are unpacked once into the thread's buffer; each pass of
+/// up to [`PAIR_ROWS`] activation rows loads an activation quad once for the two groups'
+/// `vpdpbusd`s, so a pass issues 6 loads per 8 of them where a one-group pass issues 5 per 4
+/// — one group's passes were bound by loads (docs/performance.md, session 16). Each row's
+/// arithmetic is the one of `group_kernel_vnni`, so results are bitwise the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+unsafe fn pair_kernel_vnni(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &Dest) {
+    let p = [GroupRef::new(w, g, false), GroupRef::new(w, g + 1, false)];
+    let valid = [GROUP, GROUP.min(w.n_out - (g + 1) * GROUP)];
+    let run = |buffered: &mut Vec<[std::arch::x86_64::__m256i; 8]>| {
+        buffered.clear();
+        for b in 0..w.nb {
+            buffered.push(group_block(&p[0], b));
+            buffered.push(group_block(&p[1], b));
+        }
+        let mut r0 = 0;
+        while r0 < a.m {
+            let rows = (a.m - r0).min(PAIR_ROWS);
+            let pass = match rows {
+                1 => pair_pass_vnni::<1>,
+                2 => pair_pass_vnni::<2>,
+                3 => pair_pass_vnni::<3>,
+                4 => pair_pass_vnni::<4>,
+                5 => pair_pass_vnni::<5>,
+                6 => pair_pass_vnni::<6>,
+                _ => unreachable!(),
+            };
+            pass(w, &p, buffered, a, r0, valid, g, out);
+            r0 += rows;
+        }
+    };
+    BUFFERED.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buffered) => run(&mut buffered),
+        Err(_) => run(&mut Vec::new()),
+    })
+}
+
+/// `R` activation rows times the two buffered row groups of [`pair_kernel_vnni`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pair_pass_vnni<const R: usize>(
+    w: &NibbleMatrix,
+    p: &[GroupRef; 2],
+    buffered: &[[std::arch::x86_64::__m256i; 8]],
+    a: &Q8Activations,
+    r0: usize,
+    valid: [usize; 2],
+    g: usize,
+    out: &Dest,
+) {
+    use std::arch::x86_64::*;
+    let (k, nb) = (w.n_in, w.nb);
+    let zero = _mm256_setzero_si256();
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    for b in 0..nb {
+        let v = [&buffered[2 * b], &buffered[2 * b + 1]];
+        let x = |i: usize| a.quants.as_ptr().add((r0 + i) * k + b * QK4_1) as *const i32;
+        let at = |i: usize| (r0 + i) * nb + b;
+        // integer dots of quads `quads` for every row and both groups, plus the rows' folded
+        // offsets `folded(i)`; quad-major so each activation broadcast and each weight vector
+        // is loaded once per pass (the offsets are added last: starting the chains from them
+        // made the compiler spill)
+        let dots = |quads: std::ops::Range<usize>, folded: &dyn Fn(usize) -> i32| {
+            let mut s = [[zero; 2]; R];
+            for q in quads {
+                let (v0, v1) = (v[0][q], v[1][q]);
+                for (i, s) in s.iter_mut().enumerate() {
+                    let xq = _mm256_set1_epi32(*x(i).add(q));
+                    s[0] = _mm256_dpbusd_epi32(s[0], v0, xq);
+                    s[1] = _mm256_dpbusd_epi32(s[1], v1, xq);
+                }
+            }
+            for (i, s) in s.iter_mut().enumerate() {
+                let f = _mm256_set1_epi32(folded(i));
+                s[0] = _mm256_add_epi32(s[0], f);
+                s[1] = _mm256_add_epi32(s[1], f);
+            }
+            s
+        };
+        if p[0].halves == 2 {
+            // (split types have implied offsets, folded into the integers)
+            let lo = dots(0..4, &|i| *a.folded_halves.get_unchecked(2 * at(i)));
+            let hi = dots(4..8, &|i| *a.folded_halves.get_unchecked(2 * at(i) + 1));
+            for j in 0..2 {
+                let dv = _mm256_loadu_ps(p[j].d.add(b * GROUP * 2));
+                let dv1 = _mm256_loadu_ps(p[j].d.add(b * GROUP * 2 + GROUP));
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
+                    let dot_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo[i][j]), dv);
+                    let dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[i][j]), dv1, dot_lo);
+                    acc[j] = _mm256_fmadd_ps(dot, dx, acc[j]);
+                }
+            }
+            continue;
+        }
+        let s = match p[0].m {
+            Some(_) => dots(0..8, &|_| 0),
+            None => dots(0..8, &|i| *a.folded.get_unchecked(at(i))),
+        };
+        for j in 0..2 {
+            let dv = _mm256_loadu_ps(p[j].d.add(b * GROUP));
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
+                let dot = _mm256_cvtepi32_ps(s[i][j]);
+                acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), acc[j]);
+                if let Some(m) = p[j].m {
+                    let sx = _mm256_set1_ps(*a.sums.get_unchecked(at(i)));
+                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(m.add(b * GROUP)), sx, acc[j]);
+                }
+            }
+        }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        for j in 0..2 {
+            let dst = out.at(r0 + i, (g + j) * GROUP);
+            if valid[j] == GROUP {
+                _mm256_storeu_ps(dst, acc[j]);
+            } else {
+                let mut tmp = [0f32; GROUP];
+                _mm256_storeu_ps(tmp.as_mut_ptr(), acc[j]);
+                std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, valid[j]);
+            }
+        }
+    }
+}
 
 #[cfg(test)]
 pub(crate) mod tests {
@@ -991,11 +1254,11 @@ pub(crate) mod tests {
         let kind = w12.kind;
         let (n_out, k) = (w12.n_out, w12.n_in);
         let groups = n_out.div_ceil(GROUP);
-        for m in [1usize, 3, 5, 9] {
+        for m in [1usize, 3, 5, 6, 9] {
             let x: Vec<f32> = (0..m * k).map(|_| lcg(seed)).collect();
-            let a = Q8Activations::quantize(&x, m, k);
+            let a = Q8Activations::quantize(&x, m, k, w12.kind.folded_offset());
             let mut scalar = vec![0f32; m * n_out];
-            let s = SharedMut(scalar.as_mut_ptr());
+            let s = Dest::one(&mut scalar, n_out);
             for g in 0..groups {
                 w12.group_scalar(&a, g, &s);
             }
@@ -1008,7 +1271,7 @@ pub(crate) mod tests {
                     continue;
                 }
                 let mut simd = vec![0f32; m * n_out];
-                let p = SharedMut(simd.as_mut_ptr());
+                let p = Dest::one(&mut simd, n_out);
                 for g in 0..groups {
                     // SAFETY: the feature was detected above.
                     unsafe {
@@ -1023,6 +1286,58 @@ pub(crate) mod tests {
                 }
                 assert_eq!(simd, scalar, "{kind:?} {path} m={m}");
             }
+            // prompts' pairs of row groups (any batch size computes the same per row)
+            #[cfg(target_arch = "x86_64")]
+            if crate::kernels::has_vnni() {
+                let mut pairs = vec![0f32; m * n_out];
+                let p = Dest::one(&mut pairs, n_out);
+                for g in (0..groups).step_by(2) {
+                    // SAFETY: VNNI was detected above; group g + 1 exists when called.
+                    unsafe {
+                        if g + 1 < groups {
+                            pair_kernel_vnni(w12, &a, g, &p)
+                        } else {
+                            group_kernel_vnni(w12, &a, g, &p)
+                        }
+                    }
+                }
+                assert_eq!(pairs, scalar, "{kind:?} vnni pairs m={m}");
+            }
+        }
+    }
+
+    #[test]
+    fn stacked_parts_are_written_in_place() {
+        let mut seed = 12;
+        for kind in TYPES {
+            let widths = [16usize, 8, 13];
+            let parts: Vec<NibbleMatrix> = widths
+                .iter()
+                .map(|&n| {
+                    let (bytes, _) = random_blocks(kind, n, 96, &mut seed);
+                    NibbleMatrix::from_bytes(kind, &bytes, n, 96).unwrap()
+                })
+                .collect();
+            let stacked = NibbleMatrix::concat(&parts.iter().collect::<Vec<_>>()).unwrap();
+            for m in [1usize, 5, 40] {
+                let x: Vec<f32> = (0..m * 96).map(|_| lcg(&mut seed)).collect();
+                // stale contents of the wrong length are replaced
+                let (mut a, mut b, mut c) = (vec![9.0; 3], Vec::new(), vec![1.0; 999]);
+                stacked
+                    .matmul_parts(&x, m, &widths, &mut [&mut a, &mut b, &mut c])
+                    .unwrap();
+                for (part, got) in parts.iter().zip([&a, &b, &c]) {
+                    let mut want = vec![0f32; m * part.n_out];
+                    part.matmul(&x, m, &mut want);
+                    assert_eq!(got, &want, "{kind:?} m={m}");
+                }
+            }
+            let x = vec![0.5f32; 96];
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            let odd = NibbleMatrix::concat(&[&parts[2], &parts[0]]).unwrap();
+            assert!(odd
+                .matmul_parts(&x, 1, &[13, 16], &mut [&mut a, &mut b])
+                .is_none());
         }
     }
 

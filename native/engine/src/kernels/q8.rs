@@ -8,66 +8,98 @@ use half::f16;
 /// Elements per Q8_0 block.
 pub const QK8_0: usize = 32;
 
+/// Blocks quantized per task on the worker pool; fewer run on the calling thread.
+const PARALLEL_BLOCKS: usize = 512;
+
+/// [`Q8Activations`]' buffers while tasks fill disjoint blocks of them.
+struct Outputs {
+    quants: *mut i8,
+    scales: *mut f32,
+    sums: *mut f32,
+    folded: *mut i32,
+    folded_halves: *mut i32,
+}
+// SAFETY: tasks write disjoint blocks (see `quantize_into`).
+unsafe impl Sync for Outputs {}
+
 /// Activations quantized to Q8_0 per row and block.
 pub struct Q8Activations {
     pub(crate) m: usize,
     pub(crate) quants: Vec<i8>,
     pub(crate) scales: Vec<f32>,
-    /// Per block: scale × Σ quants (ggml's Q8_1 `s`), for weight types with an offset.
+    /// Per block: scale × Σ quants (ggml's Q8_1 `s`), for weight types with a stored offset.
     pub(crate) sums: Vec<f32>,
-    /// Per block: Σ quants, exact (the AVX2 Q8_0 path adds `128·Σ` to a signed dot product
-    /// to get the same integer as the biased one).
-    pub(crate) int_sums: Vec<i32>,
+    /// Per block: `-c·Σ quants`, where the weights' values carry an implied offset of `c`
+    /// units of their scale (`w = d·(q - c)`, see `nibble`): the integer that turns the dot
+    /// product of the stored values into the one of `q - c`, exactly.
+    pub(crate) folded: Vec<i32>,
     /// The same per half block (values 0..16, 16..32), for types with a scale per half.
-    pub(crate) half_sums: Vec<f32>,
+    pub(crate) folded_halves: Vec<i32>,
 }
 
 impl Q8Activations {
     /// ggml's `quantize_row_q8_0`: per block scale `amax / 127`, values rounded to nearest
-    /// (ties to even, as ggml's AVX2 path does).
-    pub fn quantize(x: &[f32], m: usize, k: usize) -> Self {
+    /// (ties to even, as ggml's AVX2 path does); `offset` is the weights' implied offset `c`
+    /// for [`Q8Activations::folded`] (0 when they store their own).
+    pub fn quantize(x: &[f32], m: usize, k: usize, offset: i32) -> Self {
         let mut a = Q8Activations {
             m: 0,
             quants: Vec::new(),
             scales: Vec::new(),
             sums: Vec::new(),
-            int_sums: Vec::new(),
-            half_sums: Vec::new(),
+            folded: Vec::new(),
+            folded_halves: Vec::new(),
         };
-        a.quantize_into(x, m, k);
+        a.quantize_into(x, m, k, offset);
         a
     }
 
     /// [`Q8Activations::quantize`] into this value's buffers (no allocation once they are
     /// large enough).
-    pub fn quantize_into(&mut self, x: &[f32], m: usize, k: usize) {
+    pub fn quantize_into(&mut self, x: &[f32], m: usize, k: usize, offset: i32) {
         let nb = k / QK8_0;
         self.m = m;
-        let fit = |v: &mut Vec<f32>, n: usize| {
-            v.clear();
-            v.resize(n, 0.0);
-        };
-        self.quants.clear();
+        // every element is written below: resizing without clearing skips zero-filling
+        // buffers that were already long enough
         self.quants.resize(m * k, 0);
-        fit(&mut self.scales, m * nb);
-        fit(&mut self.sums, m * nb);
-        fit(&mut self.half_sums, 2 * m * nb);
-        self.int_sums.clear();
-        self.int_sums.resize(m * nb, 0);
-        for (bi, (xb, qb)) in x
-            .chunks_exact(QK8_0)
-            .zip(self.quants.chunks_exact_mut(QK8_0))
-            .enumerate()
-        {
-            let (d, [lo, hi]) = quantize_block(xb, qb);
-            // the scale as ggml stores it (f16) so results match Q8_0 x Q8_0 products
-            let scale = f16::from_f32(d).to_f32();
-            self.scales[bi] = scale;
-            self.sums[bi] = scale * (lo + hi) as f32;
-            self.int_sums[bi] = lo + hi;
-            self.half_sums[2 * bi] = scale * lo as f32;
-            self.half_sums[2 * bi + 1] = scale * hi as f32;
+        self.scales.resize(m * nb, 0.0);
+        self.sums.resize(m * nb, 0.0);
+        self.folded.resize(m * nb, 0);
+        self.folded_halves.resize(2 * m * nb, 0);
+        let out = Outputs {
+            quants: self.quants.as_mut_ptr(),
+            scales: self.scales.as_mut_ptr(),
+            sums: self.sums.as_mut_ptr(),
+            folded: self.folded.as_mut_ptr(),
+            folded_halves: self.folded_halves.as_mut_ptr(),
+        };
+        let out = &out;
+        let run = |blocks: std::ops::Range<usize>| {
+            for bi in blocks {
+                // SAFETY: `bi < m·nb`, so every slot written is inside its buffer (sized
+                // above), and the ranges of blocks given to tasks are disjoint.
+                unsafe {
+                    let qb = std::slice::from_raw_parts_mut(out.quants.add(bi * QK8_0), QK8_0);
+                    let (d, [lo, hi]) = quantize_block(&x[bi * QK8_0..(bi + 1) * QK8_0], qb);
+                    // the scale as ggml stores it (f16) so results match Q8_0 x Q8_0 products
+                    let scale = f16::from_f32(d).to_f32();
+                    *out.scales.add(bi) = scale;
+                    *out.sums.add(bi) = scale * (lo + hi) as f32;
+                    *out.folded.add(bi) = -offset * (lo + hi);
+                    *out.folded_halves.add(2 * bi) = -offset * lo;
+                    *out.folded_halves.add(2 * bi + 1) = -offset * hi;
+                }
+            }
+        };
+        let n = m * nb;
+        // a prompt's activations on the worker pool (they were 2% of a prompt, on the
+        // calling thread alone)
+        if n < 2 * PARALLEL_BLOCKS {
+            return run(0..n);
         }
+        crate::pool::for_each_chunk(n.div_ceil(PARALLEL_BLOCKS), |tasks| {
+            run(tasks.start * PARALLEL_BLOCKS..(tasks.end * PARALLEL_BLOCKS).min(n))
+        });
     }
 
     /// Quantizes `x` into the calling thread's reusable activation buffers and runs `f` on
@@ -76,6 +108,7 @@ impl Q8Activations {
         x: &[f32],
         m: usize,
         k: usize,
+        offset: i32,
         f: impl FnOnce(&Self) -> R,
     ) -> R {
         thread_local! {
@@ -85,16 +118,16 @@ impl Q8Activations {
                     quants: Vec::new(),
                     scales: Vec::new(),
                     sums: Vec::new(),
-                    int_sums: Vec::new(),
-                    half_sums: Vec::new(),
+                    folded: Vec::new(),
+                    folded_halves: Vec::new(),
                 }) };
         }
         BUFFERS.with(|cell| match cell.try_borrow_mut() {
             Ok(mut a) => {
-                a.quantize_into(x, m, k);
+                a.quantize_into(x, m, k, offset);
                 f(&a)
             }
-            Err(_) => f(&Self::quantize(x, m, k)),
+            Err(_) => f(&Self::quantize(x, m, k, offset)),
         })
     }
 }
