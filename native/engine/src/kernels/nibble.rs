@@ -824,6 +824,22 @@ fn prefetch_span(from: *const u8, bytes: usize) {
     }
 }
 
+/// One activation row's results for a row group: the first `valid` of its 8 lanes (fewer
+/// than 8 only in a matrix's last group) into `dst`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+#[inline]
+unsafe fn store_group(acc: std::arch::x86_64::__m256, dst: *mut f32, valid: usize) {
+    use std::arch::x86_64::_mm256_storeu_ps;
+    if valid == GROUP {
+        _mm256_storeu_ps(dst, acc);
+    } else {
+        let mut tmp = [0f32; GROUP];
+        _mm256_storeu_ps(tmp.as_mut_ptr(), acc);
+        std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, valid);
+    }
+}
+
 /// The 8 quads of block `b` of a row group, whatever its storage.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
@@ -972,14 +988,7 @@ macro_rules! group_kernel {
                 }
             }
             for (i, acc) in acc.iter().enumerate() {
-                let dst = out.at(r0 + i, g * GROUP);
-                if valid == GROUP {
-                    _mm256_storeu_ps(dst, *acc);
-                } else {
-                    let mut tmp = [0f32; GROUP];
-                    _mm256_storeu_ps(tmp.as_mut_ptr(), *acc);
-                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, valid);
-                }
+                store_group(*acc, out.at(r0 + i, g * GROUP), valid);
             }
         }
     };
@@ -1048,8 +1057,6 @@ unsafe fn pair_kernel_vnni(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &
                 2 => pair_pass_vnni::<2>,
                 3 => pair_pass_vnni::<3>,
                 4 => pair_pass_vnni::<4>,
-                5 => pair_pass_vnni::<5>,
-                6 => pair_pass_vnni::<6>,
                 _ => unreachable!(),
             };
             pass(w, &p, buffered, a, r0, valid, g, out);
@@ -1140,14 +1147,7 @@ unsafe fn pair_pass_vnni<const R: usize>(
     }
     for (i, acc) in acc.iter().enumerate() {
         for j in 0..2 {
-            let dst = out.at(r0 + i, (g + j) * GROUP);
-            if valid[j] == GROUP {
-                _mm256_storeu_ps(dst, acc[j]);
-            } else {
-                let mut tmp = [0f32; GROUP];
-                _mm256_storeu_ps(tmp.as_mut_ptr(), acc[j]);
-                std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, valid[j]);
-            }
+            store_group(acc[j], out.at(r0 + i, (g + j) * GROUP), valid[j]);
         }
     }
 }

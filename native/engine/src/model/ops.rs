@@ -322,30 +322,10 @@ fn rms_scale(row: &[f32], eps: f32) -> f32 {
     1.0 / (mean + eps).sqrt()
 }
 
-/// Runs `f(rows)` over ranges of rows of `d` values covering `0..n_rows`: on the worker pool
-/// when there are several [`ELEMENTWISE_CHUNK`]s of values (a prompt's norms ran on the
-/// calling thread while the other workers waited), else at once on this thread.
-fn for_rows(n_rows: usize, d: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
-    let per_task = ELEMENTWISE_CHUNK.div_ceil(d.max(1));
-    if n_rows * d < 2 * ELEMENTWISE_CHUNK {
-        return f(0..n_rows);
-    }
-    crate::pool::for_each_chunk(n_rows.div_ceil(per_task), |chunks| {
-        f(chunks.start * per_task..(chunks.end * per_task).min(n_rows))
-    });
-}
-
 /// `x = rms_norm(x) · w` per row of `w.len()` values.
 pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
     let d = w.len();
-    let rows = x.len() / d;
-    let shared = crate::kernels::SharedMut(x.as_mut_ptr());
-    let shared = &shared;
-    for_rows(rows, d, |range| {
-        // SAFETY: the ranges of rows are disjoint and within `x`, which outlives the call.
-        let x = unsafe {
-            std::slice::from_raw_parts_mut(shared.0.add(range.start * d), range.len() * d)
-        };
+    for_row_runs(d, x, &mut [], |_, x, _| {
         for row in x.chunks_exact_mut(d) {
             let scale = rms_scale(row, eps);
             for (v, g) in row.iter_mut().zip(w) {
@@ -358,16 +338,9 @@ pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
 /// `out = rms_norm(x)` (`x` unchanged): the copy and the norm in one pass.
 pub fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
     let d = w.len();
-    let rows = x.len() / d;
-    out.resize(rows * d, 0.0);
-    let shared = crate::kernels::SharedMut(out.as_mut_ptr());
-    let shared = &shared;
-    for_rows(rows, d, |range| {
-        // SAFETY: as in `rms_norm`, for `out`.
-        let out = unsafe {
-            std::slice::from_raw_parts_mut(shared.0.add(range.start * d), range.len() * d)
-        };
-        let x = &x[range.start * d..range.end * d];
+    out.resize(x.len() / d * d, 0.0);
+    for_row_runs(d, out, &mut [], |rows, out, _| {
+        let x = &x[rows.start * d..rows.end * d];
         for (row, dst) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
             let scale = rms_scale(row, eps);
             for ((o, v), g) in dst.iter_mut().zip(row).zip(w) {
@@ -381,23 +354,9 @@ pub fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
 /// (the same arithmetic as [`add_assign`] then [`rms_norm_into`]).
 pub fn add_rms_norm_into(x: &mut [f32], y: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
     let d = w.len();
-    let rows = x.len() / d;
-    out.resize(rows * d, 0.0);
-    let (xs, outs) = (
-        crate::kernels::SharedMut(x.as_mut_ptr()),
-        crate::kernels::SharedMut(out.as_mut_ptr()),
-    );
-    let (xs, outs) = (&xs, &outs);
-    for_rows(rows, d, |range| {
-        let (at, n) = (range.start * d, range.len() * d);
-        // SAFETY: as in `rms_norm`, for `x` and `out`.
-        let (x, out) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(xs.0.add(at), n),
-                std::slice::from_raw_parts_mut(outs.0.add(at), n),
-            )
-        };
-        let add = &y[at..at + n];
+    out.resize(x.len() / d * d, 0.0);
+    for_row_runs(d, x, out, |rows, x, out| {
+        let add = &y[rows.start * d..rows.end * d];
         for ((row, add), dst) in x
             .chunks_exact_mut(d)
             .zip(add.chunks_exact(d))
@@ -579,22 +538,52 @@ const ELEMENTWISE_CHUNK: usize = 4096;
 /// batch's gated activations are the largest serial step between two products).
 fn elementwise(a: &mut [f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
     let n = a.len().min(b.len());
-    let run = |a: &mut [f32], b: &[f32]| {
-        for (x, y) in a.iter_mut().zip(b) {
+    for_row_runs(1, &mut a[..n], &mut [], |at, a, _| {
+        for (x, y) in a.iter_mut().zip(&b[at]) {
             *x = f(*x, *y);
         }
-    };
-    if n < 2 * ELEMENTWISE_CHUNK {
-        return run(&mut a[..n], &b[..n]);
+    });
+}
+
+/// Hands disjoint runs of whole rows of `d` values of `a` (and the same rows of `b`, when it
+/// is not empty) to `f(rows, a_rows, b_rows)`: on the worker pool when `a` holds several
+/// [`ELEMENTWISE_CHUNK`]s of values (a prompt's norms and gated activations would otherwise
+/// run on the calling thread while the other workers wait), else at once on this thread.
+fn for_row_runs(
+    d: usize,
+    a: &mut [f32],
+    b: &mut [f32],
+    f: impl Fn(std::ops::Range<usize>, &mut [f32], &mut [f32]) + Sync,
+) {
+    let rows = a.len() / d.max(1);
+    let has_b = !b.is_empty();
+    assert!(!has_b || b.len() >= rows * d);
+    if rows * d < 2 * ELEMENTWISE_CHUNK {
+        let b_rows = if has_b { &mut b[..rows * d] } else { b };
+        return f(0..rows, &mut a[..rows * d], b_rows);
     }
-    let out = crate::kernels::SharedMut(a.as_mut_ptr());
-    let out = &out;
-    crate::pool::for_each_chunk(n.div_ceil(ELEMENTWISE_CHUNK), |chunks| {
-        let lo = chunks.start * ELEMENTWISE_CHUNK;
-        let hi = (chunks.end * ELEMENTWISE_CHUNK).min(n);
-        // SAFETY: chunk ranges are disjoint and within `a`, which outlives the call.
-        let a = unsafe { std::slice::from_raw_parts_mut(out.0.add(lo), hi - lo) };
-        run(a, &b[lo..hi]);
+    let per_task = ELEMENTWISE_CHUNK.div_ceil(d);
+    let (pa, pb) = (
+        crate::kernels::SharedMut(a.as_mut_ptr()),
+        crate::kernels::SharedMut(b.as_mut_ptr()),
+    );
+    let (pa, pb) = (&pa, &pb);
+    crate::pool::for_each_chunk(rows.div_ceil(per_task), |tasks| {
+        let run = tasks.start * per_task..(tasks.end * per_task).min(rows);
+        let (at, n) = (run.start * d, run.len() * d);
+        // SAFETY: the runs of rows are disjoint and within `a` (and `b`, checked above),
+        // which outlive the call.
+        let (a_rows, b_rows) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(pa.0.add(at), n),
+                if has_b {
+                    std::slice::from_raw_parts_mut(pb.0.add(at), n)
+                } else {
+                    &mut []
+                },
+            )
+        };
+        f(run, a_rows, b_rows)
     });
 }
 
