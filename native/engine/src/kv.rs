@@ -932,10 +932,15 @@ impl KvCache {
 
     /// Asks the CPU to start loading one KV head's keys and values of block `b`, so that
     /// attention computing on the current blocks overlaps the memory reads of the next ones.
+    /// The hint is `T2` (to the outer caches): a head's 2–8 KB runs in scattered blocks are
+    /// too short for the hardware prefetchers, and a single core reading them in turn waits
+    /// on each miss (5.6 GB/s on Zen 4); `T0` prefetches compete for the few L1 miss
+    /// buffers the reads need themselves (6.8 GB/s), `T2` a block or two ahead reached
+    /// 11.5 GB/s (docs/performance.md, session 17).
     pub fn prefetch_head(&self, layer: usize, b: u32, head: usize) {
         #[cfg(target_arch = "x86_64")]
         {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T2};
             const LINE_BYTES: usize = 64;
             let (t, k_at, v_at) = self.locate(layer, b);
             let n = KV_BLOCK_SIZE * self.head_dim;
@@ -945,7 +950,7 @@ impl KvCache {
                 for off in (0..len).step_by(LINE_BYTES) {
                     // SAFETY: a prefetch never faults, and `at + off` stays inside the
                     // tier's buffer (block `b` exists), so the pointer arithmetic is in bounds.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(at + off)) };
+                    unsafe { _mm_prefetch::<_MM_HINT_T2>(base.add(at + off)) };
                 }
             }
         }
