@@ -132,10 +132,10 @@ pub fn paged_attention(
     };
     let walk = |range: std::ops::Range<usize>| {
         with_scratch(&mut |s| {
-            for pair in range.clone() {
-                let t = tile(pair);
-                if pair + 1 < range.end {
-                    tile(pair + 1).prefetch_start(kv);
+            let mut tiles = range.clone().map(tile).peekable();
+            while let Some(t) = tiles.next() {
+                if let Some(next) = tiles.peek() {
+                    next.prefetch_start(kv);
                 }
                 t.scale_queries(q, p, s);
                 s.total.reset(t.rows_pad, p.head_dim);
@@ -503,12 +503,22 @@ impl<'a> Tile<'a> {
     /// on their way when it starts this tile (called as it starts the tile before).
     fn prefetch_start(&self, kv: &KvCache) {
         let (lo, hi) = (self.lo_of(self.first), self.hi_of(self.last));
-        let end = hi.min((lo / KV_BLOCK_SIZE + PREFETCH_BLOCKS) * KV_BLOCK_SIZE);
-        let mut at = lo;
-        while at < end {
+        self.prefetch_blocks(
+            kv,
+            lo,
+            hi.min((lo / KV_BLOCK_SIZE + PREFETCH_BLOCKS) * KV_BLOCK_SIZE),
+        );
+    }
+
+    /// Asks for the K/V blocks holding slots `[from, to)`; returns the slot after the last
+    /// block asked for (`from` when none), where the next call can continue.
+    fn prefetch_blocks(&self, kv: &KvCache, from: usize, to: usize) -> usize {
+        let mut at = from;
+        while at < to {
             kv.prefetch_head(self.layer, self.blocks[at / KV_BLOCK_SIZE], self.g);
             at = (at / KV_BLOCK_SIZE + 1) * KV_BLOCK_SIZE;
         }
+        at
     }
 
     /// The tile's queries times the softmax scale into `s.q`, padded rows zero.
@@ -544,10 +554,7 @@ impl<'a> Tile<'a> {
             while at < c1 {
                 let bi = at / KV_BLOCK_SIZE;
                 let ahead = ((bi + 1 + PREFETCH_BLOCKS) * KV_BLOCK_SIZE).min(end);
-                while prefetched < ahead {
-                    kv.prefetch_head(layer, blocks[prefetched / KV_BLOCK_SIZE], g);
-                    prefetched = (prefetched / KV_BLOCK_SIZE + 1) * KV_BLOCK_SIZE;
-                }
+                prefetched = self.prefetch_blocks(kv, prefetched, ahead);
                 let block_start = bi * KV_BLOCK_SIZE;
                 let block_end = (block_start + KV_BLOCK_SIZE).min(c1);
                 let (from, to) = ((at - c0) * hd, (block_end - c0) * hd);
