@@ -20,7 +20,8 @@ pub enum SimdLevel {
     Scalar,
     /// AVX2 + FMA + F16C, 16 ymm registers, `vpmaddubsw` products.
     Avx2,
-    /// AVX512-VNNI on 256-bit vectors (AVX512VL encodings: 32 ymm registers, `vpdpbusd`).
+    /// AVX512-VNNI: `vpdpbusd` on 256-bit vectors (AVX512VL encodings, 32 ymm registers),
+    /// and on 512-bit ones for decode batches (two row groups per vector).
     Avx512Vnni,
 }
 
@@ -41,7 +42,9 @@ pub fn detected_simd_level() -> SimdLevel {
         let avx2 = is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c");
-        let vnni = is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+        let vnni = is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512vl");
         match (avx2, vnni) {
             (true, true) => SimdLevel::Avx512Vnni,
             (true, false) => SimdLevel::Avx2,

@@ -468,6 +468,11 @@ impl NibbleMatrix {
                     self.group_pair(a, o0 / GROUP, rows, shared)
                 });
             }
+            if self.wide_groups() {
+                return super::for_each_tile(self.n_out, 2 * GROUP, macs, |o0, rows| {
+                    self.group_wide(a, o0 / GROUP, rows, shared)
+                });
+            }
             super::for_each_tile(self.n_out, GROUP, macs, |o0, _| {
                 self.group(a, o0 / GROUP, shared)
             })
@@ -505,6 +510,26 @@ impl NibbleMatrix {
         }
         let _ = m;
         false
+    }
+
+    /// Whether short batches (decode) run two row groups per pass in 512-bit vectors
+    /// ([`wide_kernel_vnni`]): on the VNNI path.
+    fn wide_groups(&self) -> bool {
+        super::has_vnni()
+    }
+
+    /// Row groups `g` and `g + 1` in 512-bit vectors (a tile of `rows` output rows: one
+    /// group, in 256-bit vectors, when it is the last and alone).
+    fn group_wide(&self, a: &Q8Activations, g: usize, rows: usize, out: &Dest) {
+        #[cfg(target_arch = "x86_64")]
+        if rows > GROUP {
+            // SAFETY: only called when VNNI was detected (`wide_groups`); both groups exist
+            // (the tile has more than one group's rows) and write only their own output
+            // columns; offsets as in `group`.
+            return unsafe { wide_kernel_vnni(self, a, g, out) };
+        }
+        let _ = rows;
+        self.group(a, g, out)
     }
 
     /// Row groups `g` and `g + 1` (a tile of `rows` output rows: one group when it is the
@@ -791,35 +816,42 @@ impl GroupRef {
     /// blocks) into L1.
     #[inline(always)]
     fn prefetch_next(&self, nb: usize, b: usize) {
+        self.prefetch_block::<{ std::arch::x86_64::_MM_HINT_T0 }>(nb + b)
+    }
+
+    /// Starts loading the block `at` blocks after this group's first (the row groups are
+    /// laid out one after the other) into the caches `HINT` names.
+    #[inline(always)]
+    fn prefetch_block<const HINT: i32>(&self, at: usize) {
         let per_block = GROUP * self.halves;
-        let at = nb + b;
-        prefetch_span(self.q.wrapping_add(at * self.gbb), self.gbb);
-        prefetch_span(
+        prefetch_span::<HINT>(self.q.wrapping_add(at * self.gbb), self.gbb);
+        prefetch_span::<HINT>(
             self.d.wrapping_add(at * per_block) as *const u8,
             4 * per_block,
         );
         if let Some(m) = self.m {
-            prefetch_span(m.wrapping_add(at * per_block) as *const u8, 4 * per_block);
+            prefetch_span::<HINT>(m.wrapping_add(at * per_block) as *const u8, 4 * per_block);
         }
         if let Some(h) = self.h {
-            prefetch_span(h.wrapping_add(at * GROUP) as *const u8, 4 * GROUP);
+            prefetch_span::<HINT>(h.wrapping_add(at * GROUP) as *const u8, 4 * GROUP);
         }
     }
 }
 
-/// Asks for every cache line of `bytes` bytes from `from` to be loaded into L1. The pointer
-/// may be past the end of its buffer (the last row group's "next"): it is never read.
+/// Asks for every cache line of `bytes` bytes from `from` to be loaded into the caches
+/// `HINT` names. The pointer may be past the end of its buffer (the last row group's
+/// "next"): it is never read.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_span(from: *const u8, bytes: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+fn prefetch_span<const HINT: i32>(from: *const u8, bytes: usize) {
+    use std::arch::x86_64::_mm_prefetch;
     const LINE: usize = 64;
     let first = from as usize & !(LINE - 1);
     let last = (from as usize).wrapping_add(bytes - 1);
     let mut line = first;
     while line <= last {
         // SAFETY: a prefetch is a hint that never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
+        unsafe { _mm_prefetch::<HINT>(line as *const i8) };
         line += LINE;
     }
 }
@@ -1027,6 +1059,225 @@ group_kernel!(
     8,
     [1, 2, 3, 4, 5, 6, 7, 8]
 );
+
+/// Rows per pass of [`wide_kernel_vnni`].
+#[cfg(target_arch = "x86_64")]
+const WIDE_ROWS: usize = 8;
+
+/// Row groups `g` and `g + 1` times every activation row of a short batch (decode), on the
+/// VNNI path, in 512-bit vectors: lanes 0..8 are group `g`'s rows, 8..16 group `g + 1`'s. An
+/// activation quad is broadcast once for 16 weight rows instead of 8, halving the loads of a
+/// pass, which bound the 256-bit one-group passes (docs/performance.md, sessions 16 and 18);
+/// `vpdpbusd` on 512 bits does the work of two on 256 (Zen 4 splits it in two halves, Intel's
+/// server cores run it on two ports). Each lane's arithmetic is the one of
+/// `group_kernel_vnni`, so results are bitwise the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512vnni,avx512vl")]
+unsafe fn wide_kernel_vnni(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &Dest) {
+    let p = [GroupRef::new(w, g, false), GroupRef::new(w, g + 1, false)];
+    let valid = [GROUP, GROUP.min(w.n_out - (g + 1) * GROUP)];
+    let mut r0 = 0;
+    while r0 < a.m {
+        let rows = (a.m - r0).min(WIDE_ROWS);
+        // the first pass asks for the next tile's blocks while computing this one's: unlike
+        // one group's blocks, read as one sequential stream, two groups' blocks are read as
+        // two streams that jump ahead by a group at every tile, which the hardware
+        // prefetchers do not follow (without these prefetches a 512-bit pass over Gemma 3's
+        // head read 12-13 GB/s on one core, 256-bit ones 18-21)
+        let prefetch = r0 == 0;
+        macro_rules! pass {
+            ($($r:literal),*) => {
+                match (rows, prefetch) {
+                    $(($r, true) => wide_pass_vnni::<$r, true>(w, &p, a, r0, valid, g, out),
+                      ($r, false) => wide_pass_vnni::<$r, false>(w, &p, a, r0, valid, g, out),)*
+                    _ => unreachable!(),
+                }
+            };
+        }
+        pass!(1, 2, 3, 4, 5, 6, 7, 8);
+        r0 += rows;
+    }
+}
+
+/// Two 256-bit halves as one 512-bit vector (`lo` in lanes 0..8).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn join_si(
+    lo: std::arch::x86_64::__m256i,
+    hi: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+}
+
+/// Group `g`'s 8 f32 at `lo` and group `g + 1`'s at `hi` as one vector.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn join_ps(lo: *const f32, hi: *const f32) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let lo = _mm256_castps_si256(_mm256_loadu_ps(lo));
+    let hi = _mm256_castps_si256(_mm256_loadu_ps(hi));
+    _mm512_castsi512_ps(join_si(lo, hi))
+}
+
+/// The 8 quads of block `b` of both row groups: vector `q` holds values `4q..4q + 4` of
+/// each of the 16 rows (the unpacking of [`unpack_block`] on both halves at once).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f")]
+#[inline]
+unsafe fn wide_block(p: &[GroupRef; 2], b: usize) -> [std::arch::x86_64::__m512i; 8] {
+    use std::arch::x86_64::*;
+    let load =
+        |j: usize, at: usize| _mm256_loadu_si256(p[j].q.add(b * p[j].gbb + at) as *const __m256i);
+    let mut v = [_mm512_setzero_si512(); 8];
+    if p[0].bytes8 {
+        for (q, vq) in v.iter_mut().enumerate() {
+            *vq = join_si(load(0, q * 32), load(1, q * 32));
+        }
+        return v;
+    }
+    let low = _mm512_set1_epi8(0x0F);
+    for c in 0..4 {
+        let packed = join_si(load(0, c * 32), load(1, c * 32));
+        v[c] = _mm512_and_si512(packed, low);
+        // per byte, the high nibble (what a shift crosses into a byte is masked off)
+        v[c + 4] = _mm512_and_si512(_mm512_srli_epi32::<4>(packed), low);
+    }
+    if let (Some(h0), Some(h1)) = (p[0].h, p[1].h) {
+        let w = join_si(
+            _mm256_loadu_si256(h0.add(b * GROUP) as *const __m256i),
+            _mm256_loadu_si256(h1.add(b * GROUP) as *const __m256i),
+        );
+        let fifth = _mm512_set1_epi8(0x10);
+        let or = |v: __m512i, bits: __m512i| _mm512_or_si512(v, _mm512_and_si512(bits, fifth));
+        v[0] = or(v[0], w);
+        v[1] = or(v[1], _mm512_srli_epi32::<1>(w));
+        v[2] = or(v[2], _mm512_srli_epi32::<2>(w));
+        v[3] = or(v[3], _mm512_srli_epi32::<3>(w));
+        v[4] = or(v[4], _mm512_slli_epi32::<4>(w));
+        v[5] = or(v[5], _mm512_slli_epi32::<3>(w));
+        v[6] = or(v[6], _mm512_slli_epi32::<2>(w));
+        v[7] = or(v[7], _mm512_slli_epi32::<1>(w));
+    }
+    v
+}
+
+/// Per lane (row of either group), the dot product of the quads `quads` with one activation
+/// block, plus `folded`, in `C` independent chains (as [`block_dot_vnni`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+#[inline]
+unsafe fn wide_dot<const C: usize>(
+    v: &[std::arch::x86_64::__m512i; 8],
+    quads: std::ops::Range<usize>,
+    x: *const i32,
+    folded: i32,
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let mut s = [_mm512_setzero_si512(); C];
+    s[0] = _mm512_set1_epi32(folded);
+    for (n, q) in quads.enumerate() {
+        s[n % C] = _mm512_dpbusd_epi32(s[n % C], v[q], _mm512_set1_epi32(*x.add(q)));
+    }
+    let mut sum = s[0];
+    for &c in &s[1..] {
+        sum = _mm512_add_epi32(sum, c);
+    }
+    sum
+}
+
+/// `R` activation rows times both row groups of [`wide_kernel_vnni`]; the blocks are
+/// unpacked in registers once per pass, as `group_kernel!`'s short batches do.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512vnni,avx512vl")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn wide_pass_vnni<const R: usize, const PREFETCH: bool>(
+    w: &NibbleMatrix,
+    p: &[GroupRef; 2],
+    a: &Q8Activations,
+    r0: usize,
+    valid: [usize; 2],
+    g: usize,
+    out: &Dest,
+) {
+    use std::arch::x86_64::*;
+    let (k, nb) = (w.n_in, w.nb);
+    // one row alone needs several chains to hide `vpdpbusd`'s latency; many rows hide it
+    // themselves and need the registers
+    macro_rules! dot {
+        ($v:expr, $quads:expr, $x:expr, $folded:expr) => {
+            if R >= 4 {
+                wide_dot::<1>($v, $quads, $x, $folded)
+            } else if R >= 2 {
+                wide_dot::<2>($v, $quads, $x, $folded)
+            } else {
+                wide_dot::<4>($v, $quads, $x, $folded)
+            }
+        };
+    }
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        if PREFETCH {
+            // the next tile: groups g + 2 and g + 3
+            // the next tile (groups g + 2 and g + 3) to the outer caches: `T0` prefetches
+            // of 16 rows' blocks take the L1 miss buffers the loads need (an 8-row head
+            // product at 77-82 GMAC/s with them, 111-131 with `T2`)
+            p[0].prefetch_block::<_MM_HINT_T2>(2 * nb + b);
+            p[1].prefetch_block::<_MM_HINT_T2>(2 * nb + b);
+        }
+        let v = wide_block(p, b);
+        let x = |i: usize| a.quants.as_ptr().add((r0 + i) * k + b * QK4_1) as *const i32;
+        let at = |i: usize| (r0 + i) * nb + b;
+        if p[0].halves == 2 {
+            // (split types have implied offsets, folded into the integers)
+            let dv = join_ps(p[0].d.add(b * GROUP * 2), p[1].d.add(b * GROUP * 2));
+            let dv1 = join_ps(
+                p[0].d.add(b * GROUP * 2 + GROUP),
+                p[1].d.add(b * GROUP * 2 + GROUP),
+            );
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let f = a.folded_halves.as_ptr().add(2 * at(i));
+                let lo = dot!(&v, 0..4, x(i), *f);
+                let hi = dot!(&v, 4..8, x(i), *f.add(1));
+                let dx = _mm512_set1_ps(*a.scales.get_unchecked(at(i)));
+                let dot_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), dv);
+                let dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), dv1, dot_lo);
+                *acc = _mm512_fmadd_ps(dot, dx, *acc);
+            }
+            continue;
+        }
+        let dv = join_ps(p[0].d.add(b * GROUP), p[1].d.add(b * GROUP));
+        match (p[0].m, p[1].m) {
+            (Some(m0), Some(m1)) => {
+                let mv = join_ps(m0.add(b * GROUP), m1.add(b * GROUP));
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let dot = _mm512_cvtepi32_ps(dot!(&v, 0..8, x(i), 0));
+                    let dx = _mm512_set1_ps(*a.scales.get_unchecked(at(i)));
+                    let sx = _mm512_set1_ps(*a.sums.get_unchecked(at(i)));
+                    *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, dx), *acc);
+                    *acc = _mm512_fmadd_ps(mv, sx, *acc);
+                }
+            }
+            _ => {
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let folded = *a.folded.get_unchecked(at(i));
+                    let dot = _mm512_cvtepi32_ps(dot!(&v, 0..8, x(i), folded));
+                    let dx = _mm512_set1_ps(*a.scales.get_unchecked(at(i)));
+                    *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, dx), *acc);
+                }
+            }
+        }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        let bits = _mm512_castps_si512(*acc);
+        let lo = _mm256_castsi256_ps(_mm512_castsi512_si256(bits));
+        let hi = _mm256_castsi256_ps(_mm512_extracti64x4_epi64::<1>(bits));
+        store_group(lo, out.at(r0 + i, g * GROUP), valid[0]);
+        store_group(hi, out.at(r0 + i, (g + 1) * GROUP), valid[1]);
+    }
+}
 
 /// Activation rows per pass of [`pair_kernel_vnni`].
 #[cfg(target_arch = "x86_64")]
@@ -1254,7 +1505,7 @@ pub(crate) mod tests {
         let kind = w12.kind;
         let (n_out, k) = (w12.n_out, w12.n_in);
         let groups = n_out.div_ceil(GROUP);
-        for m in [1usize, 3, 5, 6, 9] {
+        for m in [1usize, 3, 5, 6, 8, 9, 17] {
             let x: Vec<f32> = (0..m * k).map(|_| lcg(seed)).collect();
             let a = Q8Activations::quantize(&x, m, k, w12.kind.folded_offset());
             let mut scalar = vec![0f32; m * n_out];
@@ -1302,6 +1553,20 @@ pub(crate) mod tests {
                     }
                 }
                 assert_eq!(pairs, scalar, "{kind:?} vnni pairs m={m}");
+                // decode batches' 512-bit pairs of row groups
+                let mut wide = vec![0f32; m * n_out];
+                let p = Dest::one(&mut wide, n_out);
+                for g in (0..groups).step_by(2) {
+                    // SAFETY: VNNI was detected above; group g + 1 exists when called.
+                    unsafe {
+                        if g + 1 < groups {
+                            wide_kernel_vnni(w12, &a, g, &p)
+                        } else {
+                            group_kernel_vnni(w12, &a, g, &p)
+                        }
+                    }
+                }
+                assert_eq!(wide, scalar, "{kind:?} vnni wide m={m}");
             }
         }
     }
