@@ -142,8 +142,9 @@ impl Dest {
 /// A matrix `[n_out, n_in]` repacked in groups of [`GROUP`] output rows, interleaved per
 /// block so that a 256-bit vector holds 4 consecutive values of each of the 8 rows.
 ///
-/// Per row group and block: `d` is 8 floats (one per row), and so is `m` for types with a
-/// stored minimum (the others' offset is implied by `d`, so it is not stored). `qs` is 4 chunks of 32
+/// Per row group and block: `d` is 8 scales (one per row), and so is `m` for types with a
+/// stored minimum (the others' offset is implied by `d`, so it is not stored), in the
+/// precision they need ([`Scales`]). `qs` is 4 chunks of 32
 /// bytes; in chunk `c`, byte `4j + t` holds value `4c + t` of row `j` in its low nibble and
 /// value `16 + 4c + t` in its high nibble, so the low nibbles of a chunk are "quad" `c` and
 /// the high nibbles quad `c + 4` (a quad is 4 consecutive values). 5-bit types keep one `u32`
@@ -155,10 +156,124 @@ pub struct NibbleMatrix {
     pub n_in: usize,
     pub kind: NibbleType,
     nb: usize,
-    d: Vec<f32>,
-    m: Vec<f32>,
+    d: Scales,
+    m: Scales,
     qs: Vec<u8>,
     qh: Vec<u32>,
+}
+
+/// A matrix's block scales (or minimums): f16 when every one of them is an f16 value, which
+/// the native types' always are (they come from the file's f16 fields), else f32 (K-quant
+/// sub-block scales `d·sc_j`). Decode reads every weight byte once per token, and f32 copies
+/// of f16 scales made it read 15.6% (SmolLM2 Q4_1) and 9.8% (Gemma 3 Q4_K_M) more than the
+/// file holds (docs/performance.md, session 18).
+#[derive(Debug, Clone)]
+enum Scales {
+    F16(Vec<f16>),
+    F32(Vec<f32>),
+}
+
+impl Scales {
+    /// `v` in f16 when that is exact for every value.
+    fn new(v: Vec<f32>) -> Self {
+        let halves: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+        if halves
+            .iter()
+            .zip(&v)
+            .all(|(h, x)| h.to_f32().to_bits() == x.to_bits())
+        {
+            Scales::F16(halves)
+        } else {
+            Scales::F32(v)
+        }
+    }
+
+    fn get(&self, i: usize) -> f32 {
+        match self {
+            Scales::F16(v) => v[i].to_f32(),
+            Scales::F32(v) => v[i],
+        }
+    }
+
+    fn reserve_exact(&mut self, n: usize) {
+        match self {
+            Scales::F16(v) => v.reserve_exact(n),
+            Scales::F32(v) => v.reserve_exact(n),
+        }
+    }
+
+    /// Appends `other`'s values (both in f32 unless both are f16).
+    fn extend(&mut self, other: &Scales) {
+        match (&mut *self, other) {
+            (Scales::F16(a), Scales::F16(b)) => a.extend_from_slice(b),
+            (Scales::F32(a), Scales::F32(b)) => a.extend_from_slice(b),
+            (Scales::F32(a), Scales::F16(b)) => a.extend(b.iter().map(|h| h.to_f32())),
+            (Scales::F16(a), Scales::F32(b)) => {
+                let mut all: Vec<f32> = a.iter().map(|h| h.to_f32()).collect();
+                all.extend_from_slice(b);
+                *self = Scales::F32(all);
+            }
+        }
+    }
+
+    /// Where value `i` lies, for the kernels.
+    #[cfg(target_arch = "x86_64")]
+    fn at(&self, i: usize) -> ScalePtr {
+        match self {
+            Scales::F16(v) => ScalePtr {
+                at: v.as_ptr().wrapping_add(i) as *const u8,
+                half: true,
+            },
+            Scales::F32(v) => ScalePtr {
+                at: v.as_ptr().wrapping_add(i) as *const u8,
+                half: false,
+            },
+        }
+    }
+}
+
+/// A position in a [`Scales`] for the kernels: 8 consecutive values are one row group's.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct ScalePtr {
+    at: *const u8,
+    half: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl ScalePtr {
+    /// `n` values further on (may point past the end: only ever prefetched there).
+    #[inline(always)]
+    fn add(self, n: usize) -> Self {
+        ScalePtr {
+            at: self.at.wrapping_add(n * self.bytes_per()),
+            half: self.half,
+        }
+    }
+
+    #[inline(always)]
+    fn bytes_per(self) -> usize {
+        if self.half {
+            2
+        } else {
+            4
+        }
+    }
+
+    /// The 8 values from here, as f32.
+    ///
+    /// # Safety
+    /// 8 values from here lie inside their buffer; F16C is available.
+    #[target_feature(enable = "avx,f16c")]
+    #[inline]
+    unsafe fn load8(self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        if self.half {
+            _mm256_cvtph_ps(_mm_loadu_si128(self.at as *const __m128i))
+        } else {
+            _mm256_loadu_ps(self.at as *const f32)
+        }
+    }
 }
 
 /// One block of one row: scale and offset (per half of 16 values for split types; both
@@ -302,8 +417,8 @@ impl NibbleMatrix {
             n_in,
             kind,
             nb,
-            d,
-            m,
+            d: Scales::new(d),
+            m: Scales::new(m),
             qs,
             qh,
         }
@@ -334,7 +449,7 @@ impl NibbleMatrix {
         let at = |h: usize| (gb * halves + h) * GROUP + j;
         let last = halves - 1;
         RowBlock {
-            d: [self.d[at(0)], self.d[at(last)]],
+            d: [self.d.get(at(0)), self.d.get(at(last))],
             m: [self.offset(at(0)), self.offset(at(last))],
             vals,
         }
@@ -344,9 +459,9 @@ impl NibbleMatrix {
     /// (`implied_offset · d`, the same f32 product the loader used to compute).
     fn offset(&self, at: usize) -> f32 {
         if self.kind.has_min() {
-            self.m[at]
+            self.m.get(at)
         } else {
-            self.kind.implied_offset() * self.d[at]
+            self.kind.implied_offset() * self.d.get(at)
         }
     }
 
@@ -394,8 +509,8 @@ impl NibbleMatrix {
             return None;
         }
         self.n_out += other.n_out;
-        self.d.extend_from_slice(&other.d);
-        self.m.extend_from_slice(&other.m);
+        self.d.extend(&other.d);
+        self.m.extend(&other.m);
         self.qs.extend_from_slice(&other.qs);
         self.qh.extend_from_slice(&other.qh);
         Some(())
@@ -780,9 +895,9 @@ thread_local! {
 struct GroupRef {
     q: *const u8,
     h: Option<*const u32>,
-    d: *const f32,
+    d: ScalePtr,
     /// `None` for types whose offset is implied by the scale.
-    m: Option<*const f32>,
+    m: Option<ScalePtr>,
     gbb: usize,
     bytes8: bool,
     /// Byte values are flipped from `q + 128` back to signed `q` when loaded (the AVX2 Q8_0
@@ -800,10 +915,8 @@ impl GroupRef {
             GroupRef {
                 q: w.qs.as_ptr().add(g * nb * gbb),
                 h: (!w.qh.is_empty()).then(|| w.qh.as_ptr().add(g * nb * GROUP)),
-                d: w.d.as_ptr().add(g * nb * GROUP * halves),
-                m: w.kind
-                    .has_min()
-                    .then(|| w.m.as_ptr().add(g * nb * GROUP * halves)),
+                d: w.d.at(g * nb * GROUP * halves),
+                m: w.kind.has_min().then(|| w.m.at(g * nb * GROUP * halves)),
                 gbb,
                 bytes8: w.kind.byte_values(),
                 signed,
@@ -825,12 +938,17 @@ impl GroupRef {
     fn prefetch_block<const HINT: i32>(&self, at: usize) {
         let per_block = GROUP * self.halves;
         prefetch_span::<HINT>(self.q.wrapping_add(at * self.gbb), self.gbb);
-        prefetch_span::<HINT>(
-            self.d.wrapping_add(at * per_block) as *const u8,
-            4 * per_block,
-        );
-        if let Some(m) = self.m {
-            prefetch_span::<HINT>(m.wrapping_add(at * per_block) as *const u8, 4 * per_block);
+        // a block's scales (and minimums) are 16–64 bytes: the lines of their first and last
+        // byte cover them (a loop over a span whose length is known only at run time cost
+        // more than the prefetches saved)
+        for s in [Some(self.d), self.m].into_iter().flatten() {
+            let from = s.add(at * per_block).at;
+            let last = from.wrapping_add(s.bytes_per() * per_block - 1);
+            // SAFETY: a prefetch is a hint that never faults, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<HINT>(from as *const i8);
+                std::arch::x86_64::_mm_prefetch::<HINT>(last as *const i8);
+            }
         }
         if let Some(h) = self.h {
             prefetch_span::<HINT>(h.wrapping_add(at * GROUP) as *const u8, 4 * GROUP);
@@ -969,8 +1087,8 @@ macro_rules! group_kernel {
                 let at = |i: usize| (r0 + i) * nb + b;
                 if p.halves == 2 {
                     // (split types have implied offsets, folded into the integers)
-                    let dv = _mm256_loadu_ps(p.d.add(b * GROUP * 2));
-                    let dv1 = _mm256_loadu_ps(p.d.add(b * GROUP * 2 + GROUP));
+                    let dv = p.d.add(b * GROUP * 2).load8();
+                    let dv1 = p.d.add(b * GROUP * 2 + GROUP).load8();
                     for (i, acc) in acc.iter_mut().enumerate() {
                         let f = a.folded_halves.as_ptr().add(2 * at(i));
                         let f = [*f, *f.add(1)];
@@ -986,7 +1104,7 @@ macro_rules! group_kernel {
                     }
                     continue;
                 }
-                let dv = _mm256_loadu_ps(p.d.add(b * GROUP));
+                let dv = p.d.add(b * GROUP).load8();
                 let dot = |i: usize, folded: i32| {
                     if $signed {
                         block_dot_avx2_signed(&v, x(i))
@@ -1000,7 +1118,7 @@ macro_rules! group_kernel {
                 };
                 match p.m {
                     Some(m) => {
-                        let mv = _mm256_loadu_ps(m.add(b * GROUP));
+                        let mv = m.add(b * GROUP).load8();
                         for (i, acc) in acc.iter_mut().enumerate() {
                             let dot = _mm256_cvtepi32_ps(dot(i, 0));
                             let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
@@ -1029,7 +1147,7 @@ macro_rules! group_kernel {
 group_kernel!(
     group_kernel_avx2,
     group_pass_avx2,
-    "avx2,fma",
+    "avx2,fma,f16c",
     block_dot_avx2,
     half_dots_avx2,
     false,
@@ -1040,7 +1158,7 @@ group_kernel!(
 group_kernel!(
     group_kernel_avx2_q8,
     group_pass_avx2_q8,
-    "avx2,fma",
+    "avx2,fma,f16c",
     block_dot_avx2,
     half_dots_avx2,
     true,
@@ -1051,7 +1169,7 @@ group_kernel!(
 group_kernel!(
     group_kernel_vnni,
     group_pass_vnni,
-    "avx2,fma,avx512vnni,avx512vl",
+    "avx2,fma,f16c,avx512vnni,avx512vl",
     block_dot_vnni,
     half_dots_vnni,
     false,
@@ -1072,7 +1190,7 @@ const WIDE_ROWS: usize = 8;
 /// server cores run it on two ports). Each lane's arithmetic is the one of
 /// `group_kernel_vnni`, so results are bitwise the same.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avx512f,avx512vnni,avx512vl")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl")]
 unsafe fn wide_kernel_vnni(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &Dest) {
     let p = [GroupRef::new(w, g, false), GroupRef::new(w, g + 1, false)];
     let valid = [GROUP, GROUP.min(w.n_out - (g + 1) * GROUP)];
@@ -1111,14 +1229,14 @@ unsafe fn join_si(
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
 }
 
-/// Group `g`'s 8 f32 at `lo` and group `g + 1`'s at `hi` as one vector.
+/// Group `g`'s 8 scales at `lo` and group `g + 1`'s at `hi` as one vector.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx,f16c,avx512f")]
 #[inline]
-unsafe fn join_ps(lo: *const f32, hi: *const f32) -> std::arch::x86_64::__m512 {
+unsafe fn join_ps(lo: ScalePtr, hi: ScalePtr) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
-    let lo = _mm256_castps_si256(_mm256_loadu_ps(lo));
-    let hi = _mm256_castps_si256(_mm256_loadu_ps(hi));
+    let lo = _mm256_castps_si256(lo.load8());
+    let hi = _mm256_castps_si256(hi.load8());
     _mm512_castsi512_ps(join_si(lo, hi))
 }
 
@@ -1191,7 +1309,7 @@ unsafe fn wide_dot<const C: usize>(
 /// `R` activation rows times both row groups of [`wide_kernel_vnni`]; the blocks are
 /// unpacked in registers once per pass, as `group_kernel!`'s short batches do.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avx512f,avx512vnni,avx512vl")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn wide_pass_vnni<const R: usize, const PREFETCH: bool>(
     w: &NibbleMatrix,
@@ -1290,7 +1408,7 @@ const PAIR_ROWS: usize = 4;
 /// — one group's passes were bound by loads (docs/performance.md, session 16). Each row's
 /// arithmetic is the one of `group_kernel_vnni`, so results are bitwise the same.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
 unsafe fn pair_kernel_vnni(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &Dest) {
     let p = [GroupRef::new(w, g, false), GroupRef::new(w, g + 1, false)];
     let valid = [GROUP, GROUP.min(w.n_out - (g + 1) * GROUP)];
@@ -1322,7 +1440,7 @@ unsafe fn pair_kernel_vnni(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &
 
 /// `R` activation rows times the two buffered row groups of [`pair_kernel_vnni`].
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn pair_pass_vnni<const R: usize>(
     w: &NibbleMatrix,
@@ -1368,8 +1486,8 @@ unsafe fn pair_pass_vnni<const R: usize>(
             let lo = dots(0..4, &|i| *a.folded_halves.get_unchecked(2 * at(i)));
             let hi = dots(4..8, &|i| *a.folded_halves.get_unchecked(2 * at(i) + 1));
             for j in 0..2 {
-                let dv = _mm256_loadu_ps(p[j].d.add(b * GROUP * 2));
-                let dv1 = _mm256_loadu_ps(p[j].d.add(b * GROUP * 2 + GROUP));
+                let dv = p[j].d.add(b * GROUP * 2).load8();
+                let dv1 = p[j].d.add(b * GROUP * 2 + GROUP).load8();
                 for (i, acc) in acc.iter_mut().enumerate() {
                     let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
                     let dot_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo[i][j]), dv);
@@ -1384,14 +1502,14 @@ unsafe fn pair_pass_vnni<const R: usize>(
             None => dots(0..8, &|i| *a.folded.get_unchecked(at(i))),
         };
         for j in 0..2 {
-            let dv = _mm256_loadu_ps(p[j].d.add(b * GROUP));
+            let dv = p[j].d.add(b * GROUP).load8();
             for (i, acc) in acc.iter_mut().enumerate() {
                 let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
                 let dot = _mm256_cvtepi32_ps(s[i][j]);
                 acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), acc[j]);
                 if let Some(m) = p[j].m {
                     let sx = _mm256_set1_ps(*a.sums.get_unchecked(at(i)));
-                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(m.add(b * GROUP)), sx, acc[j]);
+                    acc[j] = _mm256_fmadd_ps(m.add(b * GROUP).load8(), sx, acc[j]);
                 }
             }
         }
@@ -1478,6 +1596,34 @@ pub(crate) mod tests {
                     |row| row.iter().map(|v| v.abs()).sum::<f32>() * 0.5 / 127.0 + 1e-3,
                 );
             }
+        }
+    }
+
+    #[test]
+    fn scales_are_kept_in_f16_exactly_when_every_one_is_an_f16() {
+        assert!(matches!(
+            Scales::new(vec![0.5, -3.0, 65504.0, 0.0]),
+            Scales::F16(_)
+        ));
+        // 0.1 and an f16 times a 6-bit integer (a K-quant scale) are not f16 values
+        assert!(matches!(Scales::new(vec![0.5, 0.1]), Scales::F32(_)));
+        let k = f16::from_f32(0.0123).to_f32() * 37.0;
+        assert!(matches!(Scales::new(vec![k]), Scales::F32(_)));
+        // appending keeps every value, in f32 when the precisions differ
+        let mut a = Scales::new(vec![0.5, 2.0]);
+        a.extend(&Scales::new(vec![k]));
+        assert!(matches!(a, Scales::F32(_)));
+        assert_eq!([a.get(0), a.get(1), a.get(2)], [0.5, 2.0, k]);
+        let mut b = Scales::new(vec![k]);
+        b.extend(&Scales::new(vec![0.25]));
+        assert_eq!([b.get(0), b.get(1)], [k, 0.25]);
+        // the native types' scales come from f16 fields: always stored as f16
+        let mut seed = 5;
+        for kind in TYPES {
+            let (bytes, _) = random_blocks(kind, 16, 64, &mut seed);
+            let w = NibbleMatrix::from_bytes(kind, &bytes, 16, 64).unwrap();
+            assert!(matches!(w.d, Scales::F16(_)), "{kind:?}");
+            assert!(matches!(w.m, Scales::F16(_)), "{kind:?}");
         }
     }
 
