@@ -176,13 +176,9 @@ enum Scales {
 impl Scales {
     /// `v` in f16 when that is exact for every value.
     fn new(v: Vec<f32>) -> Self {
-        let halves: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
-        if halves
-            .iter()
-            .zip(&v)
-            .all(|(h, x)| h.to_f32().to_bits() == x.to_bits())
-        {
-            Scales::F16(halves)
+        let exact = |x: &f32| f16::from_f32(*x).to_f32().to_bits() == x.to_bits();
+        if v.iter().all(exact) {
+            Scales::F16(v.iter().map(|&x| f16::from_f32(x)).collect())
         } else {
             Scales::F32(v)
         }
@@ -925,6 +921,13 @@ impl GroupRef {
         }
     }
 
+    /// Row groups `g` and `g + 1` (which must exist) and how many of their 8 rows are real
+    /// (the second may be a matrix's last, partial group), for the two-group kernels.
+    fn pair(w: &NibbleMatrix, g: usize) -> ([Self; 2], [usize; 2]) {
+        let refs = [GroupRef::new(w, g, false), GroupRef::new(w, g + 1, false)];
+        (refs, [GROUP, GROUP.min(w.n_out - (g + 1) * GROUP)])
+    }
+
     /// Starts loading block `b` of the next row group (laid out right after this one's `nb`
     /// blocks) into L1.
     #[inline(always)]
@@ -1192,8 +1195,7 @@ const WIDE_ROWS: usize = 8;
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl")]
 unsafe fn wide_kernel_vnni(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &Dest) {
-    let p = [GroupRef::new(w, g, false), GroupRef::new(w, g + 1, false)];
-    let valid = [GROUP, GROUP.min(w.n_out - (g + 1) * GROUP)];
+    let (p, valid) = GroupRef::pair(w, g);
     let mut r0 = 0;
     while r0 < a.m {
         let rows = (a.m - r0).min(WIDE_ROWS);
@@ -1410,8 +1412,7 @@ const PAIR_ROWS: usize = 4;
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
 unsafe fn pair_kernel_vnni(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &Dest) {
-    let p = [GroupRef::new(w, g, false), GroupRef::new(w, g + 1, false)];
-    let valid = [GROUP, GROUP.min(w.n_out - (g + 1) * GROUP)];
+    let (p, valid) = GroupRef::pair(w, g);
     let run = |buffered: &mut Vec<[std::arch::x86_64::__m256i; 8]>| {
         buffered.clear();
         for b in 0..w.nb {
