@@ -930,6 +930,41 @@ impl KvCache {
         read_rows(ty, words, first, &mut out[..slots.len() * hd]);
     }
 
+    /// One KV head's keys (or values) of slots `slots` of block `b` as the cache stores them,
+    /// for attention to read in place; `None` for quantized blocks, which [`Self::read_head`]
+    /// dequantizes. Slots past the sequence's end are readable (the block holds them) but
+    /// hold stale or zero values.
+    pub fn head_rows(
+        &self,
+        layer: usize,
+        values: bool,
+        b: u32,
+        head: usize,
+        slots: std::ops::Range<usize>,
+    ) -> Option<crate::kernels::attn::Rows<'_>> {
+        use crate::kernels::attn::Rows;
+        let hd = self.head_dim;
+        let (t, k_at, v_at) = self.locate(layer, b);
+        let (at, n, ty) = if values {
+            (v_at, t.v_words, t.types.1)
+        } else {
+            (k_at, t.k_words, t.types.0)
+        };
+        let words = &t.store.words()[at..at + n];
+        let range =
+            (head * KV_BLOCK_SIZE + slots.start) * hd..(head * KV_BLOCK_SIZE + slots.end) * hd;
+        match ty {
+            KvType::F32 => Some(Rows::F32(bytemuck_f32(&words[range]))),
+            KvType::F16 => {
+                let halves = &bytemuck_u16(words)[range];
+                Some(Rows::F16(half::slice::HalfBitsSliceExt::reinterpret_cast(
+                    halves,
+                )))
+            }
+            KvType::Q8_0 | KvType::Q4_0 => None,
+        }
+    }
+
     /// Asks the CPU to start loading one KV head's keys and values of block `b`, so that
     /// attention computing on the current blocks overlaps the memory reads of the next ones.
     /// The hint is `T2` (to the outer caches): a head's 2–8 KB runs in scattered blocks are
@@ -939,23 +974,44 @@ impl KvCache {
     /// 11.5 GB/s (docs/performance.md, session 17).
     pub fn prefetch_head(&self, layer: usize, b: u32, head: usize) {
         #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T2};
-            const LINE_BYTES: usize = 64;
-            let (t, k_at, v_at) = self.locate(layer, b);
-            let n = KV_BLOCK_SIZE * self.head_dim;
-            let base = t.store.words().as_ptr() as *const i8;
-            for (at, ty) in [(k_at, t.types.0), (v_at, t.types.1)] {
-                let (at, len) = (at * 4 + ty.bytes(head * n), ty.bytes(n));
-                for off in (0..len).step_by(LINE_BYTES) {
-                    // SAFETY: a prefetch never faults, and `at + off` stays inside the
-                    // tier's buffer (block `b` exists), so the pointer arithmetic is in bounds.
-                    unsafe { _mm_prefetch::<_MM_HINT_T2>(base.add(at + off)) };
-                }
-            }
+        for values in [false, true] {
+            self.prefetch_rows::<{ std::arch::x86_64::_MM_HINT_T2 }>(layer, b, head, values);
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (layer, b, head);
+    }
+
+    /// Asks for one KV head's values of block `b` into L1, just before they are summed. They
+    /// were asked for with `T2` a chunk earlier; the weighted sum then walks them a column
+    /// block at a time across every slot, and waited on them for 67% of its time. Asking
+    /// for all of a chunk's value lines first made an 8-stream SmolLM2 step 4% faster at
+    /// depth 300 (docs/performance.md, session 19); the same for keys was slower (their
+    /// scores read them row by row).
+    pub fn prefetch_values_l1(&self, layer: usize, b: u32, head: usize) {
+        #[cfg(target_arch = "x86_64")]
+        self.prefetch_rows::<{ std::arch::x86_64::_MM_HINT_T0 }>(layer, b, head, true);
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (layer, b, head);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn prefetch_rows<const HINT: i32>(&self, layer: usize, b: u32, head: usize, values: bool) {
+        use std::arch::x86_64::_mm_prefetch;
+        const LINE_BYTES: usize = 64;
+        let (t, k_at, v_at) = self.locate(layer, b);
+        let n = KV_BLOCK_SIZE * self.head_dim;
+        let base = t.store.words().as_ptr() as *const i8;
+        let (at, ty) = if values {
+            (v_at, t.types.1)
+        } else {
+            (k_at, t.types.0)
+        };
+        let (at, len) = (at * 4 + ty.bytes(head * n), ty.bytes(n));
+        for off in (0..len).step_by(LINE_BYTES) {
+            // SAFETY: a prefetch never faults, and `at + off` stays inside the tier's
+            // buffer (block `b` exists), so the pointer arithmetic is in bounds.
+            unsafe { _mm_prefetch::<HINT>(base.add(at + off)) };
+        }
     }
 }
 
@@ -1148,6 +1204,12 @@ fn bytemuck_u16(words: &[u32]) -> &[u16] {
     // SAFETY: u32 storage reinterpreted as twice as many u16; alignment of u16 divides that
     // of u32 and every bit pattern is a valid u16.
     unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u16, words.len() * 2) }
+}
+
+fn bytemuck_f32(words: &[u32]) -> &[f32] {
+    // SAFETY: u32 and f32 have the same size and alignment and every bit pattern is a valid
+    // f32.
+    unsafe { std::slice::from_raw_parts(words.as_ptr() as *const f32, words.len()) }
 }
 
 fn bytemuck_u8(words: &[u32]) -> &[u8] {

@@ -1,13 +1,15 @@
 //! Register-blocked f32 micro-kernels for attention: scores `S = Q·Kᵀ` and the weighted sum
-//! `O += P·V`. Rows are query heads and keys are KV slots, both already converted to f32 in
-//! row-major scratch; callers pad `rows` to [`ROW_BLOCK`] and `keys` to [`KEY_BLOCK`] with
-//! zeros. The AVX2 path keeps 4×2 score accumulators and 4×16 output columns in registers, so
-//! every loaded key or value vector is used by four query rows. [`exp_sum`] and [`max_of`]
-//! do the softmax of a score row between the two.
+//! `O += P·V`. Rows are query heads in f32 scratch (callers pad `rows` to [`ROW_BLOCK`] with
+//! zeros); keys are KV slots in row-major [`Rows`]: the cache's own f16 or f32 rows, read in
+//! place (f16 is widened exactly as it is loaded), or f32 scratch for quantized caches. The
+//! AVX2 path keeps 4×2 score accumulators and 4×16 output columns in registers, so every
+//! loaded key or value vector is used by four query rows. [`exp_sum`] and [`max_of`] do the
+//! softmax of a score row between the two.
 
 use crate::model::ops::fast_exp;
 #[cfg(target_arch = "x86_64")]
 use crate::model::ops::FAST_EXP;
+use half::f16;
 
 /// Query rows per micro-kernel call.
 pub const ROW_BLOCK: usize = 4;
@@ -21,22 +23,85 @@ fn simd_ok(hd: usize) -> bool {
     hd.is_multiple_of(COL_BLOCK) && super::has_avx2()
 }
 
+/// Keys or values, `[keys, hd]` row-major: the KV cache's own rows or f32 scratch.
+#[derive(Clone, Copy)]
+pub enum Rows<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+}
+
+/// An element of [`Rows`]: both widen to f32 exactly, so the kernels' arithmetic (and their
+/// results) are the same whichever the cache stores.
+trait Elem: Copy {
+    fn to_f32(self) -> f32;
+    /// 8 elements from `p`, widened.
+    ///
+    /// # Safety
+    /// 8 elements are readable from `p`; the caller runs with AVX and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+}
+
+impl Elem for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+}
+
 /// `s[i * s_stride + j] = q_i · k_j` for `i < rows`, `j < keys`; `q` is `[rows, hd]`, `k` is
-/// `[keys, hd]`. `rows` must be a multiple of [`ROW_BLOCK`], `keys` of [`KEY_BLOCK`].
+/// `[keys, hd]`. `rows` must be a multiple of [`ROW_BLOCK`], `keys` of [`KEY_BLOCK`]; `s` may
+/// start anywhere in a score matrix (its last row needs only `keys` entries).
 pub fn scores(
     q: &[f32],
     rows: usize,
-    k: &[f32],
+    k: Rows<'_>,
+    keys: usize,
+    hd: usize,
+    s: &mut [f32],
+    s_stride: usize,
+) {
+    match k {
+        Rows::F32(k) => scores_of(q, rows, k, keys, hd, s, s_stride),
+        Rows::F16(k) => scores_of(q, rows, k, keys, hd, s, s_stride),
+    }
+}
+
+fn scores_of<T: Elem>(
+    q: &[f32],
+    rows: usize,
+    k: &[T],
     keys: usize,
     hd: usize,
     s: &mut [f32],
     s_stride: usize,
 ) {
     assert!(rows.is_multiple_of(ROW_BLOCK) && keys.is_multiple_of(KEY_BLOCK) && keys <= s_stride);
-    assert!(q.len() >= rows * hd && k.len() >= keys * hd && s.len() >= rows * s_stride);
+    assert!(q.len() >= rows * hd && k.len() >= keys * hd);
+    assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
     #[cfg(target_arch = "x86_64")]
     if simd_ok(hd) {
-        // SAFETY: AVX2 and FMA were detected; the asserts above bound every access.
+        // SAFETY: AVX2, FMA and F16C were detected; the asserts above bound every access.
         unsafe { scores_avx2(q, rows, k, keys, hd, s, s_stride) };
         return;
     }
@@ -47,7 +112,7 @@ pub fn scores(
             s[i * s_stride + j] = if hd.is_multiple_of(COL_BLOCK) {
                 lane_dot(qi, kj)
             } else {
-                qi.iter().zip(kj).map(|(a, b)| a * b).sum()
+                qi.iter().zip(kj).map(|(a, b)| a * b.to_f32()).sum()
             };
         }
     }
@@ -56,32 +121,49 @@ pub fn scores(
 /// `a · b` with the AVX2 path's arithmetic: 8 lanes of fused multiply-adds, then its
 /// horizontal reduction `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, so scores are
 /// bitwise the same on every path.
-fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
+fn lane_dot<T: Elem>(a: &[f32], b: &[T]) -> f32 {
     let mut l = [0f32; 8];
     for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
         for i in 0..8 {
-            l[i] = ca[i].mul_add(cb[i], l[i]);
+            l[i] = ca[i].mul_add(cb[i].to_f32(), l[i]);
         }
     }
     ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
 
 /// `o_i += Σ_j p[i * p_stride + j] · v_j` for `i < rows`; `v` is `[keys, hd]`, `o` is
-/// `[rows, hd]`. Same padding rules as [`scores`].
+/// `[rows, hd]`. `rows` must be a multiple of [`ROW_BLOCK`]; any `keys` up to `p_stride`, and
+/// `p` may start anywhere in a probability matrix (its last row needs only `keys` entries).
 pub fn accumulate(
     p: &[f32],
     p_stride: usize,
     rows: usize,
-    v: &[f32],
+    v: Rows<'_>,
+    keys: usize,
+    hd: usize,
+    o: &mut [f32],
+) {
+    match v {
+        Rows::F32(v) => accumulate_of(p, p_stride, rows, v, keys, hd, o),
+        Rows::F16(v) => accumulate_of(p, p_stride, rows, v, keys, hd, o),
+    }
+}
+
+fn accumulate_of<T: Elem>(
+    p: &[f32],
+    p_stride: usize,
+    rows: usize,
+    v: &[T],
     keys: usize,
     hd: usize,
     o: &mut [f32],
 ) {
     assert!(rows.is_multiple_of(ROW_BLOCK) && keys <= p_stride);
-    assert!(p.len() >= rows * p_stride && v.len() >= keys * hd && o.len() >= rows * hd);
+    assert!(v.len() >= keys * hd && o.len() >= rows * hd);
+    assert!(rows == 0 || p.len() >= (rows - 1) * p_stride + keys);
     #[cfg(target_arch = "x86_64")]
     if simd_ok(hd) {
-        // SAFETY: AVX2 and FMA were detected; the asserts above bound every access.
+        // SAFETY: AVX2, FMA and F16C were detected; the asserts above bound every access.
         unsafe { accumulate_avx2(p, p_stride, rows, v, keys, hd, o) };
         return;
     }
@@ -91,7 +173,7 @@ pub fn accumulate(
             let w = p[i * p_stride + j];
             for (x, vv) in oi.iter_mut().zip(&v[j * hd..(j + 1) * hd]) {
                 // fused, like the AVX2 path
-                *x = w.mul_add(*vv, *x);
+                *x = w.mul_add(vv.to_f32(), *x);
             }
         }
     }
@@ -197,11 +279,11 @@ unsafe fn fast_exp_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m2
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn scores_avx2(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_avx2<T: Elem>(
     q: &[f32],
     rows: usize,
-    k: &[f32],
+    k: &[T],
     keys: usize,
     hd: usize,
     s: &mut [f32],
@@ -214,8 +296,8 @@ unsafe fn scores_avx2(
             let mut acc = [[_mm256_setzero_ps(); KEY_BLOCK]; ROW_BLOCK];
             for d in (0..hd).step_by(8) {
                 let kv = [
-                    _mm256_loadu_ps(kp.add(j0 * hd + d)),
-                    _mm256_loadu_ps(kp.add((j0 + 1) * hd + d)),
+                    T::load8(kp.add(j0 * hd + d)),
+                    T::load8(kp.add((j0 + 1) * hd + d)),
                 ];
                 for (i, row) in acc.iter_mut().enumerate() {
                     let qv = _mm256_loadu_ps(qp.add((r0 + i) * hd + d));
@@ -242,12 +324,12 @@ unsafe fn scores_avx2(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn accumulate_avx2(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn accumulate_avx2<T: Elem>(
     p: &[f32],
     p_stride: usize,
     rows: usize,
-    v: &[f32],
+    v: &[T],
     keys: usize,
     hd: usize,
     o: &mut [f32],
@@ -262,8 +344,8 @@ unsafe fn accumulate_avx2(
                 *row = [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))];
             }
             for j in 0..keys {
-                let v0 = _mm256_loadu_ps(vp.add(j * hd + c));
-                let v1 = _mm256_loadu_ps(vp.add(j * hd + c + 8));
+                let v0 = T::load8(vp.add(j * hd + c));
+                let v1 = T::load8(vp.add(j * hd + c + 8));
                 for (i, row) in acc.iter_mut().enumerate() {
                     let w = _mm256_broadcast_ss(&*pp.add((r0 + i) * p_stride + j));
                     row[0] = _mm256_fmadd_ps(w, v0, row[0]);
@@ -296,7 +378,7 @@ mod tests {
         let k: Vec<f32> = (0..keys * hd).map(|_| lcg(&mut seed)).collect();
         let (mut s1, mut s2) = (vec![0f32; rows * stride], vec![0f32; rows * stride]);
         // SAFETY: AVX2 and FMA were detected; the buffers hold every index touched.
-        unsafe { scores_avx2(&q, rows, &k, keys, hd, &mut s1, stride) };
+        unsafe { scores_avx2(&q, rows, &k[..], keys, hd, &mut s1, stride) };
         for i in 0..rows {
             for j in 0..keys {
                 s2[i * stride + j] = lane_dot(&q[i * hd..(i + 1) * hd], &k[j * hd..(j + 1) * hd]);
@@ -305,7 +387,7 @@ mod tests {
         assert_eq!(s1, s2);
         let (mut o1, mut o2) = (vec![0.25f32; rows * hd], vec![0.25f32; rows * hd]);
         // SAFETY: as above.
-        unsafe { accumulate_avx2(&s1, stride, rows, &k, keys, hd, &mut o1) };
+        unsafe { accumulate_avx2(&s1, stride, rows, &k[..], keys, hd, &mut o1) };
         for i in 0..rows {
             for j in 0..keys {
                 let w = s1[i * stride + j];
@@ -369,9 +451,9 @@ mod tests {
             let q: Vec<f32> = (0..rows * hd).map(|_| lcg(&mut seed)).collect();
             let k: Vec<f32> = (0..keys * hd).map(|_| lcg(&mut seed)).collect();
             let mut s = vec![0f32; rows * stride];
-            scores(&q, rows, &k, keys, hd, &mut s, stride);
+            scores(&q, rows, Rows::F32(&k), keys, hd, &mut s, stride);
             let mut o = vec![0.5f32; rows * hd];
-            accumulate(&s, stride, rows, &k, keys, hd, &mut o);
+            accumulate(&s, stride, rows, Rows::F32(&k), keys, hd, &mut o);
             for i in 0..rows {
                 for j in 0..keys {
                     let want: f32 = (0..hd).map(|d| q[i * hd + d] * k[j * hd + d]).sum();
@@ -388,6 +470,66 @@ mod tests {
                     assert!((o[i * hd + d] - want).abs() < 1e-3, "hd {hd} o[{i},{d}]");
                 }
             }
+        }
+    }
+
+    /// The cache's f16 rows read in place give bitwise the results of their f32 widening,
+    /// on the machine's path and the scalar one, also for a score or probability matrix
+    /// entered at a column offset (as attention does block by block).
+    #[test]
+    fn f16_rows_in_place_equal_their_f32_widening() {
+        let mut seed = 11u64;
+        for &hd in &[64usize, 256, 24] {
+            let (rows, keys, stride, col) = (8, 6, 16, 5);
+            let q: Vec<f32> = (0..rows * hd).map(|_| lcg(&mut seed)).collect();
+            let kh: Vec<f16> = (0..keys * hd)
+                .map(|_| f16::from_f32(4.0 * lcg(&mut seed)))
+                .collect();
+            let kf: Vec<f32> = kh.iter().map(|x| x.to_f32()).collect();
+            let (mut s1, mut s2) = (vec![0f32; rows * stride], vec![0f32; rows * stride]);
+            scores(&q, rows, Rows::F16(&kh), keys, hd, &mut s1[col..], stride);
+            scores(&q, rows, Rows::F32(&kf), keys, hd, &mut s2[col..], stride);
+            assert_eq!(s1, s2, "scores hd {hd}");
+            let mut s3 = vec![0f32; rows * stride];
+            for i in 0..rows {
+                for j in 0..keys {
+                    s3[col + i * stride + j] =
+                        lane_dot(&q[i * hd..(i + 1) * hd], &kh[j * hd..(j + 1) * hd]);
+                }
+            }
+            if hd % 16 == 0 {
+                assert_eq!(s1, s3, "scalar scores hd {hd}");
+            }
+            let (mut o1, mut o2) = (vec![0.5f32; rows * hd], vec![0.5f32; rows * hd]);
+            accumulate(
+                &s1[col..],
+                stride,
+                rows,
+                Rows::F16(&kh),
+                keys - 1,
+                hd,
+                &mut o1,
+            );
+            accumulate(
+                &s1[col..],
+                stride,
+                rows,
+                Rows::F32(&kf),
+                keys - 1,
+                hd,
+                &mut o2,
+            );
+            assert_eq!(o1, o2, "accumulate hd {hd}");
+            let mut o3 = vec![0.5f32; rows * hd];
+            for i in 0..rows {
+                for j in 0..keys - 1 {
+                    let w = s1[col + i * stride + j];
+                    for d in 0..hd {
+                        o3[i * hd + d] = w.mul_add(kf[j * hd + d], o3[i * hd + d]);
+                    }
+                }
+            }
+            assert_eq!(o1, o3, "scalar accumulate hd {hd}");
         }
     }
 }

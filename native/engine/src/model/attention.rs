@@ -376,9 +376,9 @@ fn grow(v: &mut Vec<f32>, n: usize) {
 struct Scratch {
     /// Scaled queries of the tile, `[rows, hd]`.
     q: Vec<f32>,
-    /// One chunk of keys and values in f32, `[CHUNK, hd]`.
-    k: Vec<f32>,
-    v: Vec<f32>,
+    /// One block's keys or values dequantized to f32, `[KV_BLOCK_SIZE, hd]`, for quantized
+    /// caches (f16 and f32 ones are read in place).
+    kv: Vec<f32>,
     /// Scores, then probabilities, `[rows, CHUNK]`.
     s: Vec<f32>,
     /// The current segment's state.
@@ -393,8 +393,7 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = const {
         std::cell::RefCell::new(Scratch {
             q: Vec::new(),
-            k: Vec::new(),
-            v: Vec::new(),
+            kv: Vec::new(),
             s: Vec::new(),
             state: State::new(),
             total: State::new(),
@@ -407,8 +406,7 @@ impl Scratch {
     fn fit(&mut self, head_dim: usize, ratio: usize) {
         let rows = (QUERY_TILE * ratio).next_multiple_of(attn::ROW_BLOCK);
         grow(&mut self.q, rows * head_dim);
-        grow(&mut self.k, CHUNK * head_dim);
-        grow(&mut self.v, CHUNK * head_dim);
+        grow(&mut self.kv, KV_BLOCK_SIZE * head_dim);
         grow(&mut self.s, rows * CHUNK);
         self.state.fit(rows, head_dim);
         self.total.fit(rows, head_dim);
@@ -538,18 +536,23 @@ impl<'a> Tile<'a> {
     /// The softmax state of the tile's rows over the slots of segment `seg` they see, from
     /// scratch, into `s.state`, a chunk of `CHUNK` slots at a time: scores for the whole
     /// chunk, one online-softmax update per query row, then the chunk's weighted values.
-    /// `s.q` must hold the scaled queries.
+    /// Keys and values are read block by block where the cache keeps them (f16 widened as the
+    /// kernels load it: a step no longer writes and re-reads the chunk as f32 scratch, which
+    /// was 12–15% of an 8-stream decode step). `s.q` must hold the scaled queries.
     fn attend_segment(&self, kv: &KvCache, seg: usize, p: &AttnParams, s: &mut Scratch) {
         let hd = p.head_dim;
         let (rows, rows_pad) = (self.rows, self.rows_pad);
-        let (layer, g, blocks) = (self.layer, self.g, self.blocks);
         s.state.reset(rows_pad, hd);
         let end = self.hi_of(self.last).min((seg + 1) * SEGMENT);
-        let mut c0 = self.lo_of(self.first).max(seg * SEGMENT);
+        let start = self.lo_of(self.first).max(seg * SEGMENT);
+        // Scores start at an even slot: the kernel takes keys in pairs and a block holds an
+        // even number of slots, so no pair leaves its block. A slot before `start` is masked
+        // like any slot a row does not see (values are summed from `start` only).
+        let mut c0 = start & !(attn::KEY_BLOCK - 1);
         let mut prefetched = c0;
         while c0 < end {
             let c1 = ((c0 / KV_BLOCK_SIZE + CHUNK_BLOCKS) * KV_BLOCK_SIZE).min(end);
-            let n = c1 - c0;
+            let keys = (c1 - c0).next_multiple_of(attn::KEY_BLOCK);
             let mut at = c0;
             while at < c1 {
                 let bi = at / KV_BLOCK_SIZE;
@@ -557,29 +560,18 @@ impl<'a> Tile<'a> {
                 prefetched = self.prefetch_blocks(kv, prefetched, ahead);
                 let block_start = bi * KV_BLOCK_SIZE;
                 let block_end = (block_start + KV_BLOCK_SIZE).min(c1);
-                let (from, to) = ((at - c0) * hd, (block_end - c0) * hd);
-                let slots = at - block_start..block_end - block_start;
-                kv.read_head(
-                    layer,
-                    false,
-                    blocks[bi],
-                    g,
-                    slots.clone(),
-                    &mut s.k[from..to],
-                );
-                kv.read_head(layer, true, blocks[bi], g, slots, &mut s.v[from..to]);
+                let n = (block_end - at).next_multiple_of(attn::KEY_BLOCK);
+                let slots = at - block_start..at - block_start + n;
+                let k = self.head_rows(kv, false, bi, slots, hd, &mut s.kv);
+                attn::scores(&s.q, rows_pad, k, n, hd, &mut s.s[at - c0..], CHUNK);
                 at = block_end;
             }
-            let keys = n.next_multiple_of(attn::KEY_BLOCK);
-            s.k[n * hd..keys * hd].fill(0.0);
-            s.v[n * hd..keys * hd].fill(0.0);
-            attn::scores(&s.q, rows_pad, &s.k, keys, hd, &mut s.s, CHUNK);
             let st = &mut s.state;
             for r in 0..rows_pad {
                 let probs = &mut s.s[r * CHUNK..r * CHUNK + keys];
                 let pos = self.first + r / self.ratio;
                 // slots of this chunk visible to the row's query, relative to c0
-                let (a, z) = (self.lo_of(pos).max(c0), self.hi_of(pos).min(c1));
+                let (a, z) = (self.lo_of(pos).max(start).max(c0), self.hi_of(pos).min(c1));
                 if r >= rows || a >= z {
                     probs.fill(0.0);
                     continue;
@@ -604,8 +596,43 @@ impl<'a> Tile<'a> {
                 st.l[r] += sum;
                 st.m[r] = m_new;
             }
-            attn::accumulate(&s.s, CHUNK, rows_pad, &s.v, keys, hd, &mut st.o);
+            for bi in c0.max(start) / KV_BLOCK_SIZE..c1.div_ceil(KV_BLOCK_SIZE) {
+                kv.prefetch_values_l1(self.layer, self.blocks[bi], self.g);
+            }
+            let mut at = c0.max(start);
+            while at < c1 {
+                let bi = at / KV_BLOCK_SIZE;
+                let block_start = bi * KV_BLOCK_SIZE;
+                let block_end = (block_start + KV_BLOCK_SIZE).min(c1);
+                let slots = at - block_start..block_end - block_start;
+                let n = slots.len();
+                let v = self.head_rows(kv, true, bi, slots, hd, &mut s.kv);
+                attn::accumulate(&s.s[at - c0..], CHUNK, rows_pad, v, n, hd, &mut st.o);
+                at = block_end;
+            }
             c0 = c1;
+        }
+    }
+
+    /// Keys (or values) of the tile's KV head in slots `slots` of its `bi`-th block: the
+    /// cache's rows in place, or dequantized into `scratch` for quantized blocks.
+    fn head_rows<'s>(
+        &self,
+        kv: &'s KvCache,
+        values: bool,
+        bi: usize,
+        slots: std::ops::Range<usize>,
+        hd: usize,
+        scratch: &'s mut [f32],
+    ) -> attn::Rows<'s> {
+        let b = self.blocks[bi];
+        match kv.head_rows(self.layer, values, b, self.g, slots.clone()) {
+            Some(rows) => rows,
+            None => {
+                let out = &mut scratch[..slots.len() * hd];
+                kv.read_head(self.layer, values, b, self.g, slots, out);
+                attn::Rows::F32(out)
+            }
         }
     }
 
