@@ -2,11 +2,11 @@
 //!
 //! Work is split into tasks of (query tile, KV head): a tile is a run of up to
 //! `QUERY_TILE` consecutive tokens of one sequence, so during prefill every K/V block is read
-//! (and converted from f16) once per tile instead of once per token. Blocks are taken
-//! `CHUNK_BLOCKS` at a time: the tile's heads × the chunk's slots form small matrix products
-//! (`kernels::attn`), and each query row keeps an online-softmax state over the slots it can
-//! see: positions `[lo, pos]` of its sequence, where `lo` comes from the layer's sliding
-//! window. Tasks run on the engine's worker pool.
+//! once per tile instead of once per token (in place: f16 is widened as the kernels load
+//! it). Blocks are taken `CHUNK_BLOCKS` at a time: the tile's heads × the chunk's slots form
+//! small matrix products (`kernels::attn`), and each query row keeps an online-softmax state
+//! over the slots it can see: positions `[lo, pos]` of its sequence, where `lo` comes from
+//! the layer's sliding window. Tasks run on the engine's worker pool.
 //!
 //! A row's visible slots are cut into segments of `SEGMENT` slots, each with its own
 //! softmax state, merged in order. When there are fewer (tile, KV head) pairs than threads
@@ -20,7 +20,7 @@ use crate::kv::{KvCache, KV_BLOCK_SIZE};
 
 /// Query tokens of one sequence that share each K/V chunk read.
 const QUERY_TILE: usize = 32;
-/// KV blocks converted to f32 and scored together: one softmax rescale per chunk.
+/// KV blocks scored together: one softmax rescale per chunk.
 const CHUNK_BLOCKS: usize = 4;
 const CHUNK: usize = CHUNK_BLOCKS * KV_BLOCK_SIZE;
 /// K/V blocks past the one being read that are asked for ahead of their reads (see
