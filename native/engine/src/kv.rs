@@ -919,15 +919,20 @@ impl KvCache {
         out: &mut [f32],
     ) {
         let hd = self.head_dim;
+        let (words, ty) = self.layer_words(layer, b, values);
+        let first = (head * KV_BLOCK_SIZE + slots.start) * hd;
+        read_rows(ty, words, first, &mut out[..slots.len() * hd]);
+    }
+
+    /// The words of block `b` that hold one layer's keys (or values), and their type.
+    fn layer_words(&self, layer: usize, b: u32, values: bool) -> (&[u32], KvType) {
         let (t, k_at, v_at) = self.locate(layer, b);
         let (at, n, ty) = if values {
             (v_at, t.v_words, t.types.1)
         } else {
             (k_at, t.k_words, t.types.0)
         };
-        let words = &t.store.words()[at..at + n];
-        let first = (head * KV_BLOCK_SIZE + slots.start) * hd;
-        read_rows(ty, words, first, &mut out[..slots.len() * hd]);
+        (&t.store.words()[at..at + n], ty)
     }
 
     /// One KV head's keys (or values) of slots `slots` of block `b` as the cache stores them,
@@ -944,13 +949,7 @@ impl KvCache {
     ) -> Option<crate::kernels::attn::Rows<'_>> {
         use crate::kernels::attn::Rows;
         let hd = self.head_dim;
-        let (t, k_at, v_at) = self.locate(layer, b);
-        let (at, n, ty) = if values {
-            (v_at, t.v_words, t.types.1)
-        } else {
-            (k_at, t.k_words, t.types.0)
-        };
-        let words = &t.store.words()[at..at + n];
+        let (words, ty) = self.layer_words(layer, b, values);
         let range =
             (head * KV_BLOCK_SIZE + slots.start) * hd..(head * KV_BLOCK_SIZE + slots.end) * hd;
         match ty {
@@ -998,18 +997,13 @@ impl KvCache {
     fn prefetch_rows<const HINT: i32>(&self, layer: usize, b: u32, head: usize, values: bool) {
         use std::arch::x86_64::_mm_prefetch;
         const LINE_BYTES: usize = 64;
-        let (t, k_at, v_at) = self.locate(layer, b);
+        let (words, ty) = self.layer_words(layer, b, values);
         let n = KV_BLOCK_SIZE * self.head_dim;
-        let base = t.store.words().as_ptr() as *const i8;
-        let (at, ty) = if values {
-            (v_at, t.types.1)
-        } else {
-            (k_at, t.types.0)
-        };
-        let (at, len) = (at * 4 + ty.bytes(head * n), ty.bytes(n));
+        let base = words.as_ptr() as *const i8;
+        let (at, len) = (ty.bytes(head * n), ty.bytes(n));
         for off in (0..len).step_by(LINE_BYTES) {
-            // SAFETY: a prefetch never faults, and `at + off` stays inside the tier's
-            // buffer (block `b` exists), so the pointer arithmetic is in bounds.
+            // SAFETY: a prefetch never faults, and `at + off` stays inside the layer's
+            // words of block `b` (head `head`'s run), so the pointer arithmetic is in bounds.
             unsafe { _mm_prefetch::<HINT>(base.add(at + off)) };
         }
     }
