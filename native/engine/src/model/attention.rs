@@ -367,6 +367,17 @@ fn merge(total: StateMut<'_>, part: StateView<'_>, rows: usize, hd: usize) {
     }
 }
 
+/// The runs of slots `[from, to)` inside each KV block: `(block index, first slot, end)`,
+/// slots counted from the sequence's start.
+fn block_runs(from: usize, to: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (from / KV_BLOCK_SIZE..to.div_ceil(KV_BLOCK_SIZE))
+        .map(move |bi| {
+            let start = bi * KV_BLOCK_SIZE;
+            (bi, start.max(from), (start + KV_BLOCK_SIZE).min(to))
+        })
+        .filter(|&(_, at, end)| at < end)
+}
+
 fn grow(v: &mut Vec<f32>, n: usize) {
     if v.len() < n {
         v.resize(n, 0.0);
@@ -553,18 +564,13 @@ impl<'a> Tile<'a> {
         while c0 < end {
             let c1 = ((c0 / KV_BLOCK_SIZE + CHUNK_BLOCKS) * KV_BLOCK_SIZE).min(end);
             let keys = (c1 - c0).next_multiple_of(attn::KEY_BLOCK);
-            let mut at = c0;
-            while at < c1 {
-                let bi = at / KV_BLOCK_SIZE;
+            for (bi, at, block_end) in block_runs(c0, c1) {
                 let ahead = ((bi + 1 + PREFETCH_BLOCKS) * KV_BLOCK_SIZE).min(end);
                 prefetched = self.prefetch_blocks(kv, prefetched, ahead);
-                let block_start = bi * KV_BLOCK_SIZE;
-                let block_end = (block_start + KV_BLOCK_SIZE).min(c1);
                 let n = (block_end - at).next_multiple_of(attn::KEY_BLOCK);
-                let slots = at - block_start..at - block_start + n;
-                let k = self.head_rows(kv, false, bi, slots, hd, &mut s.kv);
+                let first = at % KV_BLOCK_SIZE;
+                let k = self.head_rows(kv, false, bi, first..first + n, hd, &mut s.kv);
                 attn::scores(&s.q, rows_pad, k, n, hd, &mut s.s[at - c0..], CHUNK);
-                at = block_end;
             }
             let st = &mut s.state;
             for r in 0..rows_pad {
@@ -596,19 +602,13 @@ impl<'a> Tile<'a> {
                 st.l[r] += sum;
                 st.m[r] = m_new;
             }
-            for bi in c0.max(start) / KV_BLOCK_SIZE..c1.div_ceil(KV_BLOCK_SIZE) {
+            for (bi, _, _) in block_runs(c0.max(start), c1) {
                 kv.prefetch_values_l1(self.layer, self.blocks[bi], self.g);
             }
-            let mut at = c0.max(start);
-            while at < c1 {
-                let bi = at / KV_BLOCK_SIZE;
-                let block_start = bi * KV_BLOCK_SIZE;
-                let block_end = (block_start + KV_BLOCK_SIZE).min(c1);
-                let slots = at - block_start..block_end - block_start;
-                let n = slots.len();
-                let v = self.head_rows(kv, true, bi, slots, hd, &mut s.kv);
+            for (bi, at, block_end) in block_runs(c0.max(start), c1) {
+                let (first, n) = (at % KV_BLOCK_SIZE, block_end - at);
+                let v = self.head_rows(kv, true, bi, first..first + n, hd, &mut s.kv);
                 attn::accumulate(&s.s[at - c0..], CHUNK, rows_pad, v, n, hd, &mut st.o);
-                at = block_end;
             }
             c0 = c1;
         }
