@@ -7,9 +7,10 @@
 # ~100-token prompt and streams 128 new tokens at temperature 0. Prints aggregate tok/s (wall
 # time, prefill included) and decode tok/s (after each stream's first token), its scaling over
 # one stream, TTFT and inter-token latency percentiles, the engine's eval time per decode tick
-# and the average batch size (from tick telemetry). With
-# LLAMA_CPP_BIN, the same workload goes to `llama-server -np N` on 127.0.0.1 (/completion,
-# timings taken from its responses) and our/their ratios are printed.
+# and the average batch size (from tick telemetry). With LLAMA_CPP_BIN, the same workload
+# goes to `llama-server -np N` on 127.0.0.1 (/completion, streamed, one TCP connection per
+# request) and our/their ratios are printed; both servers' figures come from the arrival
+# times of each token at the client, computed by the same function.
 #
 # Workload 2: 8 conversations x 4 turns sharing a long system prompt; TTFT with the prompt
 # cache off, per slot (kv_unified: false) and across slots, then with a KV budget too small
@@ -77,36 +78,14 @@ defmodule Bench.Concurrent do
     :persistent_term.erase(:bench_telemetry)
     ticks = Bench.Tele.collect_ticks()
     GenServer.stop(s)
-    tokens = Enum.sum(for {_, ts} <- results, do: length(ts))
-    ttft = for {st, [first | _]} <- results, do: (first - st) / 1000
-
-    itl =
-      Enum.flat_map(results, fn {_, ts} ->
-        ts |> Enum.chunk_every(2, 1, :discard) |> Enum.map(fn [a, b] -> (b - a) / 1000 end)
-      end)
-
-    # decode throughput: tokens after each stream's first, over the span in which streams
-    # were decoding (first token of the earliest to last token of the latest)
-    firsts = for {_, [first | _]} <- results, do: first
-    lasts = for {_, ts} <- results, ts != [], do: List.last(ts)
-    span = max(Enum.max(lasts) - Enum.min(firsts), 1) / 1.0e6
-    decode_tps = (tokens - length(firsts)) / span
-
     n_ticks = max(length(ticks), 1)
     avg_batch = Enum.sum(for {b, _} <- ticks, do: b) / n_ticks
     # decode ticks only (no prompt tokens): the engine's share of the inter-token latency
     decode_evals = for {b, ms} <- ticks, b <= c, do: ms
 
-    %{
-      tps: tokens / wall,
-      decode_tps: decode_tps,
-      ttft50: pct(ttft, 50),
-      ttft99: pct(ttft, 99),
-      itl50: pct(itl, 50),
-      itl99: pct(itl, 99),
-      batch: avg_batch,
-      eval50: pct(decode_evals, 50)
-    }
+    results
+    |> summarize(wall)
+    |> Map.merge(%{batch: avg_batch, eval50: pct(decode_evals, 50)})
   end
 
   def wait(s) do
@@ -146,12 +125,16 @@ defmodule Bench.Concurrent do
       ])
 
     :ok = wait_http(port, 200)
-    post(port, "warm up", 4)
+    stream_theirs(port, "warm up", 4)
     t0 = System.monotonic_time(:microsecond)
 
     results =
       1..c
-      |> Task.async_stream(fn i -> post(port, prompt(i), max_tokens) end,
+      |> Task.async_stream(
+        fn i ->
+          start = System.monotonic_time(:microsecond)
+          {start, stream_theirs(port, prompt(i), max_tokens)}
+        end,
         max_concurrency: c,
         timeout: :infinity
       )
@@ -160,16 +143,42 @@ defmodule Bench.Concurrent do
     wall = (System.monotonic_time(:microsecond) - t0) / 1.0e6
     {:os_pid, os_pid} = Port.info(server, :os_pid)
     System.cmd("kill", ["#{os_pid}"])
-    tokens = Enum.sum(Enum.map(results, & &1.n))
+    summarize(results, wall)
+  end
 
-    # generation time per request as llama-server reports it; the streams decode together
-    span = Enum.max(Enum.map(results, & &1.predicted_ms)) / 1000
+  # The same figures from both servers, taken at the client from each token's arrival:
+  # `results` is a list of `{request_start, [token_arrival_time]}` in microseconds.
+  def summarize(results, wall) do
+    tokens = Enum.sum(for {_, ts} <- results, do: length(ts))
+    ttft = for {st, [first | _]} <- results, do: (first - st) / 1000
+
+    itl =
+      Enum.flat_map(results, fn {_, ts} ->
+        ts |> Enum.chunk_every(2, 1, :discard) |> Enum.map(fn [a, b] -> (b - a) / 1000 end)
+      end)
+
+    # decode throughput: tokens after each stream's first, over the span in which streams
+    # were decoding (first token of the earliest to last token of the latest)
+    firsts = for {_, [first | _]} <- results, do: first
+    lasts = for {_, ts} <- results, ts != [], do: List.last(ts)
+    span = max(Enum.max(lasts) - Enum.min(firsts), 1) / 1.0e6
+
+    # all streams decoding at once: from the latest first token to the earliest last token
+    # (the prompts of streams that arrived a tick later are prefilled inside `span`)
+    {t_all, t_end} = {Enum.max(firsts), Enum.min(lasts)}
+
+    together =
+      for {_, ts} <- results, t <- ts, t > t_all and t <= t_end, reduce: 0, do: (n -> n + 1)
 
     %{
       tps: tokens / wall,
-      decode_tps: tokens / span,
-      ttft50: pct(Enum.map(results, & &1.prompt_ms), 50),
-      itl50: pct(Enum.map(results, & &1.itl), 50)
+      decode_tps: (tokens - length(firsts)) / span,
+      all_tps: if(t_end > t_all, do: together / ((t_end - t_all) / 1.0e6), else: 0.0),
+      ttft50: pct(ttft, 50),
+      ttft99: pct(ttft, 99),
+      itl50: pct(itl, 50),
+      itl99: pct(itl, 99),
+      tokens: tokens
     }
   end
 
@@ -182,32 +191,40 @@ defmodule Bench.Concurrent do
     end
   end
 
-  defp post(port, prompt, n) do
+  # One /completion request streamed over a plain TCP connection (no client-side connection
+  # pool: `:httpc`'s default profile keeps two connections per host, which had queued the
+  # requests of higher concurrency levels behind each other); returns the arrival time of
+  # each token's server-sent event.
+  def stream_theirs(port, prompt, n) do
     body =
-      ~s({"prompt": #{inspect(prompt)}, "n_predict": #{n}, "temperature": 0, "cache_prompt": false, "ignore_eos": true})
+      ~s({"prompt": #{inspect(prompt)}, "n_predict": #{n}, "temperature": 0, "cache_prompt": false, "ignore_eos": true, "stream": true})
 
-    {:ok, {{_, 200, _}, _, resp}} =
-      :httpc.request(
-        :post,
-        {~c"http://127.0.0.1:#{port}/completion", [], ~c"application/json", body},
-        [timeout: 600_000],
-        []
+    {:ok, sock} = :gen_tcp.connect(~c"127.0.0.1", port, [:binary, active: false], 5000)
+
+    :ok =
+      :gen_tcp.send(
+        sock,
+        "POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" <>
+          "Connection: close\r\nContent-Length: #{byte_size(body)}\r\n\r\n" <> body
       )
 
-    resp = to_string(resp)
+    times = read_events(sock, "", [])
+    :gen_tcp.close(sock)
+    times
+  end
 
-    num = fn key ->
-      ~r/"#{key}":\s*([0-9.eE+-]+)/
-      |> Regex.run(resp)
-      |> then(fn [_, v] -> elem(Float.parse(v), 0) end)
+  # events are "data: {...}\n\n"; a token's event says "stop":false, the closing one true
+  defp read_events(sock, buf, acc) do
+    case :gen_tcp.recv(sock, 0, 600_000) do
+      {:ok, data} ->
+        now = System.monotonic_time(:microsecond)
+        [rest | done] = (buf <> data) |> String.split("\n\n") |> Enum.reverse()
+        tokens = Enum.count(done, &(&1 =~ ~r/data: .*"stop":\s*false/))
+        read_events(sock, rest, List.duplicate(now, tokens) ++ acc)
+
+      {:error, :closed} ->
+        Enum.reverse(acc)
     end
-
-    %{
-      n: trunc(num.("predicted_n")),
-      prompt_ms: num.("prompt_ms"),
-      predicted_ms: num.("predicted_ms"),
-      itl: num.("predicted_per_token_ms")
-    }
   end
 end
 
@@ -293,15 +310,19 @@ IO.puts(
 
 IO.puts("""
 tok/s: generated tokens over the wall time (prefill included); decode tok/s: tokens after
-each stream's first over the span in which streams were decoding; scaling: decode tok/s over
-the figure of the first level (1 stream by default).
+each stream's first over the span in which streams were decoding (a prompt that arrived a
+tick late is prefilled inside it); all: tokens over the span in which every stream was
+decoding (latest first token to earliest last); scaling: decode tok/s over the figure of the
+first level (1 stream by default). Both servers' figures are taken at the client.
 """)
 
 IO.puts(
-  "| conc | tok/s | decode tok/s | scaling | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | eval p50 ms | avg batch | llama-server tok/s | decode tok/s | ratio tok/s | ratio decode | llama-server TTFT p50 | ITL p50 |"
+  "| conc | tok/s | decode tok/s | all | scaling | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | eval p50 ms | avg batch | llama-server tok/s | decode tok/s | all | ratio tok/s | ratio decode | ratio all | llama-server TTFT p50 | ITL p50 |"
 )
 
-IO.puts("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+IO.puts(
+  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
 
 Enum.reduce(levels, nil, fn c, base ->
   o = Bench.Concurrent.run_ours(path, c, threads, max_tokens)
@@ -312,11 +333,14 @@ Enum.reduce(levels, nil, fn c, base ->
   theirs =
     if t,
       do:
-        "#{f.(t.tps)} | #{f.(t.decode_tps)} | #{r.(o.tps, t.tps)} | #{r.(o.decode_tps, t.decode_tps)} | #{f.(t.ttft50)} | #{f.(t.itl50)}",
-      else: "- | - | - | - | - | -"
+        "#{f.(t.tps)} | #{f.(t.decode_tps)} | #{f.(t.all_tps)} | #{r.(o.tps, t.tps)} | #{r.(o.decode_tps, t.decode_tps)} | #{r.(o.all_tps, t.all_tps)} | #{f.(t.ttft50)} | #{f.(t.itl50)}",
+      else: "- | - | - | - | - | - | - | -"
+
+  if t && t.tokens != c * max_tokens,
+    do: IO.puts("(llama-server streamed #{t.tokens} tokens, not #{c * max_tokens})")
 
   IO.puts(
-    "| #{c} | #{f.(o.tps)} | #{f.(o.decode_tps)} | #{r.(o.decode_tps, base)} | #{f.(o.ttft50)} | #{f.(o.ttft99)} | #{f.(o.itl50)} | #{f.(o.itl99)} | #{f.(o.eval50)} | #{f.(o.batch)} | #{theirs} |"
+    "| #{c} | #{f.(o.tps)} | #{f.(o.decode_tps)} | #{f.(o.all_tps)} | #{r.(o.decode_tps, base)} | #{f.(o.ttft50)} | #{f.(o.ttft99)} | #{f.(o.itl50)} | #{f.(o.itl99)} | #{f.(o.eval50)} | #{f.(o.batch)} | #{theirs} |"
   )
 
   base
