@@ -4,7 +4,8 @@
 //!     cargo run --release --example kernel_profile -- [THREADS] [ROWS...]
 //!
 //! `SHAPES=text` keeps the shapes whose label contains `text`. Each figure is the best of 15
-//! timing windows.
+//! timing windows. `COPIES=n` rotates each call among `n` copies of the matrix, so that a
+//! small matrix is read from memory as in a model's decode rather than from cache.
 //!
 //! Shapes are the ones that dominate the two real models' decode: Gemma 3's tied Q8_0 output
 //! head (262144 × 640) and Q5_0 FFN (2048 × 640, 640 × 2048), SmolLM2's Q4_1 FFN (3072 × 576,
@@ -67,7 +68,18 @@ fn main() {
             continue;
         }
         let bytes = random_bytes(kind, n_out, n_in);
-        let w = NibbleMatrix::from_bytes(kind, &bytes, n_out, n_in).unwrap();
+        let copies: usize = std::env::var("COPIES")
+            .ok()
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(1);
+        let ws: Vec<NibbleMatrix> = (0..copies.max(1))
+            .map(|_| NibbleMatrix::from_bytes(kind, &bytes, n_out, n_in).unwrap())
+            .collect();
+        let mut next = 0;
+        let mut w = || {
+            next = (next + 1) % ws.len();
+            &ws[next]
+        };
         for &m in &rows {
             let x: Vec<f32> = (0..m * n_in)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
@@ -81,14 +93,14 @@ fn main() {
                 (2_000_000_000 / (bytes.len() * m.max(1))).clamp(3, 20_000)
             };
             llama_cpp_ex_engine::pool::with_threads(threads, || {
-                w.matmul(&x, m, &mut out);
+                w().matmul(&x, m, &mut out);
                 // the best of 15 windows: this VM's neighbours slow whole windows down
                 let window = reps.div_ceil(15);
                 let s = (0..15)
                     .map(|_| {
                         let t = Instant::now();
                         for _ in 0..window {
-                            w.matmul(&x, m, &mut out);
+                            w().matmul(&x, m, &mut out);
                         }
                         t.elapsed().as_secs_f64() / window as f64
                     })
