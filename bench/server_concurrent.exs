@@ -16,7 +16,9 @@
 # cache off, per slot (kv_unified: false) and across slots, then with a KV budget too small
 # for all eight conversations (n_ctx 2048), without and with the level-2 RAM prompt cache
 # (prompt_cache_ram_mb: 256). BENCH_LEVELS="" skips workload 1, BENCH_SKIP_PREFIX workload 2,
-# BENCH_PREFIX_MODES picks modes (e.g. "small_kv,small_kv_ram").
+# BENCH_PREFIX_MODES picks modes (e.g. "small_kv,small_kv_ram"). BENCH_TELEMETRY=0 runs
+# without the stand-in `:telemetry` module (as an application without it does; eval p50
+# and avg batch then print 0.0).
 
 alias LlamaCppEx.Server
 
@@ -286,7 +288,7 @@ defmodule Bench.Prefix do
   end
 end
 
-Bench.Tele.install()
+unless System.get_env("BENCH_TELEMETRY") == "0", do: Bench.Tele.install()
 :inets.start()
 
 path =
