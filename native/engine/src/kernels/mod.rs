@@ -12,6 +12,7 @@ pub mod attn;
 pub mod kquant;
 pub mod nibble;
 pub mod q8;
+pub(crate) mod weights;
 
 /// The instruction sets the kernels may use, best first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

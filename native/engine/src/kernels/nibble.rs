@@ -12,6 +12,7 @@
 //! `maddubs(q, a)` needs no sign trick.
 
 use super::q8::{Q8Activations, QK8_0};
+use super::weights::{PinStore, Pinnable, Store};
 use half::f16;
 
 /// Elements per block (same as Q8_0, so activation blocks line up).
@@ -158,8 +159,21 @@ pub struct NibbleMatrix {
     nb: usize,
     d: Scales,
     m: Scales,
-    qs: Vec<u8>,
-    qh: Vec<u32>,
+    qs: Store<u8>,
+    qh: Store<u32>,
+}
+
+impl Pinnable for NibbleMatrix {
+    fn stores(&mut self, f: &mut dyn FnMut(&mut dyn PinStore)) {
+        for s in [&mut self.d, &mut self.m] {
+            match s {
+                Scales::F16(v) => f(v),
+                Scales::F32(v) => f(v),
+            }
+        }
+        f(&mut self.qs);
+        f(&mut self.qh);
+    }
 }
 
 /// A matrix's block scales (or minimums): f16 when every one of them is an f16 value, which
@@ -169,8 +183,8 @@ pub struct NibbleMatrix {
 /// file holds (docs/performance.md, session 18).
 #[derive(Debug, Clone)]
 enum Scales {
-    F16(Vec<f16>),
-    F32(Vec<f32>),
+    F16(Store<f16>),
+    F32(Store<f32>),
 }
 
 impl Scales {
@@ -178,9 +192,14 @@ impl Scales {
     fn new(v: Vec<f32>) -> Self {
         let exact = |x: &f32| f16::from_f32(*x).to_f32().to_bits() == x.to_bits();
         if v.iter().all(exact) {
-            Scales::F16(v.iter().map(|&x| f16::from_f32(x)).collect())
+            Scales::F16(
+                v.iter()
+                    .map(|&x| f16::from_f32(x))
+                    .collect::<Vec<_>>()
+                    .into(),
+            )
         } else {
-            Scales::F32(v)
+            Scales::F32(v.into())
         }
     }
 
@@ -193,21 +212,21 @@ impl Scales {
 
     fn reserve_exact(&mut self, n: usize) {
         match self {
-            Scales::F16(v) => v.reserve_exact(n),
-            Scales::F32(v) => v.reserve_exact(n),
+            Scales::F16(v) => v.vec_mut().reserve_exact(n),
+            Scales::F32(v) => v.vec_mut().reserve_exact(n),
         }
     }
 
     /// Appends `other`'s values (both in f32 unless both are f16).
     fn extend(&mut self, other: &Scales) {
         match (&mut *self, other) {
-            (Scales::F16(a), Scales::F16(b)) => a.extend_from_slice(b),
-            (Scales::F32(a), Scales::F32(b)) => a.extend_from_slice(b),
-            (Scales::F32(a), Scales::F16(b)) => a.extend(b.iter().map(|h| h.to_f32())),
+            (Scales::F16(a), Scales::F16(b)) => a.vec_mut().extend_from_slice(b),
+            (Scales::F32(a), Scales::F32(b)) => a.vec_mut().extend_from_slice(b),
+            (Scales::F32(a), Scales::F16(b)) => a.vec_mut().extend(b.iter().map(|h| h.to_f32())),
             (Scales::F16(a), Scales::F32(b)) => {
                 let mut all: Vec<f32> = a.iter().map(|h| h.to_f32()).collect();
                 all.extend_from_slice(b);
-                *self = Scales::F32(all);
+                *self = Scales::F32(all.into());
             }
         }
     }
@@ -415,8 +434,8 @@ impl NibbleMatrix {
             nb,
             d: Scales::new(d),
             m: Scales::new(m),
-            qs,
-            qh,
+            qs: qs.into(),
+            qh: qh.into(),
         }
     }
 
@@ -492,9 +511,10 @@ impl NibbleMatrix {
             self.m.reserve_exact(blocks * GROUP * halves);
         }
         self.qs
+            .vec_mut()
             .reserve_exact(blocks * self.kind.group_block_bytes());
         if self.kind.has_high_bits() {
-            self.qh.reserve_exact(blocks * GROUP);
+            self.qh.vec_mut().reserve_exact(blocks * GROUP);
         }
     }
 
@@ -507,8 +527,8 @@ impl NibbleMatrix {
         self.n_out += other.n_out;
         self.d.extend(&other.d);
         self.m.extend(&other.m);
-        self.qs.extend_from_slice(&other.qs);
-        self.qh.extend_from_slice(&other.qh);
+        self.qs.vec_mut().extend_from_slice(&other.qs);
+        self.qh.vec_mut().extend_from_slice(&other.qh);
         Some(())
     }
 

@@ -28,6 +28,7 @@ use super::{ArchSpec, Architecture, Config, Projections, TensorLoader, Workspace
 use crate::batch::Batch;
 use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
+use crate::kernels::weights::Pinnable;
 use crate::kv::KvCache;
 use std::sync::Arc;
 
@@ -334,7 +335,7 @@ impl Decoder {
             f
         };
         let freqs = |base| freqs_with(base, factors.as_deref());
-        let model = Decoder {
+        let mut model = Decoder {
             cfg: cfg.clone(),
             family,
             embd,
@@ -356,7 +357,33 @@ impl Decoder {
             inv_freq_long: long.as_deref().map(|f| freqs_with(cfg.rope_base, Some(f))),
         };
         l.check_all_used()?;
+        model.pin_weights();
         Ok(model)
+    }
+
+    /// Moves every product's weights into one huge-page region ([`crate::kernels::weights`];
+    /// a tied head was pinned on its own when it was built).
+    fn pin_weights(&mut self) {
+        let mut matrices: Vec<&mut dyn Pinnable> = Vec::new();
+        for layer in &mut self.layers {
+            let p = &mut layer.proj;
+            let fused = p
+                .qkv
+                .nibbles_mut()
+                .into_iter()
+                .chain(p.gate_up.nibbles_mut());
+            let single = [p.wo.nibble_mut(), p.down.nibble_mut()]
+                .into_iter()
+                .flatten();
+            matrices.extend(fused.chain(single).map(|m| m as &mut dyn Pinnable));
+        }
+        let heads = Arc::get_mut(&mut self.output)
+            .into_iter()
+            .chain(self.cls_out.as_mut())
+            .chain(self.dense.iter_mut())
+            .filter_map(|w| w.nibble_mut());
+        matrices.extend(heads.map(|m| m as &mut dyn Pinnable));
+        crate::kernels::weights::pin(&mut matrices);
     }
 }
 

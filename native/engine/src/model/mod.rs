@@ -393,9 +393,11 @@ impl<'a> TensorLoader<'a> {
             // it, so the table is never resident twice (not even while loading)
             let bytes = self.gguf.tensor_bytes(info);
             let release = |done: &[u8]| self.gguf.release_bytes(done);
-            if let Some(head) =
+            if let Some(mut head) =
                 ops::Linear::from_file_bytes_releasing(info.dtype, bytes, n_vocab, d, &release)
             {
+                // (shared with the embedding below, so pinned now rather than with the rest)
+                head.pin_weights();
                 let head = std::sync::Arc::new(head);
                 if let Some(embd) = ops::Embedding::tied(&head) {
                     self.gguf.release(info);
@@ -411,7 +413,9 @@ impl<'a> TensorLoader<'a> {
                 std::sync::Arc::new(output),
             ));
         }
-        let output = std::sync::Arc::new(ops::Linear::from_arc(table.clone())?);
+        let mut output = ops::Linear::from_arc(table.clone())?;
+        output.pin_weights();
+        let output = std::sync::Arc::new(output);
         Ok((ops::Embedding::new(table, Some(&output)), output))
     }
 

@@ -138,6 +138,23 @@ impl Linear {
         })
     }
 
+    /// The matrix in the engine's layout, for [`crate::kernels::weights::pin`].
+    pub(crate) fn nibble_mut(&mut self) -> Option<&mut NibbleMatrix> {
+        match &mut self.kernel {
+            Kernel::Nibble(m) => Some(m),
+            Kernel::Candle(_) => None,
+        }
+    }
+
+    /// Moves this matrix's weights into huge pages on its own (see
+    /// [`crate::kernels::weights`]): a head that is shared before the rest of its model is
+    /// pinned.
+    pub fn pin_weights(&mut self) {
+        if let Some(m) = self.nibble_mut() {
+            crate::kernels::weights::pin(&mut [m]);
+        }
+    }
+
     /// Row `o` of the weights in f32, when the kernel's layout can give it back.
     pub fn dequantize_row(&self, o: usize, out: &mut [f32]) -> bool {
         match &self.kernel {
@@ -201,6 +218,16 @@ impl FusedLinear {
                 widths,
             },
             None => FusedLinear::Separate(parts),
+        }
+    }
+
+    /// The matrices in the engine's layout, for [`crate::kernels::weights::pin`].
+    pub(crate) fn nibbles_mut(&mut self) -> Vec<&mut NibbleMatrix> {
+        match self {
+            FusedLinear::Stacked { w, .. } => w.nibble_mut().into_iter().collect(),
+            FusedLinear::Separate(parts) => {
+                parts.iter_mut().filter_map(|p| p.nibble_mut()).collect()
+            }
         }
     }
 
