@@ -5,7 +5,8 @@
 //!
 //! `SHAPES=text` keeps the shapes whose label contains `text`. Each figure is the best of 15
 //! timing windows. `COPIES=n` rotates each call among `n` copies of the matrix, so that a
-//! small matrix is read from memory as in a model's decode rather than from cache.
+//! small matrix is read from memory as in a model's decode rather than from cache (at most
+//! 512 MB of copies per shape).
 //!
 //! Shapes are the ones that dominate the two real models' decode: Gemma 3's tied Q8_0 output
 //! head (262144 × 640) and Q5_0 FFN (2048 × 640, 640 × 2048), SmolLM2's Q4_1 FFN (3072 × 576,
@@ -68,10 +69,13 @@ fn main() {
             continue;
         }
         let bytes = random_bytes(kind, n_out, n_in);
+        // (at most 512 MB of copies: the head alone is 178 MB)
         let copies: usize = std::env::var("COPIES")
             .ok()
             .and_then(|c| c.parse().ok())
-            .unwrap_or(1);
+            .unwrap_or(1)
+            .min((512 << 20) / bytes.len())
+            .max(1);
         let ws: Vec<NibbleMatrix> = (0..copies.max(1))
             .map(|_| NibbleMatrix::from_bytes(kind, &bytes, n_out, n_in).unwrap())
             .collect();
