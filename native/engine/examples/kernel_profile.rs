@@ -76,7 +76,7 @@ fn main() {
             .unwrap_or(1)
             .min((512 << 20) / bytes.len())
             .max(1);
-        let ws: Vec<NibbleMatrix> = (0..copies.max(1))
+        let ws: Vec<NibbleMatrix> = (0..copies)
             .map(|_| NibbleMatrix::from_bytes(kind, &bytes, n_out, n_in).unwrap())
             .collect();
         let mut next = 0;

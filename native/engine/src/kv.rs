@@ -188,7 +188,7 @@ fn unmap(ptr: *mut u8, bytes: usize) {
     unsafe { dealloc(ptr, Layout::from_size_align_unchecked(bytes, 4096)) };
 }
 
-fn page_words() -> usize {
+pub(crate) fn page_words() -> usize {
     #[cfg(unix)]
     {
         // SAFETY: sysconf has no preconditions.

@@ -66,7 +66,7 @@ const COPY_STEP: usize = 4 << 20;
 unsafe fn release_pages(from: *const u8, len: usize) {
     #[cfg(target_os = "linux")]
     {
-        let page = 4096;
+        let page = crate::kv::page_words() * 4;
         let start = (from as usize).next_multiple_of(page);
         let end = (from as usize + len) / page * page;
         if end > start {
@@ -99,45 +99,6 @@ impl<T: Copy> Store<T> {
             Store::Owned(v) => v,
             Store::Pinned { .. } => unreachable!("turned into a Vec above"),
         }
-    }
-
-    /// Bytes this array takes in a region.
-    fn pinned_bytes(&self) -> usize {
-        match self {
-            Store::Owned(v) => std::mem::size_of_val(v.as_slice()).next_multiple_of(ALIGN),
-            Store::Pinned { .. } => 0,
-        }
-    }
-
-    /// Copies the array to `region` at `*cursor` and points there.
-    fn pin_into(&mut self, region: &Arc<Region>, cursor: &mut usize) {
-        let bytes = self.pinned_bytes();
-        let Store::Owned(v) = self else { return };
-        if v.is_empty() {
-            return;
-        }
-        assert!(*cursor + bytes <= region.layout.size());
-        // SAFETY: the destination is `bytes` ≥ the values' size inside the region (asserted),
-        // aligned for `T` (a multiple of 64 bytes from a 2 MB-aligned start), and no other
-        // array was given that range; `pin` holds the only reference to the region that
-        // writes. The source's pages released as they are copied belong to `v`, which is
-        // replaced (dropped) below without being read again.
-        unsafe {
-            let (src, n) = (v.as_ptr().cast::<u8>(), std::mem::size_of_val(v.as_slice()));
-            let dst = region.ptr.as_ptr().add(*cursor);
-            for from in (0..n).step_by(COPY_STEP) {
-                let len = COPY_STEP.min(n - from);
-                std::ptr::copy_nonoverlapping(src.add(from), dst.add(from), len);
-                release_pages(src.add(from), len);
-            }
-        }
-        *self = Store::Pinned {
-            region: region.clone(),
-            at: *cursor,
-            len: v.len(),
-            _values: PhantomData,
-        };
-        *cursor += bytes;
     }
 }
 
@@ -194,16 +155,48 @@ pub(crate) trait Pinnable {
 
 /// An array of any value type, for [`pin`].
 pub(crate) trait PinStore {
+    /// Bytes this array takes in a region (0 once pinned).
     fn bytes(&self) -> usize;
+    /// Copies the array to `region` at `*cursor` and points there.
     fn pin(&mut self, region: &Arc<Region>, cursor: &mut usize);
 }
 
 impl<T: Copy> PinStore for Store<T> {
     fn bytes(&self) -> usize {
-        self.pinned_bytes()
+        match self {
+            Store::Owned(v) => std::mem::size_of_val(v.as_slice()).next_multiple_of(ALIGN),
+            Store::Pinned { .. } => 0,
+        }
     }
+
     fn pin(&mut self, region: &Arc<Region>, cursor: &mut usize) {
-        self.pin_into(region, cursor)
+        let bytes = self.bytes();
+        let Store::Owned(v) = self else { return };
+        if v.is_empty() {
+            return;
+        }
+        assert!(*cursor + bytes <= region.layout.size());
+        // SAFETY: the destination is `bytes` ≥ the values' size inside the region (asserted),
+        // aligned for `T` (a multiple of 64 bytes from a 2 MB-aligned start), and no other
+        // array was given that range; `pin` holds the only reference to the region that
+        // writes. The source's pages released as they are copied belong to `v`, which is
+        // replaced (dropped) below without being read again.
+        unsafe {
+            let (src, n) = (v.as_ptr().cast::<u8>(), std::mem::size_of_val(v.as_slice()));
+            let dst = region.ptr.as_ptr().add(*cursor);
+            for from in (0..n).step_by(COPY_STEP) {
+                let len = COPY_STEP.min(n - from);
+                std::ptr::copy_nonoverlapping(src.add(from), dst.add(from), len);
+                release_pages(src.add(from), len);
+            }
+        }
+        *self = Store::Pinned {
+            region: region.clone(),
+            at: *cursor,
+            len: v.len(),
+            _values: PhantomData,
+        };
+        *cursor += bytes;
     }
 }
 
