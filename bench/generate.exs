@@ -6,6 +6,9 @@
 # Prompt processing evaluates N tokens in one batch; decode evaluates 128 tokens one at a time
 # after a one-token prompt (llama-bench's pp/tg definitions). With LLAMA_CPP_BIN set, runs
 # `llama-bench -t N -p 128,512 -n 128` on the same file and prints our/their ratios.
+# LLAMA_CPP_BIN_AVX2 adds the same columns for a llama.cpp built for AVX2 only
+# (`GGML_NATIVE=OFF GGML_AVX512=OFF`: what llama.cpp runs on an AVX2-only CPU), for runs of
+# our AVX2 path on an AVX-512 machine (bench/simd_levels.sh sets it for its avx2 rows).
 
 alias LlamaCppEx.{Context, Model, NIF}
 
@@ -110,26 +113,46 @@ IO.puts(
 IO.puts("load: #{Float.round(load_us / 1000, 1)} ms")
 
 theirs =
-  case System.get_env("LLAMA_CPP_BIN") do
-    nil -> nil
-    bin -> Bench.Generate.llama_bench(bin, path, threads)
-  end
+  for var <- ["LLAMA_CPP_BIN", "LLAMA_CPP_BIN_AVX2"],
+      bin = System.get_env(var),
+      bin not in [nil, ""],
+      do: {var, bin}
 
-IO.puts("\n| test  | LlamaCppEx tok/s | llama.cpp tok/s | ratio |")
-IO.puts("|-------|-----------------:|----------------:|------:|")
+theirs =
+  Enum.map(theirs, fn {var, bin} -> {var, Bench.Generate.llama_bench(bin, path, threads)} end)
+
+{header, rule} =
+  Enum.reduce(theirs, {"| test  | LlamaCppEx tok/s |", "|-------|-----------------:|"}, fn
+    {"LLAMA_CPP_BIN", _}, {h, r} ->
+      {h <> " llama.cpp tok/s | ratio |", r <> "----------------:|------:|"}
+
+    {_, _}, {h, r} ->
+      {h <> " llama.cpp AVX2 build tok/s | ratio |", r <> "----------------:|------:|"}
+  end)
+
+{header, rule} =
+  if theirs == [],
+    do: {header <> " llama.cpp tok/s | ratio |", rule <> "----------------:|------:|"},
+    else: {header, rule}
+
+IO.puts("\n" <> header)
+IO.puts(rule)
 
 for test <- ["pp128", "pp512", "tg128"] do
   ours_v = ours[test]
-  theirs_v = theirs && theirs[test]
 
-  {t, r} =
-    if theirs_v,
-      do:
-        {:erlang.float_to_binary(theirs_v, decimals: 1),
-         :erlang.float_to_binary(ours_v / theirs_v, decimals: 2)},
-      else: {"-", "-"}
+  cells =
+    for {_, results} <- if(theirs == [], do: [{nil, nil}], else: theirs) do
+      theirs_v = results && results[test]
 
-  IO.puts("| #{test} | #{:erlang.float_to_binary(ours_v, decimals: 1)} | #{t} | #{r} |")
+      if theirs_v,
+        do:
+          " #{:erlang.float_to_binary(theirs_v, decimals: 1)} | " <>
+            "#{:erlang.float_to_binary(ours_v / theirs_v, decimals: 2)} |",
+        else: " - | - |"
+    end
+
+  IO.puts("| #{test} | #{:erlang.float_to_binary(ours_v, decimals: 1)} |" <> Enum.join(cells))
 end
 
 # Decode reads every weight once per token: weight bytes × tok/s is the bandwidth decode

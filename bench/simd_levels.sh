@@ -5,6 +5,9 @@
 # against llama.cpp at full strength).
 #
 #   LLAMA_CPP_BIN=/tmp/lcp/build/bin LLAMA_THREADS=2 bench/simd_levels.sh [LEVEL...]
+#
+# LLAMA_CPP_BIN_AVX2 (a llama.cpp built with GGML_NATIVE=OFF GGML_AVX512=OFF, i.e. what an
+# AVX2-only CPU runs) adds a second llama.cpp column to the avx2 rows' single-stream tables.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 models="${LLAMA_CPP_EX_MODELS:-$HOME/.cache/llama_cpp_ex/models}"
@@ -18,8 +21,10 @@ echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), 
 for level in "${levels[@]}"; do
   for m in SmolLM2-135M-Instruct.Q4_1.gguf gemma-3-270m-q4_k_m.gguf; do
     echo; echo "== LLAMA_CPP_EX_SIMD=$level  $m"
+    avx2_bin=""
+    if [ "$level" = avx2 ]; then avx2_bin="${LLAMA_CPP_BIN_AVX2:-}"; fi
     LLAMA_CPP_EX_SIMD=$level LLAMA_MODEL_PATH="$models/$m" LLAMA_THREADS="${LLAMA_THREADS:-2}" \
-      mix run bench/generate.exs
+      LLAMA_CPP_BIN_AVX2="$avx2_bin" mix run bench/generate.exs
   done
   echo; echo "== LLAMA_CPP_EX_SIMD=$level  server, SmolLM2"
   LLAMA_CPP_EX_SIMD=$level BENCH_LEVELS=1,8 BENCH_SKIP_PREFIX=1 LLAMA_THREADS="${LLAMA_THREADS:-2}" \

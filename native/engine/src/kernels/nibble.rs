@@ -770,22 +770,30 @@ unsafe fn load_bytes_block(qs: *const u8) -> [std::arch::x86_64::__m256i; 8] {
 }
 
 /// Per lane (row), the dot product of its 32 values with one activation block (`C`, the
-/// number of independent accumulation chains, only matters to VNNI).
+/// number of independent accumulation chains, only matters to VNNI). `NARROW`: the values
+/// are 4-bit (at most 15), so all 8 quads' `maddubs` pairs (each within ±2·15·127) sum in 16
+/// bits without overflow and one `madd` widens them, instead of two for 5-bit values (at
+/// most 31: four quads per 16-bit sum). The AVX2 products are bound by the vector pipes
+/// that `maddubs`, `madd` and the float multiply-adds share (docs/performance.md, session
+/// 21), so each one saved counts.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn block_dot_avx2<const C: usize>(
+unsafe fn block_dot_avx2<const C: usize, const NARROW: bool>(
     v: &[std::arch::x86_64::__m256i; 8],
     x: *const i32,
     folded: i32,
 ) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
-    // maddubs pairs stay below 2·31·127, so four quads summed in 16 bits cannot overflow
     let p = |q: usize| _mm256_maddubs_epi16(v[q], _mm256_set1_epi32(*x.add(q)));
     let lo = _mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)));
     let hi = _mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7)));
     let ones = _mm256_set1_epi16(1);
-    let dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+    let dot = if NARROW {
+        _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones)
+    } else {
+        _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
+    };
     _mm256_add_epi32(dot, _mm256_set1_epi32(folded))
 }
 
@@ -813,11 +821,12 @@ unsafe fn block_dot_avx2_signed(
 }
 
 /// `C` independent chains: one row alone needs several to hide `vpdpbusd`'s latency, while
-/// many rows in flight hide it themselves and need the registers for their accumulators.
+/// many rows in flight hide it themselves and need the registers for their accumulators
+/// (`NARROW` only matters to AVX2: `vpdpbusd` widens to 32 bits itself).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
 #[inline]
-unsafe fn block_dot_vnni<const C: usize>(
+unsafe fn block_dot_vnni<const C: usize, const NARROW: bool>(
     v: &[std::arch::x86_64::__m256i; 8],
     x: *const i32,
     folded: i32,
@@ -1043,7 +1052,7 @@ unsafe fn group_block(p: &GroupRef, b: usize) -> [std::arch::x86_64::__m256i; 8]
 /// row's result does not depend on the batch around it.
 macro_rules! group_kernel {
     ($name:ident, $pass:ident, $features:literal, $dot:ident, $half_dots:ident,
-     $signed:literal, $buffer_5bit:literal, $rows:literal, [$($r:literal),*]) => {
+     $signed:literal, $buffer_5bit:literal, $narrow:literal, $rows:literal, [$($r:literal),*]) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         unsafe fn $name(w: &NibbleMatrix, a: &Q8Activations, g: usize, out: &Dest) {
@@ -1066,9 +1075,18 @@ macro_rules! group_kernel {
                     // products in flight; a long batch computes long enough per group for
                     // the hardware prefetcher, and the extra loads only cost it
                     let prefetch = r0 == 0 && a.m <= PREFETCH_MAX_ROWS;
-                    match (rows, prefetch) {
-                        $(($r, true) => $pass::<$r, true>(w, &p, buffered, a, r0, valid, g, out),
-                          ($r, false) => $pass::<$r, false>(w, &p, buffered, a, r0, valid, g, out),)*
+                    // 4-bit values (no fifth bits, not stored as bytes), on a path whose
+                    // dot products gain from knowing it
+                    let narrow = $narrow && !p.bytes8 && p.h.is_none();
+                    match (rows, prefetch, narrow) {
+                        $(($r, true, true) =>
+                            $pass::<$r, true, true>(w, &p, buffered, a, r0, valid, g, out),
+                          ($r, true, false) =>
+                            $pass::<$r, true, false>(w, &p, buffered, a, r0, valid, g, out),
+                          ($r, false, true) =>
+                            $pass::<$r, false, true>(w, &p, buffered, a, r0, valid, g, out),
+                          ($r, false, false) =>
+                            $pass::<$r, false, false>(w, &p, buffered, a, r0, valid, g, out),)*
                         _ => unreachable!(),
                     }
                     r0 += rows;
@@ -1085,7 +1103,7 @@ macro_rules! group_kernel {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $pass<const R: usize, const PREFETCH: bool>(
+        unsafe fn $pass<const R: usize, const PREFETCH: bool, const NARROW: bool>(
             w: &NibbleMatrix,
             p: &GroupRef,
             buffered: &[[std::arch::x86_64::__m256i; 8]],
@@ -1132,11 +1150,11 @@ macro_rules! group_kernel {
                     if $signed {
                         block_dot_avx2_signed(&v, x(i))
                     } else if R >= 4 {
-                        $dot::<1>(&v, x(i), folded)
+                        $dot::<1, NARROW>(&v, x(i), folded)
                     } else if R >= 2 {
-                        $dot::<2>(&v, x(i), folded)
+                        $dot::<2, NARROW>(&v, x(i), folded)
                     } else {
-                        $dot::<4>(&v, x(i), folded)
+                        $dot::<4, NARROW>(&v, x(i), folded)
                     }
                 };
                 match p.m {
@@ -1175,6 +1193,7 @@ group_kernel!(
     half_dots_avx2,
     false,
     true,
+    true,
     4,
     [1, 2, 3, 4]
 );
@@ -1186,6 +1205,7 @@ group_kernel!(
     half_dots_avx2,
     true,
     false,
+    false,
     4,
     [1, 2, 3, 4]
 );
@@ -1195,6 +1215,7 @@ group_kernel!(
     "avx2,fma,f16c,avx512vnni,avx512vl",
     block_dot_vnni,
     half_dots_vnni,
+    false,
     false,
     false,
     8,

@@ -533,13 +533,23 @@ pub(crate) const FAST_EXP: FastExp = FastExp {
 pub fn fast_exp(x: f32) -> f32 {
     let c = &FAST_EXP;
     let x = x.clamp(c.lo, c.hi);
-    let k = (x * c.log2e + c.round) - c.round;
+    let t = x * c.log2e + c.round;
+    let k = t - c.round;
     let r = x - k * c.ln2_hi - k * c.ln2_lo;
     let mut p = c.poly[0];
     for &a in &c.poly[1..] {
         p = a + r * p;
     }
-    f32::from_bits((p.to_bits() as i32).wrapping_add((k as i32) << 23) as u32)
+    // `k as i32` read off `t`'s bits, where `k` sits in the low mantissa bits (`t` is
+    // `k + 1.5·2²³`, in a binade whose unit is 1): `as` saturates, which no vector
+    // instruction does, so a loop over it converted each value on its own (half of GELU's
+    // time). A NaN keeps `k` at 0, as `as` does, so the NaN of `p` comes out unchanged.
+    let ki = if k.is_nan() {
+        0
+    } else {
+        (t.to_bits() as i32).wrapping_sub(c.round.to_bits() as i32)
+    };
+    f32::from_bits((p.to_bits() as i32).wrapping_add(ki << 23) as u32)
 }
 
 /// SiLU keeps libm's `expf`: SmolLM2's greedy output sits on near-ties that the fixture
@@ -566,10 +576,32 @@ const ELEMENTWISE_CHUNK: usize = 4096;
 fn elementwise(a: &mut [f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
     let n = a.len().min(b.len());
     for_row_runs(1, &mut a[..n], &mut [], |at, a, _| {
-        for (x, y) in a.iter_mut().zip(&b[at]) {
-            *x = f(*x, *y);
+        #[cfg(target_arch = "x86_64")]
+        if crate::kernels::has_avx2() {
+            // SAFETY: AVX2 and FMA were detected at run time.
+            return unsafe { apply_avx2(a, &b[at], &f) };
         }
+        apply(a, &b[at], &f)
     });
+}
+
+/// `a[i] = f(a[i], b[i])`, inlined into its caller so that the loop vectorises for the
+/// caller's target features.
+#[inline(always)]
+fn apply(a: &mut [f32], b: &[f32], f: &impl Fn(f32, f32) -> f32) {
+    for (x, y) in a.iter_mut().zip(b) {
+        *x = f(*x, *y);
+    }
+}
+
+/// [`apply`] compiled for AVX2: the portable build vectorises it 4 lanes wide (SSE2), and
+/// GELU's polynomial took 3.5 cycles per value of a Gemma 3 prompt there (4% of it). The
+/// arithmetic is the same operations in the same order (Rust fuses no multiply-adds by
+/// itself), so results are bitwise unchanged.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn apply_avx2(a: &mut [f32], b: &[f32], f: &impl Fn(f32, f32) -> f32) {
+    apply(a, b, f)
 }
 
 /// Hands disjoint runs of whole rows of `d` values of `a` (and the same rows of `b`, when it
@@ -632,8 +664,40 @@ mod tests {
             assert!(((got - want) / want).abs() < 1e-6, "{x}: {got} vs {want}");
             x += 0.0137;
         }
-        // clamped, never infinite or NaN
+        // clamped, never infinite; a NaN stays NaN
         assert!(fast_exp(1000.0).is_finite() && fast_exp(-1000.0) >= 0.0);
+        assert!(fast_exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn fast_exp_reads_k_off_the_bits_as_the_cast_would() {
+        // the exponent `k` converted with `as` (saturating), as before the bit trick
+        let with_cast = |x: f32| {
+            let c = &FAST_EXP;
+            let x = x.clamp(c.lo, c.hi);
+            let k = (x * c.log2e + c.round) - c.round;
+            let r = x - k * c.ln2_hi - k * c.ln2_lo;
+            let mut p = c.poly[0];
+            for &a in &c.poly[1..] {
+                p = a + r * p;
+            }
+            f32::from_bits((p.to_bits() as i32).wrapping_add((k as i32) << 23) as u32)
+        };
+        let mut x = -200.0f32;
+        while x < 200.0 {
+            assert_eq!(fast_exp(x).to_bits(), with_cast(x).to_bits(), "{x}");
+            x += 0.0071;
+        }
+        for x in [
+            f32::MIN,
+            f32::MAX,
+            -87.3,
+            88.7,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ] {
+            assert_eq!(fast_exp(x).to_bits(), with_cast(x).to_bits(), "{x}");
+        }
     }
 
     #[test]
