@@ -1795,6 +1795,49 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn four_bit_extremes_sum_a_whole_block_in_sixteen_bits() {
+        // every value 15 against activations at ±127: each `maddubs` pair is ±2·15·127 and a
+        // block's eight quads ±30480, the most a 16-bit sum of the AVX2 path holds
+        let (n_out, k) = (16, 256);
+        for kind in [NibbleType::Q4_0, NibbleType::Q4_1] {
+            let mut bytes = Vec::new();
+            for _ in 0..n_out * k / QK4_1 {
+                bytes.extend_from_slice(&f16::from_f32(0.5).to_le_bytes());
+                if kind.has_min() {
+                    bytes.extend_from_slice(&f16::from_f32(-1.0).to_le_bytes());
+                }
+                bytes.extend_from_slice(&[0xFF; PACKED]);
+            }
+            let w = NibbleMatrix::from_bytes(kind, &bytes, n_out, k).unwrap();
+            for m in [3usize, 40] {
+                for sign in [1.0f32, -1.0] {
+                    let x = vec![sign; m * k];
+                    let a = Q8Activations::quantize(&x, m, k, kind.folded_offset());
+                    let mut scalar = vec![0f32; m * n_out];
+                    let s = Dest::one(&mut scalar, n_out);
+                    for g in 0..n_out / GROUP {
+                        w.group_scalar(&a, g, &s);
+                    }
+                    // d·(15 - 8)·Σx (Q4_0) or (d·15 - 1)·Σx (Q4_1), up to the activations'
+                    // f16 scale
+                    let want = sign * k as f32 * if kind.has_min() { 6.5 } else { 3.5 };
+                    assert!((scalar[0] - want).abs() < 1e-2 * want.abs(), "{kind:?}");
+                    #[cfg(target_arch = "x86_64")]
+                    if crate::kernels::has_avx2() {
+                        let mut simd = vec![0f32; m * n_out];
+                        let p = Dest::one(&mut simd, n_out);
+                        for g in 0..n_out / GROUP {
+                            // SAFETY: AVX2 was detected above.
+                            unsafe { group_kernel_avx2(&w, &a, g, &p) };
+                        }
+                        assert_eq!(simd, scalar, "{kind:?} m={m} sign={sign}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn scalar_and_simd_paths_agree_and_stack() {
         let mut seed = 11;
         for kind in TYPES {
