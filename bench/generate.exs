@@ -112,47 +112,44 @@ IO.puts(
 
 IO.puts("load: #{Float.round(load_us / 1000, 1)} ms")
 
-theirs =
-  for var <- ["LLAMA_CPP_BIN", "LLAMA_CPP_BIN_AVX2"],
+# one column pair per llama.cpp build given (an empty pair when none is)
+comparisons =
+  for {var, label} <- [
+        {"LLAMA_CPP_BIN", "llama.cpp"},
+        {"LLAMA_CPP_BIN_AVX2", "llama.cpp AVX2 build"}
+      ],
       bin = System.get_env(var),
       bin not in [nil, ""],
-      do: {var, bin}
+      do: {label, Bench.Generate.llama_bench(bin, path, threads)}
 
-theirs =
-  Enum.map(theirs, fn {var, bin} -> {var, Bench.Generate.llama_bench(bin, path, threads)} end)
+comparisons = if comparisons == [], do: [{"llama.cpp", nil}], else: comparisons
 
-{header, rule} =
-  Enum.reduce(theirs, {"| test  | LlamaCppEx tok/s |", "|-------|-----------------:|"}, fn
-    {"LLAMA_CPP_BIN", _}, {h, r} ->
-      {h <> " llama.cpp tok/s | ratio |", r <> "----------------:|------:|"}
+IO.puts(
+  "\n| test  | LlamaCppEx tok/s |" <>
+    Enum.map_join(comparisons, fn {label, _} -> " #{label} tok/s | ratio |" end)
+)
 
-    {_, _}, {h, r} ->
-      {h <> " llama.cpp AVX2 build tok/s | ratio |", r <> "----------------:|------:|"}
-  end)
-
-{header, rule} =
-  if theirs == [],
-    do: {header <> " llama.cpp tok/s | ratio |", rule <> "----------------:|------:|"},
-    else: {header, rule}
-
-IO.puts("\n" <> header)
-IO.puts(rule)
+IO.puts(
+  "|-------|-----------------:|" <>
+    String.duplicate("----------------:|------:|", length(comparisons))
+)
 
 for test <- ["pp128", "pp512", "tg128"] do
   ours_v = ours[test]
 
   cells =
-    for {_, results} <- if(theirs == [], do: [{nil, nil}], else: theirs) do
-      theirs_v = results && results[test]
+    Enum.map_join(comparisons, fn {_, results} ->
+      case results && results[test] do
+        nil ->
+          " - | - |"
 
-      if theirs_v,
-        do:
+        theirs_v ->
           " #{:erlang.float_to_binary(theirs_v, decimals: 1)} | " <>
-            "#{:erlang.float_to_binary(ours_v / theirs_v, decimals: 2)} |",
-        else: " - | - |"
-    end
+            "#{:erlang.float_to_binary(ours_v / theirs_v, decimals: 2)} |"
+      end
+    end)
 
-  IO.puts("| #{test} | #{:erlang.float_to_binary(ours_v, decimals: 1)} |" <> Enum.join(cells))
+  IO.puts("| #{test} | #{:erlang.float_to_binary(ours_v, decimals: 1)} |" <> cells)
 end
 
 # Decode reads every weight once per token: weight bytes × tok/s is the bandwidth decode
