@@ -2,6 +2,9 @@
 # Runs the engine's kernel, parity (real and tiny models) and allocation tests once per SIMD level below the best one
 # this CPU has (the full suite already ran at the best level), so every kernel path is
 # exercised wherever the suite runs. Levels: avx512 (AVX512-VNNI), avx2, scalar.
+# On a machine above AVX2 it then runs the whole ExUnit suite at avx2 too (~2.5 minutes:
+# end to end what an AVX2-only CPU runs); LLAMA_CPP_EX_FULL_LEVELS=1 adds it at scalar
+# (~14 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
@@ -15,4 +18,11 @@ for level in "${levels[@]}"; do
   LLAMA_CPP_EX_SIMD=$level cargo test --release --manifest-path native/Cargo.toml \
     -p llama_cpp_ex_engine --test kernels --test llama_parity --test gemma3_parity \
     --test allocations --test arch_parity --test kv_precision
+done
+exunit=()
+if [[ " ${levels[*]} " == *" avx2 "* ]]; then exunit+=(avx2); fi
+if [ -n "${LLAMA_CPP_EX_FULL_LEVELS:-}" ] && [[ " ${levels[*]} " == *" scalar "* ]]; then exunit+=(scalar); fi
+for level in "${exunit[@]}"; do
+  echo "==> ExUnit suite with LLAMA_CPP_EX_SIMD=$level"
+  LLAMA_CPP_EX_SIMD=$level mix test
 done
