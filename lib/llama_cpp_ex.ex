@@ -37,15 +37,13 @@ defmodule LlamaCppEx do
     Chat,
     Completion,
     Context,
-    Grammar,
+    Generation,
     Model,
     Options,
     Sampler,
     Server,
     Source,
-    StopMatcher,
-    Thinking,
-    Tokenizer
+    Thinking
   }
 
   @own_keys [:max_tokens, :n_ctx, :timeout, :grammar, :json_schema, :stop, :speculative]
@@ -181,13 +179,18 @@ defmodule LlamaCppEx do
   @spec generate(Model.t(), String.t(), keyword()) :: {:ok, String.t()} | {:error, term()}
   def generate(%Model{} = model, prompt, opts \\ []) do
     Options.validate!(opts, generation_option_keys(), "LlamaCppEx.generate/3")
-    opts = resolve_grammar_opts!(opts)
+    opts = Generation.options!(opts, :model)
 
-    with {:ok, opts} <- generation_opts(opts),
-         {:ok, tokens} <- prompt_tokens(model, prompt),
-         {:ok, src} <- Source.local(model, tokens, opts, Options.timeout(opts, :blocking)),
+    with {:ok, src} <- open_model(model, prompt, opts, Options.timeout(opts, :blocking)),
          {:ok, %{text: text}} <- Source.collect(src) do
       {:ok, text}
+    end
+  end
+
+  # a prepared request on a private context of `model`
+  defp open_model(model, prompt, opts, timeout) do
+    with {:ok, gen} <- Generation.prepare(model, prompt, opts, :model) do
+      Source.stepper(gen, Keyword.take(opts, [:n_ctx | Context.tuning_option_keys()]), timeout)
     end
   end
 
@@ -208,14 +211,8 @@ defmodule LlamaCppEx do
   @spec stream(Model.t(), String.t(), keyword()) :: Enumerable.t()
   def stream(%Model{} = model, prompt, opts \\ []) do
     Options.validate!(opts, generation_option_keys(), "LlamaCppEx.stream/3")
-    opts = resolve_grammar_opts!(opts)
-
-    text_stream(fn ->
-      with {:ok, opts} <- generation_opts(opts),
-           {:ok, tokens} <- prompt_tokens(model, prompt) do
-        Source.local(model, tokens, opts, Options.timeout(opts, :stream))
-      end
-    end)
+    opts = Generation.options!(opts, :model)
+    text_stream(fn -> open_model(model, prompt, opts, Options.timeout(opts, :stream)) end)
   end
 
   @doc false
@@ -269,9 +266,12 @@ defmodule LlamaCppEx do
   def chat(%Model{} = model, messages, opts \\ []) do
     Options.validate!(opts, generation_option_keys() ++ Chat.option_keys(), "LlamaCppEx.chat/3")
     {chat_opts, gen_opts} = Keyword.split(opts, Chat.option_keys())
+    gen_opts = Generation.options!(gen_opts, :model)
 
-    with {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts) do
-      generate(model, prompt, gen_opts)
+    with {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts),
+         {:ok, src} <- open_model(model, prompt, gen_opts, Options.timeout(opts, :blocking)),
+         {:ok, %{text: text}} <- Source.collect(src) do
+      {:ok, text}
     end
   end
 
@@ -285,11 +285,13 @@ defmodule LlamaCppEx do
     )
 
     {chat_opts, gen_opts} = Keyword.split(opts, Chat.option_keys())
+    gen_opts = Generation.options!(gen_opts, :model)
 
-    case Chat.apply_template(model, messages, chat_opts) do
-      {:ok, prompt} -> stream(model, prompt, gen_opts)
-      {:error, reason} -> [{:error, reason}]
-    end
+    text_stream(fn ->
+      with {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts) do
+        open_model(model, prompt, gen_opts, Options.timeout(opts, :stream))
+      end
+    end)
   end
 
   @doc """
@@ -307,13 +309,12 @@ defmodule LlamaCppEx do
   def chat_completion(model_or_server, messages, opts \\ []) do
     server? = not match?(%Model{}, model_or_server)
     Options.validate!(opts, chat_keys(server?), "LlamaCppEx.chat_completion/3")
-    opts = opts |> resolve_grammar_opts!() |> Keyword.put_new(:enable_thinking, false)
+    opts = Keyword.put_new(opts, :enable_thinking, false)
     timeout = Options.timeout(opts, :blocking)
 
-    with {:ok, model, tokens, opts} <- chat_prompt(model_or_server, server?, messages, opts),
-         {:ok, src} <- open_source(model_or_server, server?, model, tokens, opts, timeout),
+    with {:ok, src, gen} <- open_chat(model_or_server, server?, messages, opts, timeout),
          {:ok, result} <- Source.collect(src) do
-      {:ok, Completion.completion(model, length(tokens), result, opts)}
+      {:ok, Completion.completion(gen, result, opts)}
     end
   end
 
@@ -329,23 +330,26 @@ defmodule LlamaCppEx do
   def stream_chat_completion(model_or_server, messages, opts \\ []) do
     server? = not match?(%Model{}, model_or_server)
     Options.validate!(opts, chat_keys(server?), "LlamaCppEx.stream_chat_completion/3")
-    opts = opts |> resolve_grammar_opts!() |> Keyword.put_new(:enable_thinking, false)
+    opts = Keyword.put_new(opts, :enable_thinking, false)
     timeout = Options.timeout(opts, :stream)
+    # what must raise raises now, not when the stream is consumed
+    _ = Generation.options!(Keyword.drop(opts, Chat.option_keys()), route_of(server?))
 
     Stream.resource(
       fn ->
-        with {:ok, model, tokens, opts} <- chat_prompt(model_or_server, server?, messages, opts),
-             {:ok, src} <- open_source(model_or_server, server?, model, tokens, opts, timeout) do
-          %{
-            src: src,
-            base: Completion.chunk_base(model),
-            parser: if(opts[:enable_thinking], do: Thinking.stream_parser(thinking: true)),
-            logprobs?: Completion.logprobs?(opts),
-            lps: [],
-            phase: :role
-          }
-        else
-          {:error, reason} -> {:failed, reason}
+        case open_chat(model_or_server, server?, messages, opts, timeout) do
+          {:ok, src, gen} ->
+            %{
+              src: src,
+              base: Completion.chunk_base(gen.model),
+              parser: if(opts[:enable_thinking], do: Thinking.stream_parser(thinking: true)),
+              logprobs?: gen.logprobs,
+              lps: [],
+              phase: :role
+            }
+
+          {:error, reason} ->
+            {:failed, reason}
         end
       end,
       &next_chat_chunk/1,
@@ -359,22 +363,30 @@ defmodule LlamaCppEx do
   defp chat_keys(true), do: @server_chat_keys ++ Server.request_option_keys()
   defp chat_keys(false), do: generation_option_keys() ++ Chat.option_keys()
 
-  defp chat_prompt(target, server?, messages, opts) do
-    {chat_opts, rest} = Keyword.split(opts, Chat.option_keys())
+  defp route_of(true), do: :server
+  defp route_of(false), do: :model
 
-    with {:ok, rest} <- generation_opts(rest),
-         {:ok, model} <- if(server?, do: Server.fetch_model(target), else: {:ok, target}),
-         {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts),
-         {:ok, tokens} <- prompt_tokens(model, prompt) do
-      {:ok, model, tokens, Keyword.merge(rest, Keyword.take(opts, [:enable_thinking]))}
+  # The chat's request, prepared and opened on its route: `{:ok, source, generation}`.
+  defp open_chat(target, server?, messages, opts, timeout) do
+    {chat_opts, gen_opts} = Keyword.split(opts, Chat.option_keys())
+    gen_opts = Generation.options!(Keyword.delete(gen_opts, :timeout), route_of(server?))
+    render = &Chat.apply_template(&1, messages, chat_opts)
+
+    if server? do
+      Server.open(target, render, gen_opts, :chat_completion, timeout)
+    else
+      with {:ok, prompt} <- render.(target),
+           {:ok, gen} <- Generation.prepare(target, prompt, gen_opts, :model),
+           {:ok, src} <-
+             Source.stepper(
+               gen,
+               Keyword.take(opts, [:n_ctx | Context.tuning_option_keys()]),
+               timeout
+             ) do
+        {:ok, src, gen}
+      end
     end
   end
-
-  defp open_source(server, true, _model, tokens, opts, timeout),
-    do: Source.server(server, tokens, Keyword.drop(opts, [:enable_thinking, :timeout]), timeout)
-
-  defp open_source(model, false, model, tokens, opts, timeout),
-    do: Source.local(model, tokens, opts, timeout)
 
   defp next_chat_chunk({:failed, reason}), do: {[{:error, reason}], :closed}
   defp next_chat_chunk(:closed), do: {:halt, :closed}
@@ -438,46 +450,4 @@ defmodule LlamaCppEx do
 
     {deltas, %{st | parser: parser}}
   end
-
-  # `:json_schema` becomes a `:grammar` before routing (both routes): llguidance compiles the
-  # schema; conversion errors raise like `Grammar.from_json_schema!/1`.
-  defp resolve_grammar_opts!(opts) do
-    if present?(opts[:grammar]) and present?(opts[:json_schema]) do
-      raise ArgumentError, "cannot use both :grammar and :json_schema options"
-    end
-
-    case Keyword.pop(opts, :json_schema) do
-      {schema, rest} when schema in [nil, ""] ->
-        rest
-
-      {schema, rest} ->
-        Keyword.put(rest, :grammar, Grammar.json_schema_constraint!(schema))
-    end
-  end
-
-  defp present?(nil), do: false
-  defp present?(""), do: false
-  defp present?(_), do: true
-
-  # `:max_tokens` and `:stop` checked, the default max_tokens in place.
-  defp generation_opts(opts) do
-    opts = Keyword.put_new(opts, :max_tokens, 256)
-
-    with :ok <- Options.check(:max_tokens, opts[:max_tokens], {:int, 1, 4_194_304}),
-         :ok <- Options.check_all(opts, n_ctx: {:int, 1, 4_194_304}, top_logprobs: {:int, 0, 20}),
-         true <-
-           StopMatcher.valid?(opts[:stop]) || {:error, "invalid stop: #{inspect(opts[:stop])}"} do
-      {:ok, opts}
-    end
-  end
-
-  defp prompt_tokens(model, prompt) when is_binary(prompt) do
-    case Tokenizer.encode(model, prompt) do
-      {:ok, []} -> {:error, "prompt cannot be empty"}
-      other -> other
-    end
-  end
-
-  defp prompt_tokens(_model, prompt),
-    do: {:error, "prompt must be a string, got #{inspect(prompt)}"}
 end

@@ -1,7 +1,7 @@
 defmodule LlamaCppExTest do
   use ExUnit.Case, async: false
 
-  alias LlamaCppEx.{Context, Model, NIF, Sampler, TestModels, Tokenizer}
+  alias LlamaCppEx.{Context, Model, Sampler, TestModels, Tokenizer}
 
   setup_all do
     %{model: TestModels.smollm2()}
@@ -70,21 +70,23 @@ defmodule LlamaCppExTest do
              |> LlamaCppEx.stream("Once upon a time", max_tokens: 400, temp: 0.0)
              |> Enum.take(3)
 
-    # Context.generate/4's native loop: raising its cancel flag from another process stops it
-    # within a few tokens, with the text so far
-    {:ok, ctx} = Context.create(model, n_ctx: 512)
+    # Context.generate/4: raising its cancel flag from another process stops it before its
+    # next step, with the text so far (1500 tokens would take seconds; it stops far sooner)
+    {:ok, ctx} = Context.create(model, n_ctx: 2048)
     {:ok, sampler} = Sampler.create(model, temp: 0.0)
-    {:ok, tokens} = Tokenizer.encode(model, "Once upon a time")
-    cancel = NIF.cancel_flag_new()
+    {:ok, tokens} = Tokenizer.encode(model, "Count: 1, 2, 3,")
+    cancel = Context.cancel_flag()
 
     task =
-      Task.async(fn -> Context.generate(ctx, sampler, tokens, max_tokens: 400, cancel: cancel) end)
+      Task.async(fn ->
+        Context.generate(ctx, sampler, tokens, max_tokens: 1500, cancel: cancel)
+      end)
 
     Process.sleep(200)
-    NIF.request_cancel(cancel)
-    assert {:ok, text} = Task.await(task, 30_000)
+    :ok = Context.cancel(cancel)
+    assert {:ok, text} = Task.await(task, 60_000)
     {:ok, ids} = Tokenizer.encode(model, text, add_special: false)
-    assert length(ids) < 400
+    assert length(ids) < 1500
 
     # a flag raised before the call stops it before the first forward pass
     assert {:ok, ""} = Context.generate(ctx, sampler, tokens, max_tokens: 400, cancel: cancel)

@@ -175,8 +175,7 @@ defmodule LlamaCppEx.ServerEmbedTest do
     refute LlamaCppEx.Model.info(model).generative
     {:ok, got} = LlamaCppEx.embed_batch(model, texts)
     assert_same_vectors(got, want)
-    assert {:error, message} = LlamaCppEx.generate(model, "hello", max_tokens: 2)
-    assert message =~ "embedding model"
+    assert {:error, :not_generative_model} = LlamaCppEx.generate(model, "hello", max_tokens: 2)
 
     {:ok, server} = Server.start_link(model_path: path, n_parallel: 1, n_ctx: 512)
     {:ok, _} = TestModels.wait_model(server)

@@ -1,7 +1,7 @@
 defmodule LlamaCppEx.Server.StrategyTest do
   use ExUnit.Case, async: true
 
-  alias LlamaCppEx.Server.{Plan, Request, Slot, Slots}
+  alias LlamaCppEx.Server.{Placement, Plan, Request, Slot}
 
   alias LlamaCppEx.Server.Strategy.{
     Balanced,
@@ -14,11 +14,13 @@ defmodule LlamaCppEx.Server.StrategyTest do
 
   defp request(t_start) do
     %Request{
-      tokens: [],
+      tokens: [1],
       max_tokens: 1,
-      opts: [],
       t_start: t_start,
-      sampler: %LlamaCppEx.Sampler{ref: make_ref()}
+      sampler: %LlamaCppEx.Sampler{ref: make_ref()},
+      pipeline: LlamaCppEx.Pipeline.new(%{stop: nil, logprobs: false}, 1),
+      stream_pid: self(),
+      stream_ref: make_ref()
     }
   end
 
@@ -43,8 +45,8 @@ defmodule LlamaCppEx.Server.StrategyTest do
       |> strategy.build_batch(budget, chunk_size, opts)
       |> Plan.validate!(slots, budget, chunk_size, strategy)
 
-    {entries, updated, _samplers, _counts} = Plan.to_step(plan, slots)
-    {entries, updated}
+    {step, updated, _counts} = Plan.to_step(plan, slots)
+    {step.entries, updated}
   end
 
   defp seqs(strategy, slots, budget, chunk_size \\ 512, opts \\ []),
@@ -144,31 +146,31 @@ defmodule LlamaCppEx.Server.StrategyTest do
   end
 
   test "slot selection helpers" do
-    assert Slots.common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
+    assert Placement.common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
 
     idle = [
       {0, %Slot{cached: [1, 2, 3, 4], t_last_used: 5}},
       {1, %Slot{cached: [9], t_last_used: 1}}
     ]
 
-    assert Slots.pick_cached_slot(idle, [1, 2, 3, 4, 5, 6]) == {0, 4}
+    assert Placement.pick_cached_slot(idle, [1, 2, 3, 4, 5, 6]) == {0, 4}
     # exactly 10% is not enough
-    assert Slots.pick_cached_slot(idle, [1 | Enum.to_list(100..108)]) == {1, 0}
-    assert Slots.pick_cached_slot(idle, []) == {1, 0}
-    assert Slots.pick_cached_slot([], [1]) == nil
-    assert Slots.pick_lru_slot(idle) == 1
-    assert Slots.session_slot_if_idle(%{{nil, "a"} => 1}, {nil, "a"}, idle) == 1
-    assert Slots.session_slot_if_idle(%{{nil, "a"} => 1}, {"tenant", "a"}, idle) == nil
+    assert Placement.pick_cached_slot(idle, [1 | Enum.to_list(100..108)]) == {1, 0}
+    assert Placement.pick_cached_slot(idle, []) == {1, 0}
+    assert Placement.pick_cached_slot([], [1]) == nil
+    assert Placement.pick_lru_slot(idle) == 1
+    assert Placement.session_slot_if_idle(%{{nil, "a"} => 1}, {nil, "a"}, idle) == 1
+    assert Placement.session_slot_if_idle(%{{nil, "a"} => 1}, {"tenant", "a"}, idle) == nil
 
     gen = %Slot{state: :generating, prompt: {1, 2, 3}, n_prompt: 3, fed: [5, 4], pos: 5}
 
-    assert Slots.donor_prefix_match(gen, [1, 2, 3, 4, 5, 6]) == 5
-    assert Slots.donor_prefix_match(gen, [1, 2, 9]) == 2
-    assert Slots.prefix_usable?(808, 799, 512)
-    refute Slots.prefix_usable?(808, 299, 512)
-    assert Slots.prefix_usable?(100_000, 5, 0)
+    assert Placement.donor_prefix_match(gen, [1, 2, 3, 4, 5, 6]) == 5
+    assert Placement.donor_prefix_match(gen, [1, 2, 9]) == 2
+    assert Placement.prefix_usable?(808, 799, 512)
+    refute Placement.prefix_usable?(808, 299, 512)
+    assert Placement.prefix_usable?(100_000, 5, 0)
 
     pre = %Slot{state: :prefilling, prompt: {1, 2, 3, 4}, prefill_pos: 2}
-    assert Slots.donor_prefix_match(pre, [1, 2, 3, 4]) == 2
+    assert Placement.donor_prefix_match(pre, [1, 2, 3, 4]) == 2
   end
 end

@@ -75,15 +75,16 @@ defmodule LlamaCppEx.SpeculativeTest do
 
     {:ok, tokens} = LlamaCppEx.Tokenizer.encode(target, "The capital of France is")
 
-    {:ok, s} =
-      LlamaCppEx.Local.start(target, tokens,
-        max_tokens: 32,
-        temp: 0.0,
-        speculative: [mode: :draft, draft_model: draft]
+    opts =
+      LlamaCppEx.Generation.options!(
+        [max_tokens: 32, temp: 0.0, speculative: [mode: :draft, draft_model: draft]],
+        :model
       )
 
+    {:ok, gen} = LlamaCppEx.Generation.prepare(target, tokens, opts, :model)
+    {:ok, s} = LlamaCppEx.Stepper.start(gen, [])
     s = run_local(s)
-    {drafted, accepted} = LlamaCppEx.Local.speculation(s)
+    {drafted, accepted} = LlamaCppEx.Stepper.speculation(s)
     assert drafted > 0 and accepted > 0 and accepted <= drafted
   end
 
@@ -100,7 +101,7 @@ defmodule LlamaCppEx.SpeculativeTest do
   end
 
   defp run_local(s) do
-    case LlamaCppEx.Local.step(s) do
+    case LlamaCppEx.Stepper.step(s) do
       {:cont, _, s} -> run_local(s)
       {:done, _, s} -> s
     end

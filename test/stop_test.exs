@@ -91,7 +91,7 @@ defmodule LlamaCppEx.StopTest do
     assert Enum.join(Server.stream(s, "The capital of France is", max_tokens: 20, stop: ["\n\n"])) ==
              before
 
-    assert {:error, {:invalid_stop, 5}} = Server.generate(s, "x", stop: 5)
+    assert {:error, "invalid stop: 5"} = Server.generate(s, "x", stop: 5)
     GenServer.stop(s)
   end
 end

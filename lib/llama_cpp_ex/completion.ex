@@ -3,11 +3,15 @@ defmodule LlamaCppEx.Completion do
   # OpenAI-shaped results (`LlamaCppEx.ChatCompletion`, `LlamaCppEx.ChatCompletionChunk`)
   # built from a request's events, the same for both routes.
 
-  alias LlamaCppEx.{ChatCompletion, ChatCompletionChunk, Model, Thinking}
+  alias LlamaCppEx.{ChatCompletion, ChatCompletionChunk, Generation, Model, Thinking}
 
-  @doc "A whole completion from `Source.collect/1`'s result."
-  @spec completion(Model.t(), non_neg_integer(), map(), keyword()) :: ChatCompletion.t()
-  def completion(model, n_prompt, %{text: text, reason: reason, completion_tokens: n} = r, opts) do
+  @doc """
+  A whole completion of the prepared request `gen` from `Source.collect/1`'s result
+  (`:enable_thinking` in `opts` splits `<think>` blocks).
+  """
+  @spec completion(Generation.t(), map(), keyword()) :: ChatCompletion.t()
+  def completion(%Generation{} = gen, %{text: text, reason: reason} = r, opts) do
+    {model, n_prompt, n} = {gen.model, length(gen.tokens), r.completion_tokens}
     {reasoning, content} = if opts[:enable_thinking], do: Thinking.parse(text), else: {"", text}
 
     choice = %{
@@ -21,7 +25,7 @@ defmodule LlamaCppEx.Completion do
     }
 
     choice =
-      if logprobs?(opts),
+      if gen.logprobs,
         do: Map.put(choice, :logprobs, %{content: Enum.map(r.logprobs, &openai_logprob/1)}),
         else: choice
 
@@ -34,10 +38,6 @@ defmodule LlamaCppEx.Completion do
       usage: %{prompt_tokens: n_prompt, completion_tokens: n, total_tokens: n_prompt + n}
     }
   end
-
-  @doc "Whether the options ask for log-probabilities."
-  @spec logprobs?(keyword()) :: boolean()
-  def logprobs?(opts), do: opts[:logprobs] == true or (opts[:top_logprobs] || 0) > 0
 
   @doc "`eog`/`stop` → \"stop\", `max_tokens` → \"length\"."
   @spec finish_reason(atom()) :: String.t()

@@ -30,7 +30,7 @@ defmodule LlamaCppEx.Context do
   `LlamaCppEx.embed/3`), `ctx_type: :mtp` and `:n_rs_seq` other than 0.
   """
 
-  alias LlamaCppEx.{Model, NIF, Options, Sampler}
+  alias LlamaCppEx.{Generation, Limits, Model, NIF, Options, Sampler, Stepper}
 
   @enforce_keys [:ref, :model]
   defstruct [:ref, :model]
@@ -72,7 +72,6 @@ defmodule LlamaCppEx.Context do
   ]
   @llama_kv_types [:f32, :f16, :q4_0, :q4_1, :q5_0, :q5_1, :q8_0, :bf16]
   @kv_types [:f16, :f32, :q8_0, :q4_0]
-  @max_ctx 4_194_304
 
   @doc "Options that tune a context without changing what it computes."
   @spec tuning_option_keys() :: [atom()]
@@ -158,7 +157,8 @@ defmodule LlamaCppEx.Context do
   end
 
   defp native_opts(opts) do
-    n_ctx = Keyword.get(opts, :n_ctx, 2048)
+    limits = Limits.engine()
+    n_ctx = Keyword.get(opts, :n_ctx, limits.default_context_tokens)
 
     with :ok <- check_sizes(opts),
          :ok <- check_refused(opts),
@@ -169,7 +169,7 @@ defmodule LlamaCppEx.Context do
        %{
          n_ctx: n_ctx,
          n_batch: Keyword.get(opts, :n_batch) || n_ctx,
-         n_ubatch: Keyword.get(opts, :n_ubatch, 512),
+         n_ubatch: Keyword.get(opts, :n_ubatch, limits.default_ubatch),
          n_threads: n_threads,
          n_threads_batch: Keyword.get(opts, :n_threads_batch) || n_threads,
          n_seq_max: Keyword.get(opts, :n_seq_max, 1),
@@ -181,17 +181,18 @@ defmodule LlamaCppEx.Context do
     end
   end
 
-  @positive {:int, 1, @max_ctx}
-
   defp check_sizes(opts) do
+    %{max_context_tokens: max_ctx, max_sequences: max_seqs, max_threads: max_threads} =
+      Limits.engine()
+
     Options.check_all(opts,
-      n_ctx: @positive,
-      n_batch: {:int, 1, @max_ctx},
-      n_ubatch: {:int, 1, @max_ctx},
-      n_threads: {:int, 1, 1024},
-      n_threads_batch: {:int, 1, 1024},
-      n_seq_max: {:int, 1, 4096},
-      n_seq_embd: {:int, 0, 4096},
+      n_ctx: {:int, 1, max_ctx},
+      n_batch: {:int, 1, max_ctx},
+      n_ubatch: {:int, 1, max_ctx},
+      n_threads: {:int, 1, max_threads},
+      n_threads_batch: {:int, 1, max_threads},
+      n_seq_max: {:int, 1, max_seqs},
+      n_seq_embd: {:int, 0, max_seqs},
       flash_attn: {:in, [:auto, :enabled, :disabled, true, false]},
       offload_kqv: :boolean,
       op_offload: :boolean,
@@ -203,7 +204,7 @@ defmodule LlamaCppEx.Context do
       ctx_type: {:in, [:default, :mtp]},
       attention_type: {:in, [:unspecified, :causal, :non_causal]},
       rope_scaling_type: {:in, [:unspecified, :none, :linear, :yarn, :longrope]},
-      n_rs_seq: {:int, 0, 4096},
+      n_rs_seq: {:int, 0, max_seqs},
       kv_pressure_types: {:list, {:in, [:q8_0, :q4_0]}}
     )
   end
@@ -301,22 +302,55 @@ defmodule LlamaCppEx.Context do
 
   @doc """
   Evaluates `prompt_tokens` from an empty sequence 0 and generates up to `:max_tokens`
-  (default 256) tokens with `sampler`. `:cancel` takes a cancel flag
-  (`LlamaCppEx.NIF.cancel_flag_new/0`); cancelling returns the text generated so far.
-  """
-  @spec generate(t(), Sampler.t(), [integer()], keyword()) ::
-          {:ok, String.t()} | {:error, String.t()}
-  def generate(%__MODULE__{ref: ref}, %Sampler{ref: sref}, tokens, opts \\ []) do
-    Options.validate!(opts, [:max_tokens, :cancel], "LlamaCppEx.Context.generate/4")
-    max_tokens = Keyword.get(opts, :max_tokens, 256)
+  (default 256) tokens with `sampler`, one engine step at a time in the calling process.
+  `:cancel` takes a flag from `cancel_flag/0`: once `cancel/1` sets it (from any process),
+  generation stops before its next step and returns the text generated so far.
 
-    with :ok <- Options.check(:max_tokens, max_tokens, {:int, 1, 2 ** 32}),
-         :ok <- LlamaCppEx.Tokenizer.check_ids(tokens),
-         :ok <- if(tokens == [], do: {:error, "prompt cannot be empty"}, else: :ok) do
-      cancel = Keyword.get_lazy(opts, :cancel, &NIF.cancel_flag_new/0)
-      NIF.generate(ref, sref, tokens, max_tokens, cancel)
+  Errors: `{:error, :empty_prompt}`, `{:error, :invalid_token}` (an id outside the
+  vocabulary), `{:error, "invalid max_tokens: ..."}`, `{:error, :context_full}` when the
+  sequence outgrows the context, and the engine's message for anything else.
+  """
+  @spec generate(t(), Sampler.t(), [integer()], keyword()) :: {:ok, String.t()} | {:error, term()}
+  def generate(%__MODULE__{model: model} = ctx, %Sampler{} = sampler, tokens, opts \\ []) do
+    Options.validate!(opts, [:max_tokens, :cancel], "LlamaCppEx.Context.generate/4")
+    max_tokens = Keyword.get(opts, :max_tokens, Generation.default_max_tokens())
+    cancel = Keyword.get(opts, :cancel)
+
+    with :ok <- Options.check(:max_tokens, max_tokens, {:int, 1, Limits.max_context()}),
+         {:ok, tokens} <- Generation.tokens(model, tokens) do
+      ctx |> Stepper.on_context(sampler, tokens, max_tokens) |> drive(cancel, [])
     end
   end
+
+  defp drive(stepper, cancel, text) do
+    if cancel != nil and cancelled?(cancel) do
+      {:ok, IO.iodata_to_binary(text)}
+    else
+      {status, events, stepper} = Stepper.step(stepper)
+      text = [text | for({:token, t} <- events, do: t)]
+
+      case {status, List.last(events)} do
+        {:done, {:error, reason}} -> {:error, reason}
+        {:done, _} -> {:ok, IO.iodata_to_binary(text)}
+        {:cont, _} -> drive(stepper, cancel, text)
+      end
+    end
+  end
+
+  @typedoc "A flag that stops `generate/4` (see `cancel_flag/0`)."
+  @opaque cancel_flag :: :atomics.atomics_ref()
+
+  @doc """
+  A cancel flag for `generate/4`'s `:cancel` option; `cancel/1` sets it from any process.
+  """
+  @spec cancel_flag() :: cancel_flag()
+  def cancel_flag, do: :atomics.new(1, [])
+
+  @doc "Sets a cancel flag: the `generate/4` call watching it stops before its next step."
+  @spec cancel(cancel_flag()) :: :ok
+  def cancel(flag), do: :atomics.put(flag, 1, 1)
+
+  defp cancelled?(flag), do: :atomics.get(flag, 1) == 1
 
   @doc """
   The `n` most likely tokens and their log-probabilities for entry `idx` of the last batch

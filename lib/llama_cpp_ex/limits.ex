@@ -43,6 +43,44 @@ defmodule LlamaCppEx.Limits do
           template_value_depth: pos_integer()
         }
 
+  @typedoc "What the engine itself bounds and defaults; see `engine/0`."
+  @type engine :: %{
+          max_context_tokens: pos_integer(),
+          max_sequences: pos_integer(),
+          max_threads: pos_integer(),
+          max_top_logprobs: pos_integer(),
+          default_context_tokens: pos_integer(),
+          default_ubatch: pos_integer()
+        }
+
+  @doc """
+  The bounds and defaults the engine enforces, read from it once: the largest `:n_ctx` (and
+  so the largest `:max_tokens`), the most sequences of a context, the most threads (twice
+  the machine's cores), the most alternatives `:top_logprobs` reports, and the default
+  `:n_ctx` and `:n_ubatch`. Options are checked against these values; they are written down
+  nowhere else.
+
+      iex> LlamaCppEx.Limits.engine().max_top_logprobs
+      20
+  """
+  @spec engine() :: engine()
+  def engine do
+    case :persistent_term.get({__MODULE__, :engine}, nil) do
+      nil ->
+        limits = NIF.engine_limits()
+        :persistent_term.put({__MODULE__, :engine}, limits)
+        limits
+
+      limits ->
+        limits
+    end
+  end
+
+  @doc false
+  # The largest context, for `{:int, 1, max_context()}` option checks.
+  @spec max_context() :: pos_integer()
+  def max_context, do: engine().max_context_tokens
+
   @doc """
   The limits in force.
 

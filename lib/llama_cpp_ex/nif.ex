@@ -23,11 +23,6 @@ defmodule LlamaCppEx.NIF do
   def embed(_model, _texts, _pooling, _normalize, _n_ctx, _n_threads), do: err()
   def rerank(_model, _query, _documents, _n_ctx, _n_threads), do: err()
 
-  def context_speculate(_ctx, _sampler, _token, _pos, _history, _n_draft, _draft_model),
-    do: err()
-
-  def context_attach_draft(_ctx, _draft_model, _opts), do: err()
-
   # tokenizer.rs
   def tokenize(_model, _text, _add_special, _parse_special), do: err()
   def detokenize(_model, _tokens), do: err()
@@ -38,7 +33,7 @@ defmodule LlamaCppEx.NIF do
   def context_create(_model, _opts), do: err()
   def context_n_ctx(_ctx), do: err()
   def context_n_seq_max(_ctx), do: err()
-  def context_can_seq_rm(_ctx), do: err()
+  def context_attach_draft(_ctx, _draft_model, _opts), do: err()
   def memory_clear(_ctx), do: err()
   def context_kv_usage(_ctx), do: err()
   def decode(_ctx, _tokens), do: err()
@@ -56,11 +51,6 @@ defmodule LlamaCppEx.NIF do
   def sampler_accept(_sampler, _token), do: err()
   def sampler_sample_at(_sampler, _ctx, _idx), do: err()
 
-  # generate.rs
-  def cancel_flag_new, do: err()
-  def request_cancel(_flag), do: err()
-  def generate(_ctx, _sampler, _prompt, _max_tokens, _cancel), do: err()
-
   # snapshot.rs
   def kv_snapshot_to_binary(_snapshot), do: err()
   def kv_snapshot_from_binary(_binary), do: err()
@@ -74,7 +64,6 @@ defmodule LlamaCppEx.NIF do
   # limits.rs
   def limits_get, do: err()
   def limits_set(_limits), do: err()
-  def kv_block_size, do: err()
+  def engine_limits, do: err()
   def kv_prefix_usable(_len, _n, _window), do: err()
-  def simd_level, do: err()
 end

@@ -30,15 +30,15 @@ defmodule LlamaCppEx.Pipeline do
           max_tokens: pos_integer() | nil
         }
 
-  @doc "A pipeline for a request's `:stop` strings and `:max_tokens`."
-  @spec new(keyword()) :: t()
-  def new(opts) do
-    %__MODULE__{
-      stop: StopMatcher.new(Keyword.get(opts, :stop)),
-      logprobs:
-        Keyword.get(opts, :logprobs, false) == true or Keyword.get(opts, :top_logprobs, 0) > 0,
-      max_tokens: Keyword.get(opts, :max_tokens)
-    }
+  @doc """
+  A pipeline for a request's stop strings and log-probability flag (a prepared
+  `LlamaCppEx.Generation`, or a map of those two keys), ending after `max_tokens` tokens
+  (`nil`: no bound).
+  """
+  @spec new(%{stop: String.t() | [String.t()] | nil, logprobs: boolean()}, pos_integer() | nil) ::
+          t()
+  def new(%{stop: stop, logprobs: logprobs}, max_tokens) do
+    %__MODULE__{stop: StopMatcher.new(stop), logprobs: logprobs, max_tokens: max_tokens}
   end
 
   @doc """

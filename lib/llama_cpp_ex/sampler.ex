@@ -17,7 +17,7 @@ defmodule LlamaCppEx.Sampler do
       {:ok, sampler} = LlamaCppEx.Sampler.create(model, grammar: ~S{root ::= "yes" | "no"})
   """
 
-  alias LlamaCppEx.{Context, Model, NIF, Options}
+  alias LlamaCppEx.{Context, Limits, Model, NIF, Options}
 
   @enforce_keys [:ref]
   defstruct [:ref, :model]
@@ -59,7 +59,6 @@ defmodule LlamaCppEx.Sampler do
     :logit_bias
   ]
 
-  @max_top_logprobs 20
   @i32 {:int, -2_147_483_648, 2_147_483_647}
   @float {:number, -1.0e30, 1.0e30}
 
@@ -89,8 +88,7 @@ defmodule LlamaCppEx.Sampler do
     dynatemp_range: @float,
     dynatemp_exponent: @float,
     grammar_root: :string,
-    logprobs: :boolean,
-    top_logprobs: {:int, 0, @max_top_logprobs}
+    logprobs: :boolean
   ]
 
   @doc "Sampling option keys."
@@ -112,6 +110,16 @@ defmodule LlamaCppEx.Sampler do
   # Every key `create/2` accepts.
   def all_keys, do: @keys ++ @logprob_keys ++ @extra_keys
 
+  @doc false
+  # The rule for whether a request reports log-probabilities, for every route: `logprobs:
+  # true`, or some `:top_logprobs`.
+  @spec logprobs?(keyword()) :: boolean()
+  def logprobs?(opts),
+    do: Keyword.get(opts, :logprobs, false) == true or Keyword.get(opts, :top_logprobs, 0) > 0
+
+  # the value ranges; the largest `:top_logprobs` is the engine's
+  defp specs, do: [{:top_logprobs, {:int, 0, Limits.engine().max_top_logprobs}} | @specs]
+
   @doc """
   The defaults of every sampling option but `:seed` (random) and `:grammar` (none), as the
   engine defines them.
@@ -123,7 +131,16 @@ defmodule LlamaCppEx.Sampler do
   def defaults do
     case :persistent_term.get({__MODULE__, :defaults}, nil) do
       nil ->
-        d = NIF.sampler_defaults()
+        d =
+          Map.drop(NIF.sampler_defaults(), [
+            :seed,
+            :grammar,
+            :grammar_root,
+            :logit_bias,
+            :logit_ban,
+            :logprobs
+          ])
+
         :persistent_term.put({__MODULE__, :defaults}, d)
         d
 
@@ -188,7 +205,8 @@ defmodule LlamaCppEx.Sampler do
       `false`) to ban a token.
     * `:logprobs` - report the log-probability of each sampled token (from the raw logits,
       before any sampling stage). Default `false`.
-    * `:top_logprobs` - with `:logprobs`, also report the 0..20 most likely alternatives.
+    * `:top_logprobs` - with `:logprobs`, also report the most likely alternatives, up to
+      `LlamaCppEx.Limits.engine().max_top_logprobs`.
 
   Numbers are checked here (`{:error, "invalid key: value"}` for a wrong type or a value out
   of range), the rest (a temperature that is not finite, a penalty that is not positive,
@@ -210,46 +228,28 @@ defmodule LlamaCppEx.Sampler do
   # The validated, complete option map the NIF takes.
   @spec native_opts(keyword()) :: {:ok, map()} | {:error, String.t()}
   def native_opts(opts) do
-    with :ok <- Options.check_all(opts, @specs),
+    with :ok <- Options.check_all(opts, specs()),
          {:ok, grammar} <- grammar(Keyword.get(opts, :grammar)),
          {:ok, bias, ban} <- logit_bias(Keyword.get(opts, :logit_bias, %{})) do
       d = defaults()
-      float = fn key -> Keyword.get(opts, key, Map.fetch!(d, key)) * 1.0 end
-      value = fn key -> Keyword.get(opts, key, Map.fetch!(d, key)) end
       top = Keyword.get(opts, :top_logprobs, 0)
 
+      # every option the engine has a default for, floats as floats
+      values =
+        for {key, spec} <- @specs, Map.has_key?(d, key), into: %{} do
+          value = Keyword.get(opts, key, Map.fetch!(d, key))
+          {key, if(match?({:number, _, _}, spec), do: value * 1.0, else: value)}
+        end
+
       {:ok,
-       %{
+       Map.merge(values, %{
          seed: Keyword.get(opts, :seed),
-         temp: float.(:temp),
-         top_k: value.(:top_k),
-         top_p: float.(:top_p),
-         min_p: float.(:min_p),
-         penalty_repeat: float.(:penalty_repeat),
-         penalty_freq: float.(:penalty_freq),
-         penalty_present: float.(:penalty_present),
-         penalty_last_n: value.(:penalty_last_n),
-         min_keep: value.(:min_keep),
-         typical_p: float.(:typical_p),
-         top_n_sigma: float.(:top_n_sigma),
-         xtc_probability: float.(:xtc_probability),
-         xtc_threshold: float.(:xtc_threshold),
-         dry_multiplier: float.(:dry_multiplier),
-         dry_base: float.(:dry_base),
-         dry_allowed_length: value.(:dry_allowed_length),
-         dry_penalty_last_n: value.(:dry_penalty_last_n),
-         dry_sequence_breakers: value.(:dry_sequence_breakers),
-         mirostat: value.(:mirostat),
-         mirostat_tau: float.(:mirostat_tau),
-         mirostat_eta: float.(:mirostat_eta),
-         dynatemp_range: float.(:dynatemp_range),
-         dynatemp_exponent: float.(:dynatemp_exponent),
          logit_bias: bias,
          logit_ban: ban,
-         logprobs: if(Keyword.get(opts, :logprobs, false) == true or top > 0, do: top, else: nil),
+         logprobs: if(logprobs?(opts), do: top, else: nil),
          grammar: grammar,
          grammar_root: Keyword.get(opts, :grammar_root) || "root"
-       }}
+       })}
     end
   end
 

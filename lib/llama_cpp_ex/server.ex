@@ -107,27 +107,18 @@ defmodule LlamaCppEx.Server do
   use GenServer
   require Logger
 
-  alias LlamaCppEx.{
-    Context,
-    Embedding,
-    Model,
-    NIF,
-    Options,
-    Sampler,
-    Source,
-    StopMatcher,
-    Tokenizer
-  }
+  alias LlamaCppEx.{Context, Embedding, Generation, Model, NIF, Options, Sampler, Source}
 
   alias LlamaCppEx.Server.{
     Config,
     EmbedJob,
+    Embeds,
     KvPolicy,
+    Placement,
     PrefixFile,
     PromptCache,
     Request,
     Slot,
-    Slots,
     State,
     Stats,
     Tick
@@ -212,11 +203,7 @@ defmodule LlamaCppEx.Server do
           {:ok, String.t()} | {:error, term()}
   def generate(server, prompt, opts \\ []) do
     validate_call!(opts, "generate/3")
-
-    with {:ok, ids} <- tokenize(server, prompt),
-         {:ok, %{text: text}} <- run(server, ids, opts) do
-      {:ok, text}
-    end
+    with {:ok, %{text: text}} <- run(server, prompt, opts), do: {:ok, text}
   end
 
   @doc "Like `generate/3` with token ids."
@@ -244,11 +231,12 @@ defmodule LlamaCppEx.Server do
 
   # A blocking call that times out exits like the GenServer call it replaces (the contract's
   # behaviour), after cancelling its request.
-  defp run(server, ids, opts) do
+  defp run(server, prompt, opts) do
     timeout = Options.timeout(opts, :blocking)
+    opts = Generation.options!(Keyword.delete(opts, :timeout), :server)
 
     result =
-      with {:ok, src} <- Source.server(server, ids, Keyword.delete(opts, :timeout), timeout) do
+      with {:ok, src, _gen} <- open(server, fn _ -> {:ok, prompt} end, opts, :generate, timeout) do
         Source.collect(src)
       end
 
@@ -266,93 +254,75 @@ defmodule LlamaCppEx.Server do
   @spec stream(GenServer.server(), String.t(), keyword()) :: Enumerable.t()
   def stream(server, prompt, opts \\ []) do
     validate_call!(opts, "stream/3")
-    stream_of(server, fn -> tokenize(server, prompt) end, opts)
+    stream_of(server, prompt, opts)
   end
 
   @doc "Like `stream/3` with token ids."
   @spec stream_tokens(GenServer.server(), [non_neg_integer()], keyword()) :: Enumerable.t()
   def stream_tokens(server, ids, opts \\ []) do
     validate_call!(opts, "stream_tokens/3")
-    stream_of(server, fn -> {:ok, ids} end, opts)
+    stream_of(server, ids, opts)
   end
 
-  defp stream_of(server, ids_fun, opts) do
+  defp stream_of(server, prompt, opts) do
     timeout = Options.timeout(opts, :stream)
+    opts = Generation.options!(Keyword.delete(opts, :timeout), :server)
 
     LlamaCppEx.text_stream(fn ->
-      with {:ok, ids} <- ids_fun.() do
-        Source.server(server, ids, Keyword.delete(opts, :timeout), timeout)
+      with {:ok, src, _gen} <- open(server, fn _ -> {:ok, prompt} end, opts, :stream, timeout) do
+        {:ok, src}
       end
     end)
   end
 
   @doc false
-  # Admits a request whose events (`LlamaCppEx.Pipeline.event/0`, and `{:usage, map}` before
-  # `{:done, reason}`) go to the caller as `{ref, event}`. The options are checked and the
-  # sampler built here, in the caller.
+  # Prepares a request (`LlamaCppEx.Generation`) in the caller against the server's model and
+  # config, fetched once, and admits it: `{:ok, source, generation}`. `prompt` renders the
+  # prompt from the model (a chat template, or the text or ids as they are); `opts` went
+  # through `Generation.options!/2`; `mode` is the telemetry's.
+  @spec open(
+          GenServer.server(),
+          (Model.t() -> {:ok, String.t() | [integer()]} | {:error, term()}),
+          keyword(),
+          Request.mode(),
+          timeout()
+        ) :: {:ok, Source.t(), Generation.t()} | {:error, term()}
+  def open(server, prompt, opts, mode, timeout) do
+    with {:ok, pid, model, config} <- fetch_model_and_config(server),
+         {:ok, prompt} <- prompt.(model),
+         {:ok, gen} <- Generation.prepare(model, prompt, opts, {:server, config}),
+         {:ok, src} <- Source.server(pid, gen, Keyword.put(opts, :mode, mode), timeout) do
+      {:ok, src, gen}
+    end
+  end
+
+  @doc false
+  # The contract's raw subscription: the request's events (`LlamaCppEx.Pipeline.event/0`,
+  # and `{:usage, map}` before `{:done, reason}`) go to the caller as `{ref, event}`.
   @spec subscribe_stream_tokens(GenServer.server(), [non_neg_integer()], reference(), keyword()) ::
           :ok | {:error, term()}
   def subscribe_stream_tokens(server, ids, ref, opts \\ []) do
-    {max_tokens, opts} = Keyword.pop(opts, :max_tokens, 256)
-    {timeout, opts} = Keyword.pop(opts, :timeout, Options.stream_timeout())
+    Options.validate!(
+      opts,
+      request_option_keys() ++ @call_keys,
+      "LlamaCppEx.Server.subscribe_stream_tokens/4"
+    )
 
-    # a malformed :speculative raises here, in the caller
-    spec = speculative!(Keyword.get(opts, :speculative))
+    timeout = Options.timeout(opts, :stream)
+    opts = Generation.options!(Keyword.delete(opts, :timeout), :server)
 
-    opts =
-      opts
-      |> Keyword.delete(:speculative)
-      |> Keyword.merge(n_draft: spec && spec.n_draft, draft_model?: spec && spec.mode == :draft)
-
-    with :ok <- check_request(ids, max_tokens, opts),
-         {:ok, model, %{sampler_defaults: defaults} = config} <- fetch_model_and_config(server),
-         :ok <- check_draft_model(opts, config),
-         :ok <- check_generative(model),
-         :ok <- check_ids(model, ids),
-         {:ok, sampler} <-
-           Sampler.create(model, Keyword.merge(defaults, Keyword.take(opts, Sampler.all_keys()))) do
-      request = Request.stream(ids, max_tokens, Keyword.put(opts, :sampler, sampler), self(), ref)
-      call(server, {:subscribe, request}, timeout, ref)
+    with {:ok, pid, model, config} <- fetch_model_and_config(server),
+         {:ok, gen} <- Generation.prepare(model, ids, opts, {:server, config}) do
+      subscribe(pid, gen, ref, Keyword.put(opts, :mode, :stream), timeout)
     end
   end
 
-  defp speculative!(opt) do
-    spec = Options.speculative!(opt)
-
-    if spec && spec.draft_model do
-      raise ArgumentError,
-            "a Server's requests use its own draft model: pass :draft_model to start_link/1, " <>
-              "not per request"
-    end
-
-    spec
-  end
-
-  defp check_draft_model(opts, %{draft_model?: has}) do
-    if opts[:draft_model?] && !has,
-      do: {:error, "speculative mode :draft needs a Server started with :draft_model"},
-      else: :ok
-  end
-
-  defp check_request([], _max, _opts), do: {:error, :empty_prompt}
-
-  defp check_request(ids, max, opts) do
-    with :ok <- Tokenizer.check_ids(ids),
-         :ok <- Options.check(:max_tokens, max, {:int, 1, 4_194_304}),
-         :ok <- Options.check_all(opts, cache_prompt: :boolean) do
-      if StopMatcher.valid?(Keyword.get(opts, :stop)),
-        do: :ok,
-        else: {:error, {:invalid_stop, Keyword.get(opts, :stop)}}
-    end
-  end
-
-  defp check_generative(model) do
-    if Model.info(model).generative, do: :ok, else: {:error, :not_generative_model}
-  end
-
-  defp check_ids(model, ids) do
-    n_vocab = Tokenizer.vocab_size(model)
-    if Enum.all?(ids, &(&1 < n_vocab)), do: :ok, else: {:error, :invalid_token}
+  @doc false
+  # Admits a prepared request whose events go to this process tagged with `ref`.
+  @spec subscribe(pid(), Generation.t(), reference(), keyword(), timeout()) ::
+          :ok | {:error, term()}
+  def subscribe(pid, %Generation{} = gen, ref, opts, timeout) do
+    call(pid, {:subscribe, Request.new(gen, opts, self(), ref)}, timeout, ref)
   end
 
   defp call(server, message, timeout, ref) do
@@ -396,7 +366,7 @@ defmodule LlamaCppEx.Server do
     opts = Keyword.delete(opts, :timeout)
     label = "LlamaCppEx.Server.embed/3"
 
-    with {:ok, model, %{n_batch: n_batch}} <- fetch_model_and_config(server),
+    with {:ok, _pid, model, %{n_batch: n_batch}} <- fetch_model_and_config(server),
          {:ok, ids, opts} <- Embedding.prepare(model, texts, opts, label, [], n_batch),
          :ok <- check_lengths(ids, opts[:n_ctx]) do
       if ids == [] do
@@ -490,20 +460,10 @@ defmodule LlamaCppEx.Server do
     timeout = Options.timeout(opts, :blocking)
 
     with {:ok, model} <- fetch_model(server),
-         {:ok, ids} <- prefix_ids(model, prompt),
+         {:ok, ids} <- Generation.tokens(model, prompt),
          {:ok, {tokens, scope, ref, _bytes}} <- copy_prefix(server, ids, scope, timeout) do
       PrefixFile.write(path, model, tokens, scope, ref)
     end
-  end
-
-  defp prefix_ids(model, prompt) when is_binary(prompt) do
-    with {:ok, ids} <- Tokenizer.encode(model, prompt), do: prefix_ids(model, ids)
-  end
-
-  defp prefix_ids(_model, []), do: {:error, :empty_prompt}
-
-  defp prefix_ids(model, ids) when is_list(ids) do
-    with :ok <- Tokenizer.check_ids(ids), :ok <- check_ids(model, ids), do: {:ok, ids}
   end
 
   defp copy_prefix(server, ids, scope, timeout) do
@@ -556,21 +516,23 @@ defmodule LlamaCppEx.Server do
   @doc "The server's model, once loaded."
   @spec fetch_model(GenServer.server()) :: {:ok, Model.t()} | {:error, term()}
   def fetch_model(server) do
-    with {:ok, model, _config} <- fetch_model_and_config(server), do: {:ok, model}
+    with {:ok, _pid, model, _config} <- fetch_model_and_config(server), do: {:ok, model}
   end
 
+  # the model and the public config a running server published, else asked of the process
   defp fetch_model_and_config(server) do
     with pid when is_pid(pid) <- GenServer.whereis(server),
          [{_, model}] <- Registry.lookup(LlamaCppEx.Registry, {__MODULE__, pid}),
          [{_, config}] <- Registry.lookup(LlamaCppEx.Registry, {Config, pid}) do
-      {:ok, model, config}
+      {:ok, pid, model, config}
     else
       nil ->
         {:error, :noproc}
 
       _ ->
         try do
-          GenServer.call(server, :fetch_model, 5_000)
+          with {:ok, model, config} <- GenServer.call(server, :fetch_model, 5_000),
+               do: {:ok, GenServer.whereis(server), model, config}
         catch
           :exit, {:timeout, _} -> {:error, :not_ready}
           :exit, reason -> {:error, exit_reason(reason)}
@@ -621,12 +583,6 @@ defmodule LlamaCppEx.Server do
 
   defp validate_call!(opts, fun) do
     Options.validate!(opts, request_option_keys() ++ @call_keys, "LlamaCppEx.Server.#{fun}")
-  end
-
-  defp tokenize(server, prompt) do
-    with {:ok, model} <- fetch_model(server) do
-      Tokenizer.encode(model, prompt)
-    end
   end
 
   defp exit_reason({reason, {GenServer, :call, _}}), do: exit_reason(reason)
@@ -707,7 +663,7 @@ defmodule LlamaCppEx.Server do
     do: {:reply, {:ok, st.model, Config.public(st.config)}, st}
 
   def handle_call(:get_stats, _from, st) do
-    waiting = Tick.embed_texts_waiting(st)
+    waiting = Embeds.texts_waiting(st)
     stats = Stats.snapshot(st.stats, st.slots, :queue.len(st.queue), st.config, waiting)
 
     stats =
@@ -729,7 +685,7 @@ defmodule LlamaCppEx.Server do
 
     holder =
       Enum.find(st.slots, fn {_, s} ->
-        s.cache_scope == scope and Slots.donor_prefix_match(s, tokens) >= n
+        s.cache_scope == scope and Placement.donor_prefix_match(s, tokens) >= n
       end)
 
     case holder do
@@ -801,9 +757,6 @@ defmodule LlamaCppEx.Server do
     cfg = st.config
 
     cond do
-      length(request.tokens) >= cfg.n_ctx ->
-        {:error, :context_full}
-
       cfg.max_queue > 0 and waiting >= cfg.max_queue ->
         {:error, :queue_full}
 

@@ -1,7 +1,7 @@
 defmodule LlamaCppEx.Source do
   @moduledoc false
-  # One request's events (`LlamaCppEx.Pipeline.event/0`), from either route: a model's local
-  # generation (`LlamaCppEx.Local`, stepped by the caller) or a `LlamaCppEx.Server`
+  # One request's events (`LlamaCppEx.Pipeline.event/0`), from either route: a generation on
+  # a model (`LlamaCppEx.Stepper`, stepped by the caller) or a `LlamaCppEx.Server`
   # subscription (`{ref, event}` messages). Every facade function and the Server's client
   # functions consume requests through this module, so timeouts, cancellation and the
   # server's death are handled once:
@@ -10,38 +10,45 @@ defmodule LlamaCppEx.Source do
   #   * closing an unfinished server request cancels it (the slot is freed within one tick);
   #   * a server that dies ends the request with `{:error, :server_down}` within a second.
 
-  alias LlamaCppEx.{Local, Server}
+  alias LlamaCppEx.{Generation, Server, Stepper}
 
-  defstruct [:kind, :local, :server, :ref, :monitor, :timeout, done: false]
+  defstruct [:kind, :stepper, :server, :ref, :monitor, :timeout, done: false]
 
-  @type t :: %__MODULE__{}
+  @type t :: %__MODULE__{
+          kind: :stepper | :server,
+          stepper: Stepper.t() | nil,
+          server: pid() | nil,
+          ref: reference() | nil,
+          monitor: reference() | nil,
+          timeout: timeout(),
+          done: boolean()
+        }
 
-  @doc "A local generation of `tokens` on `model`."
-  @spec local(LlamaCppEx.Model.t(), [non_neg_integer()], keyword(), timeout()) ::
-          {:ok, t()} | {:error, term()}
-  def local(model, tokens, opts, timeout) do
-    with {:ok, session} <- Local.start(model, tokens, opts) do
-      {:ok, %__MODULE__{kind: :local, local: session, timeout: timeout}}
+  @doc "A prepared request on its model (`opts`: the context options)."
+  @spec stepper(Generation.t(), keyword(), timeout()) :: {:ok, t()} | {:error, term()}
+  def stepper(%Generation{} = gen, opts, timeout) do
+    with {:ok, stepper} <- Stepper.start(gen, opts) do
+      {:ok, from_stepper(stepper, timeout)}
     end
   end
 
-  @doc "A request on `server`, subscribed from this process."
-  @spec server(GenServer.server(), [non_neg_integer()], keyword(), timeout()) ::
-          {:ok, t()} | {:error, term()}
-  def server(server, tokens, opts, timeout) do
+  @doc "A generation the caller set up on a context of its own."
+  @spec from_stepper(Stepper.t(), timeout()) :: t()
+  def from_stepper(stepper, timeout),
+    do: %__MODULE__{kind: :stepper, stepper: stepper, timeout: timeout}
+
+  @doc """
+  A prepared request admitted by the server `pid` from this process (`opts`: the request's
+  server options, `:mode` for telemetry).
+  """
+  @spec server(pid(), Generation.t(), keyword(), timeout()) :: {:ok, t()} | {:error, term()}
+  def server(pid, %Generation{} = gen, opts, timeout) do
     ref = make_ref()
+    mref = Process.monitor(pid)
 
-    with pid when is_pid(pid) <- GenServer.whereis(server) || {:error, :noproc},
-         mref = Process.monitor(pid),
-         :ok <- subscribe(server, tokens, ref, opts, timeout, mref) do
-      {:ok, %__MODULE__{kind: :server, server: pid, ref: ref, monitor: mref, timeout: timeout}}
-    end
-  end
-
-  defp subscribe(server, tokens, ref, opts, timeout, mref) do
-    case Server.subscribe_stream_tokens(server, tokens, ref, Keyword.put(opts, :timeout, timeout)) do
+    case Server.subscribe(pid, gen, ref, opts, timeout) do
       :ok ->
-        :ok
+        {:ok, %__MODULE__{kind: :server, server: pid, ref: ref, monitor: mref, timeout: timeout}}
 
       error ->
         Process.demonitor(mref, [:flush])
@@ -54,13 +61,13 @@ defmodule LlamaCppEx.Source do
   (the last event is `{:done, reason}` or `{:error, reason}`).
   """
   @spec next(t()) :: {:cont | :done, [LlamaCppEx.Pipeline.event()], t()}
-  def next(%__MODULE__{kind: :local, local: session, timeout: timeout} = src) do
+  def next(%__MODULE__{kind: :stepper, stepper: stepper, timeout: timeout} = src) do
     if timeout == 0 do
       {:done, [{:error, :timeout}], %{src | done: true}}
     else
       t0 = System.monotonic_time(:millisecond)
-      {status, events, session} = Local.step(session)
-      src = %{src | local: session, done: status == :done}
+      {status, events, stepper} = Stepper.step(stepper)
+      src = %{src | stepper: stepper, done: status == :done}
 
       if status == :cont and timeout != :infinity and
            System.monotonic_time(:millisecond) - t0 > timeout do
@@ -89,7 +96,7 @@ defmodule LlamaCppEx.Source do
 
   @doc "Releases the request: an unfinished server request is cancelled."
   @spec close(t()) :: :ok
-  def close(%__MODULE__{kind: :local}), do: :ok
+  def close(%__MODULE__{kind: :stepper}), do: :ok
 
   def close(%__MODULE__{kind: :server} = src) do
     unless src.done, do: Server.cancel(src.server, src.ref)
@@ -145,8 +152,8 @@ defmodule LlamaCppEx.Source do
     end
   end
 
-  defp completion_tokens(%__MODULE__{kind: :local, local: session}, _n),
-    do: Local.generated(session)
+  defp completion_tokens(%__MODULE__{kind: :stepper, stepper: stepper}, _n),
+    do: Stepper.generated(stepper)
 
   defp completion_tokens(_src, n), do: n
 end

@@ -36,8 +36,6 @@ defmodule LlamaCppEx.TestModels do
     end
   end
 
-  def seq_rm_kind(ctx), do: LlamaCppEx.NIF.context_can_seq_rm(ctx.ref)
-
   @doc "Waits for a server's model to load."
   def wait_model(server) do
     case LlamaCppEx.Server.fetch_model(server) do

@@ -3,7 +3,7 @@ defmodule LlamaCppEx.Server.Config do
   # A server's start options, validated once (the errors `start_link/1` and `init/1` return
   # are the contract's), with every default in one place.
 
-  alias LlamaCppEx.{Context, Model, Options, Sampler}
+  alias LlamaCppEx.{Context, Limits, Model, Options, Sampler}
   alias LlamaCppEx.Server.KvPolicy
 
   @own [
@@ -114,17 +114,19 @@ defmodule LlamaCppEx.Server.Config do
 
   @doc """
   What callers read from a running server's config (through the registry or `:fetch_model`)
-  to build their requests in their own process: sampler defaults, `n_batch` and whether a
-  draft model is attached.
+  to prepare their requests in their own process: sampler defaults, the KV budget
+  (`n_ctx`), `n_batch` and whether a draft model is attached.
   """
   @spec public(t()) :: %{
           sampler_defaults: keyword(),
+          n_ctx: pos_integer(),
           n_batch: pos_integer(),
           draft_model?: boolean()
         }
   def public(cfg) do
     %{
       sampler_defaults: cfg.sampler_defaults,
+      n_ctx: cfg.n_ctx,
       n_batch: cfg.n_batch,
       draft_model?: cfg.draft_model != nil
     }
@@ -197,14 +199,16 @@ defmodule LlamaCppEx.Server.Config do
   defp pause_policy(other), do: {:error, {:invalid_pause_policy, other}}
 
   defp sizes(own) do
+    %{max_context_tokens: max_ctx, max_sequences: max_seqs} = Limits.engine()
+
     Options.check_all(Keyword.reject(own, fn {_, v} -> is_nil(v) end),
-      n_parallel: {:int, 1, 4096},
-      n_ctx: {:int, 1, 4_194_304},
-      n_batch: {:int, 1, 4_194_304},
-      chunk_size: {:int, 1, 4_194_304},
+      n_parallel: {:int, 1, max_seqs},
+      n_ctx: {:int, 1, max_ctx},
+      n_batch: {:int, 1, max_ctx},
+      chunk_size: {:int, 1, max_ctx},
       max_queue: {:int, 0, 1_000_000_000},
       embed_parallel: {:int, 1, 1024},
-      embed_chunk: {:int, 1, 4_194_304},
+      embed_chunk: {:int, 1, max_ctx},
       kv_budget_mb: {:int, 1, 16_777_216},
       pause_poll_ms: {:int, 1, 3_600_000},
       cache_prompt: :boolean,

@@ -7,7 +7,8 @@ defmodule LlamaCppEx.Server.Placement do
   # overwritten is copied to the RAM cache first. Decisions become KV operations shipped with
   # the next step.
 
-  alias LlamaCppEx.Server.{PromptCache, Request, Slot, Slots, Stats}
+  alias LlamaCppEx.NIF
+  alias LlamaCppEx.Server.{PromptCache, Request, Slot, State, Stats}
   require Logger
 
   @prefix_instability_min 64
@@ -16,6 +17,7 @@ defmodule LlamaCppEx.Server.Placement do
   Places queued requests into idle slots while both exist (the server's state in and out);
   emits `request.start` (and `prefix_instability`) telemetry.
   """
+  @spec dequeue(State.t()) :: State.t()
   def dequeue(st) do
     idle = Enum.filter(st.slots, fn {_, s} -> s.state == :idle end)
 
@@ -30,13 +32,13 @@ defmodule LlamaCppEx.Server.Placement do
     end
   end
 
-  # Whether the KV cache can take the request's prompt now: what the free blocks hold (as of
-  # the last step) plus the idle caches that may be evicted, less what the active requests
-  # still need (the rest of each prompt, one token per generating request). A request that
-  # does not fit waits in the queue (taking a slot only to fail mid-prompt with
-  # :context_full would be worse); with no active request nothing would free blocks, so it
-  # goes and the engine evicts idle caches for it. The estimate ignores prefix sharing (the
-  # prompt counts whole), so it errs towards waiting.
+  # Whether the KV cache can take the request's prompt now, by the engine's count (as of the
+  # last step): what its free blocks hold plus what dropping the idle caches would free (the
+  # blocks they alone hold), less what the active requests still need (the rest of each
+  # prompt, one token per generating request). A request that does not fit waits in the queue
+  # (taking a slot only to fail mid-prompt with :context_full would be worse); with no active
+  # request nothing would free blocks, so it goes and the engine evicts idle caches for it.
+  # The estimate ignores prefix sharing (the prompt counts whole), so it errs towards waiting.
   defp fits?(st, request) do
     active = for {_, s} <- st.slots, Slot.active?(s), do: s
 
@@ -44,7 +46,9 @@ defmodule LlamaCppEx.Server.Placement do
       true
     else
       evictable =
-        for {_, s} <- st.slots, s.state == :idle, reduce: 0, do: (n -> n + length(s.cached))
+        for {seq, s} <- st.slots, s.state == :idle, reduce: 0 do
+          n -> n + Map.get(st.kv_exclusive, seq, 0)
+        end
 
       pending =
         Enum.reduce(active, 0, fn
@@ -61,7 +65,7 @@ defmodule LlamaCppEx.Server.Placement do
 
     by_session =
       Enum.find_value(list, fn r ->
-        seq = Slots.session_slot_if_idle(st.sessions, Request.session_key(r), idle)
+        seq = session_slot_if_idle(st.sessions, Request.session_key(r), idle)
         if seq, do: {r, seq}
       end)
 
@@ -76,9 +80,9 @@ defmodule LlamaCppEx.Server.Placement do
   end
 
   defp acquire_slot(idle, request) do
-    case request.cache_prompt && Slots.pick_cached_slot(idle, request.tokens) do
+    case request.cache_prompt && pick_cached_slot(idle, request.tokens) do
       {seq, lcp} when lcp > 0 -> seq
-      _ -> Slots.pick_lru_slot(idle)
+      _ -> pick_lru_slot(idle)
     end
   end
 
@@ -88,10 +92,10 @@ defmodule LlamaCppEx.Server.Placement do
 
     own =
       if r.cache_prompt and old.cache_scope == r.cache_scope,
-        do: min(Slots.common_prefix_length(old.cached, r.tokens), n - 1),
+        do: min(common_prefix_length(old.cached, r.tokens), n - 1),
         else: 0
 
-    own = if Slots.prefix_usable?(length(old.cached), own, st.swa_window), do: own, else: 0
+    own = if prefix_usable?(length(old.cached), own, st.swa_window), do: own, else: 0
 
     {donor, donor_len} =
       if r.cache_prompt and st.config.kv_unified,
@@ -102,7 +106,7 @@ defmodule LlamaCppEx.Server.Placement do
       if r.cache_prompt,
         do:
           PromptCache.best(st.prompt_cache, r.tokens, r.cache_scope, fn len, l ->
-            Slots.prefix_usable?(len, l, st.swa_window)
+            prefix_usable?(len, l, st.swa_window)
           end),
         else: {nil, 0}
 
@@ -163,7 +167,7 @@ defmodule LlamaCppEx.Server.Placement do
     LlamaCppEx.Telemetry.execute(
       [:llama_cpp_ex, :server, :request, :start],
       %{prompt_tokens: n, prefix_cache_tokens: match},
-      %{server: self(), seq_id: seq, mode: :stream}
+      %{server: self(), seq_id: seq, mode: r.mode}
     )
 
     %{
@@ -184,9 +188,9 @@ defmodule LlamaCppEx.Server.Placement do
   defp best_donor(st, seq, scope, tokens, n) do
     st.slots
     |> Enum.reject(fn {s, slot} -> s == seq or slot.cache_scope != scope end)
-    |> Enum.map(fn {s, slot} -> {s, min(Slots.donor_prefix_match(slot, tokens), n - 1)} end)
+    |> Enum.map(fn {s, slot} -> {s, min(donor_prefix_match(slot, tokens), n - 1)} end)
     |> Enum.filter(fn {s, len} ->
-      len > 0 and Slots.prefix_usable?(Slot.fed_length(st.slots[s]), len, st.swa_window)
+      len > 0 and prefix_usable?(Slot.fed_length(st.slots[s]), len, st.swa_window)
     end)
     |> Enum.max_by(fn {s, len} -> {len, -s} end, fn -> {nil, 0} end)
   end
@@ -217,4 +221,91 @@ defmodule LlamaCppEx.Server.Placement do
       st.warned_instability
     end
   end
+
+  # ------------------------------------------------------------ prefix matching
+
+  @doc "Length of the common prefix of two token lists."
+  @spec common_prefix_length([integer()], [integer()]) :: non_neg_integer()
+  def common_prefix_length(a, b), do: lcp(a, b, 0)
+
+  defp lcp([x | a], [x | b], n), do: lcp(a, b, n + 1)
+  defp lcp(_, _, n), do: n
+
+  @doc "The seq_id last used with `key` if that slot is idle."
+  @spec session_slot_if_idle(map(), term(), [{non_neg_integer(), Slot.t()}]) ::
+          non_neg_integer() | nil
+  def session_slot_if_idle(_sessions, nil, _idle), do: nil
+
+  def session_slot_if_idle(sessions, key, idle_slots) do
+    with seq when is_integer(seq) <- Map.get(sessions, key),
+         true <- Enum.any?(idle_slots, fn {s, _} -> s == seq end) do
+      seq
+    else
+      _ -> nil
+    end
+  end
+
+  @doc """
+  The idle slot whose cached tokens share the longest prefix with `tokens`, as `{seq_id, lcp}`,
+  when that prefix is more than 10% of the prompt; otherwise `{lru_seq_id, 0}`. `nil` when
+  there are no idle slots.
+  """
+  @spec pick_cached_slot([{non_neg_integer(), Slot.t()}], [integer()]) ::
+          {non_neg_integer(), non_neg_integer()} | nil
+  def pick_cached_slot([], _tokens), do: nil
+
+  def pick_cached_slot(idle_slots, []), do: {pick_lru_slot(idle_slots), 0}
+
+  def pick_cached_slot(idle_slots, tokens) do
+    n = length(tokens)
+
+    {seq, best} =
+      idle_slots
+      |> Enum.map(fn {seq, slot} -> {seq, common_prefix_length(slot.cached, tokens)} end)
+      |> Enum.max_by(fn {seq, l} -> {l, -seq} end)
+
+    if best * 10 > n, do: {seq, best}, else: {pick_lru_slot(idle_slots), 0}
+  end
+
+  @doc "The idle slot used least recently."
+  @spec pick_lru_slot([{non_neg_integer(), Slot.t()}]) :: non_neg_integer() | nil
+  def pick_lru_slot([]), do: nil
+
+  def pick_lru_slot(idle_slots) do
+    {seq, _} = Enum.min_by(idle_slots, fn {seq, slot} -> {slot.t_last_used, seq} end)
+    seq
+  end
+
+  @doc """
+  How many leading tokens of `tokens` a slot's KV cache already holds: idle slots their
+  cached tokens, prefilling slots the prompt tokens fed so far, generating slots the prompt
+  plus the generated tokens fed so far.
+  """
+  @spec donor_prefix_match(Slot.t(), [integer()]) :: non_neg_integer()
+  def donor_prefix_match(%Slot{state: :idle, cached: cached}, tokens),
+    do: common_prefix_length(cached, tokens)
+
+  def donor_prefix_match(%Slot{state: :prefilling} = slot, tokens),
+    do: min(common_prefix_length(Tuple.to_list(slot.prompt), tokens), slot.prefill_pos)
+
+  def donor_prefix_match(%Slot{state: :generating} = slot, tokens) do
+    n_prompt = slot.n_prompt
+    lcp = common_prefix_length(Tuple.to_list(slot.prompt), tokens)
+
+    if lcp < n_prompt do
+      lcp
+    else
+      rest = Enum.drop(tokens, n_prompt)
+      min(n_prompt + common_prefix_length(Enum.reverse(slot.fed), rest), Slot.fed_length(slot))
+    end
+  end
+
+  @doc """
+  Whether the first `n` tokens of a sequence holding `len` tokens can be continued on a model
+  whose sliding-window layers (window `window`, 0 = none) dropped old blocks: the engine's
+  rule (`llama_cpp_ex_engine::kv::window_keeps_prefix`).
+  """
+  @spec prefix_usable?(non_neg_integer(), non_neg_integer(), non_neg_integer()) :: boolean()
+  def prefix_usable?(_len, _n, 0), do: true
+  def prefix_usable?(len, n, window), do: NIF.kv_prefix_usable(len, n, window)
 end

@@ -1,9 +1,10 @@
 defmodule LlamaCppEx.Server.Plan do
   @moduledoc false
   # A strategy's plan checked, then turned into the step the engine runs: batch entries
-  # `{token, pos, seq, logits?}`, the samplers of the rows that have logits, and the slots
-  # as they will be once the step ran (prompt positions advanced, pending tokens fed).
+  # `{token, pos, seq, logits?}`, the samplers of the rows that have logits, the speculating
+  # decodes, and the slots as they will be once the step ran.
 
+  alias LlamaCppEx.Engine.{Spec, Step}
   alias LlamaCppEx.Server.Slot
 
   @doc "The plan, or an `ArgumentError` naming `strategy` and what it returned."
@@ -51,32 +52,24 @@ defmodule LlamaCppEx.Server.Plan do
   end
 
   @doc """
-  `{entries, slots, samplers, counts}` for a checked plan; `counts` is
-  `%{decode: n, prefill: m, specs: [{seq, history, n_draft, draft_model?}]}` (the
-  speculating decodes).
+  The step of a checked plan (`entries`, `samplers`, `specs`: its speculating decodes), the
+  slots as they will be once it ran (prompt positions advanced, pending tokens fed), and
+  `%{decode: rows, prefill: tokens}`.
   """
-  @spec to_step(list(), map()) :: {list(), map(), list(), map()}
+  @spec to_step(list(), map()) ::
+          {Step.t(), map(), %{decode: non_neg_integer(), prefill: non_neg_integer()}}
   def to_step(plan, slots) do
-    {entries, slots, samplers, counts} =
-      Enum.reduce(plan, {[], slots, [], %{decode: 0, prefill: 0, specs: []}}, fn
-        {:decode, seq}, {es, ss, samplers, c} ->
+    {entries, slots, samplers, specs, counts} =
+      Enum.reduce(plan, {[], slots, [], [], %{decode: 0, prefill: 0}}, fn
+        {:decode, seq}, {es, ss, samplers, specs, c} ->
           s = Map.fetch!(ss, seq)
           entry = {s.pending, s.pos, seq, true}
           s = %{s | fed: [s.pending | s.fed], pending: nil}
-          c = %{c | decode: c.decode + 1}
+          {s, specs} = speculate(s, specs)
+          samplers = [{seq, s.request.sampler.ref} | samplers]
+          {[entry | es], Map.put(ss, seq, s), samplers, specs, %{c | decode: c.decode + 1}}
 
-          # the engine drafts (by lookup or with the draft model) from the sequence's tokens,
-          # the one to decode last
-          r = s.request
-
-          c =
-            if r.n_draft,
-              do: %{c | specs: [{seq, Slot.fed_tokens(s), r.n_draft, r.draft_model?} | c.specs]},
-              else: c
-
-          {[entry | es], Map.put(ss, seq, s), [{seq, s.request.sampler.ref} | samplers], c}
-
-        {:prefill, seq, n}, {es, ss, samplers, c} ->
+        {:prefill, seq, n}, {es, ss, samplers, specs, c} ->
           s = Map.fetch!(ss, seq)
           completes = s.prefill_pos + n == s.n_prompt
 
@@ -88,9 +81,40 @@ defmodule LlamaCppEx.Server.Plan do
 
           samplers = if completes, do: [{seq, s.request.sampler.ref} | samplers], else: samplers
           s = %{s | prefill_pos: s.prefill_pos + n}
-          {es, Map.put(ss, seq, s), samplers, %{c | prefill: c.prefill + n}}
+          {es, Map.put(ss, seq, s), samplers, specs, %{c | prefill: c.prefill + n}}
       end)
 
-    {Enum.reverse(entries), slots, Enum.reverse(samplers), counts}
+    step = %Step{
+      entries: Enum.reverse(entries),
+      samplers: Enum.reverse(samplers),
+      specs: Enum.reverse(specs)
+    }
+
+    {step, slots, counts}
+  end
+
+  # A speculating request's decode sends the engine what its sequence took since its last
+  # speculating step (the engine drafts from its own copy of the sequence's tokens): the
+  # whole sequence the first time, then the generated tokens fed since, the one decoded now
+  # last. `s.pos` is that token's position, so the sequence then holds `s.pos + 1` tokens.
+  defp speculate(%Slot{request: %{n_draft: nil}} = s, specs), do: {s, specs}
+
+  defp speculate(%Slot{request: r} = s, specs) do
+    held = s.pos + 1
+
+    tokens =
+      if r.spec_sent == 0,
+        do: Slot.fed_tokens(s),
+        else: s.fed |> Enum.take(held - r.spec_sent) |> Enum.reverse()
+
+    spec = %Spec{
+      seq: s.seq,
+      tokens: tokens,
+      reset: r.spec_sent == 0,
+      n_draft: r.n_draft,
+      draft_model: r.draft_model?
+    }
+
+    {%{s | request: %{r | spec_sent: held}}, [spec | specs]}
   end
 end

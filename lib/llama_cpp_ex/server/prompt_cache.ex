@@ -217,5 +217,5 @@ defmodule LlamaCppEx.Server.PromptCache do
 
   defp sum_bytes(entries), do: Enum.reduce(entries, 0, &(&1.bytes + &2))
 
-  defp prefix_length(a, b), do: LlamaCppEx.Server.Slots.common_prefix_length(a, b)
+  defp prefix_length(a, b), do: LlamaCppEx.Server.Placement.common_prefix_length(a, b)
 end

@@ -4,18 +4,21 @@ defmodule LlamaCppEx.Server.Request do
   # sample, what turns its tokens into text, and its timing. The KV state it uses lives in its
   # slot (`LlamaCppEx.Server.Slot`).
 
-  alias LlamaCppEx.Pipeline
+  alias LlamaCppEx.{Generation, Pipeline, Sampler}
 
-  @enforce_keys [:tokens, :max_tokens, :opts]
+  @typedoc "Which client call made the request (telemetry's `mode`)."
+  @type mode :: :generate | :stream | :chat | :chat_completion
+
+  @enforce_keys [:tokens, :max_tokens, :sampler, :pipeline, :stream_pid, :stream_ref]
   defstruct [
     :tokens,
     :max_tokens,
-    :opts,
+    :sampler,
+    :pipeline,
     :stream_pid,
     :stream_ref,
     :monitor_ref,
-    :sampler,
-    :pipeline,
+    mode: :stream,
     cache_prompt: true,
     session: nil,
     cache_scope: nil,
@@ -23,49 +26,61 @@ defmodule LlamaCppEx.Server.Request do
     t_first_token: nil,
     n_prefix_cache: 0,
     # speculation: the draft length (nil: off), whether drafts come from the Server's draft
-    # model (else prompt lookup), drafts proposed and accepted
+    # model (else prompt lookup), how many of its sequence's tokens the engine has (0: none
+    # yet, the next speculating step starts its history over), drafts proposed and accepted
     n_draft: nil,
     draft_model?: false,
+    spec_sent: 0,
     n_drafted: 0,
     n_accepted: 0
   ]
 
   @type t :: %__MODULE__{
-          tokens: [non_neg_integer()],
+          tokens: [non_neg_integer(), ...],
           max_tokens: pos_integer(),
-          opts: keyword(),
-          stream_pid: pid() | nil,
-          stream_ref: reference() | nil,
+          sampler: Sampler.t(),
+          pipeline: Pipeline.t(),
+          stream_pid: pid(),
+          stream_ref: reference(),
           monitor_ref: reference() | nil,
-          sampler: LlamaCppEx.Sampler.t() | nil,
-          pipeline: Pipeline.t() | nil
+          mode: mode(),
+          cache_prompt: boolean(),
+          session: term(),
+          cache_scope: term(),
+          t_start: integer() | nil,
+          t_first_token: integer() | nil,
+          n_prefix_cache: non_neg_integer(),
+          n_draft: pos_integer() | nil,
+          draft_model?: boolean(),
+          spec_sent: non_neg_integer(),
+          n_drafted: non_neg_integer(),
+          n_accepted: non_neg_integer()
         }
 
-  @doc "A request whose events go to `pid` tagged with `ref`."
-  @spec stream([non_neg_integer()], pos_integer(), keyword(), pid(), reference()) :: t()
-  def stream(tokens, max, opts, pid, ref) do
-    struct!(__MODULE__,
-      tokens: tokens,
-      max_tokens: max,
-      opts: opts,
+  @doc """
+  The request of a prepared generation whose events go to `pid` tagged with `ref`; `opts`
+  holds the server options of the request (`:cache_prompt`, `:session`, `:cache_scope`,
+  `:mode`).
+  """
+  @spec new(Generation.t(), keyword(), pid(), reference()) :: t()
+  def new(%Generation{} = gen, opts, pid, ref) do
+    spec = gen.speculative
+
+    %__MODULE__{
+      tokens: gen.tokens,
+      max_tokens: gen.max_tokens,
+      sampler: gen.sampler,
+      pipeline: Pipeline.new(gen, gen.max_tokens),
       stream_pid: pid,
       stream_ref: ref,
+      mode: Keyword.get(opts, :mode, :stream),
       cache_prompt: Keyword.get(opts, :cache_prompt, true),
       session: Keyword.get(opts, :session),
       cache_scope: Keyword.get(opts, :cache_scope),
-      sampler: Keyword.get(opts, :sampler),
-      n_draft: Keyword.get(opts, :n_draft),
-      draft_model?: Keyword.get(opts, :draft_model?) == true,
-      pipeline: Pipeline.new(Keyword.put(opts, :max_tokens, max))
-    )
+      n_draft: spec && spec.n_draft,
+      draft_model?: spec != nil and spec.draft_model?
+    }
   end
-
-  @doc "Every request is streamed to its consumer (blocking calls collect in the caller)."
-  @spec type(t()) :: :stream
-  def type(%__MODULE__{}), do: :stream
-
-  @spec consumer_pid(t()) :: pid() | nil
-  def consumer_pid(%__MODULE__{stream_pid: pid}), do: pid
 
   @doc "The session-affinity key (`{cache_scope, session}`), or `nil`."
   @spec session_key(t()) :: term()

@@ -77,7 +77,6 @@ impl Batch {
         out
     }
 
-    /// Whether entry `i` is an embedding row.
     /// The batch without the entries of `seqs`.
     pub fn without(&self, seqs: &[usize]) -> Batch {
         if seqs.is_empty() {
@@ -86,6 +85,7 @@ impl Batch {
         self.filter(|i| !seqs.contains(&self.seq[i]))
     }
 
+    /// Whether entry `i` is an embedding row.
     pub fn is_embd(&self, i: usize) -> bool {
         self.embd.get(i).copied().unwrap_or(false)
     }

@@ -44,8 +44,6 @@ pub enum EngineError {
     Tensor(String),
     #[error("chat template failed: {0}")]
     Template(String),
-    #[error("cancelled")]
-    Cancelled,
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -63,6 +61,13 @@ impl EngineError {
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;
+
+/// Locks a mutex whose holder may have panicked: the engine's state stays usable after a
+/// panic (a failed batch rolls its KV reservation back), and the panic itself is reported as
+/// that call's error.
+pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 impl From<candle_core::Error> for EngineError {
     fn from(e: candle_core::Error) -> Self {

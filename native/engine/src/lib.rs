@@ -4,10 +4,16 @@
 //!
 //! This crate has no Erlang dependency; the NIF crate is a thin layer over it.
 
+//!
+//! Layers point down: `context` (the step, speculation) and `engine_thread` use `model`,
+//! `kv`, `sampler`, `grammar` and `embedding`; `model` and `kv` use `kernels`; `kernels` use
+//! only the leaves `math`, `pages` and `pool`.
+
 pub mod batch;
 pub mod chat;
 pub mod context;
 pub mod embedding;
+pub mod engine_thread;
 pub mod error;
 pub mod gguf;
 pub mod grammar;
@@ -15,20 +21,20 @@ pub mod hf;
 pub mod kernels;
 pub mod kv;
 pub mod limits;
+pub mod math;
 pub mod model;
+pub mod pages;
 pub mod pool;
 pub mod sampler;
-pub mod speculative;
 pub mod stack;
-pub mod step;
 pub mod tokenizer;
 
 pub use batch::Batch;
-pub use context::{Context, ContextParams, StopReason};
+pub use context::{Context, ContextParams, KvOp, SampledToken, SharedSampler, Step, StepOutcome};
+pub use engine_thread::EngineThread;
 pub use error::{EngineError, Result};
 pub use model::{LoadOptions, Model, Requantize};
 pub use sampler::{Sampler, SamplerParams};
-pub use step::{EngineThread, KvOp, SharedSampler, Step, StepOutcome};
 pub use tokenizer::{TokenId, Tokenizer};
 
 /// Largest allocation glibc's malloc serves from its heap instead of a fresh mapping (the

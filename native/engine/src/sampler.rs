@@ -567,7 +567,7 @@ impl Sampler {
             }
         }
         let token = if p.temp <= 0.0 {
-            argmax(&cand)
+            greedy(&cand)
         } else if p.mirostat == 1 {
             self.mirostat_v1(&mut cand)
         } else if p.mirostat == 2 {
@@ -836,14 +836,21 @@ impl Sampler {
     }
 }
 
-fn argmax(cand: &[(TokenId, f32)]) -> TokenId {
-    let mut best = 0;
-    for i in 1..cand.len() {
-        if cand[i].1 > cand[best].1 {
-            best = i;
+/// The greedy choice among candidates.
+fn greedy(cand: &[(TokenId, f32)]) -> TokenId {
+    cand[argmax(cand.iter().map(|c| c.1))].0
+}
+
+/// The index of the largest value, the first of equal ones (0 when empty or all NaN): the
+/// engine's one greedy rule (the sampler at temperature 0, draft models' drafts).
+pub fn argmax(values: impl IntoIterator<Item = f32>) -> usize {
+    let mut best = (0, f32::NEG_INFINITY);
+    for (i, v) in values.into_iter().enumerate() {
+        if v > best.1 || i == 0 {
+            best = (i, v);
         }
     }
-    cand[best].0
+    best.0
 }
 
 /// Softmax of candidate logits divided by `temp`, in f64 for a stable cumulative sum.

@@ -37,39 +37,26 @@ fn run(
     max_tokens: usize,
 ) -> (String, bool, f64) {
     let constraint = model.compile_grammar(spec).unwrap();
-    let mut sampler = Sampler::new(params).with_grammar(constraint);
+    let sampler = shared(Sampler::new(params).with_grammar(constraint));
     let mut ctx = ctx(model, 1024, 1);
-    let mut text = Vec::new();
-    let mut ended = false;
     let mut mask_time = 0.0;
-    let mut n = 0;
-    let t0 = Instant::now();
-    let (tokens, _) = ctx
-        .generate(&mut sampler, prompt, max_tokens, None, |t, eog, _| {
-            n += 1;
-            if eog {
-                ended = true;
-            } else {
-                text.extend_from_slice(model.tokenizer.token_to_piece(t).unwrap());
-            }
-            true
-        })
-        .unwrap();
-    let _ = t0;
+    let sampled = generate(&mut ctx, &sampler, prompt, max_tokens);
+    let ended = sampled.last().is_some_and(|t| t.is_eog);
+    let text: Vec<u8> = sampled
+        .iter()
+        .filter(|t| !t.is_eog)
+        .flat_map(|t| t.piece.clone())
+        .collect();
+    let tokens = common::tokens(&sampled);
     // Mask cost measured separately: replay the accepted tokens through a fresh constraint.
     let mut replay = model.compile_grammar(spec).unwrap();
     let mut row = vec![0.0f32; model.config.n_vocab];
-    let mut worst = 0.0f64;
     for &t in &tokens {
         let t1 = Instant::now();
         replay.mask(&mut row);
-        let dt = t1.elapsed().as_secs_f64();
-        worst = worst.max(dt);
-        mask_time += dt;
+        mask_time += t1.elapsed().as_secs_f64();
         replay.accept(t);
     }
-    let _ = worst;
-    let _ = n;
     (
         String::from_utf8(text).unwrap(),
         ended,
@@ -362,11 +349,11 @@ fn lazy_grammar_matches_full_mask(file: &str) {
             let constraint = model.compile_grammar(&spec).unwrap();
             let mut sampler = Sampler::new(sampled(11)).with_grammar(constraint);
             sampler.lazy_grammar = lazy;
+            let sampler = shared(sampler);
             let mut ctx = ctx(&model, 1024, 1);
-            let (tokens, _) = ctx
-                .generate(&mut sampler, &prompt, 48, None, |_, _, _| true)
-                .unwrap();
-            outs.push((tokens, sampler.grammar_stats()));
+            let tokens = common::tokens(&generate(&mut ctx, &sampler, &prompt, 48));
+            let stats = sampler.lock().unwrap().grammar_stats();
+            outs.push((tokens, stats));
         }
         assert_eq!(outs[0].0, outs[1].0, "{question}");
         let (lazy, full) = (outs[0].1, outs[1].1);

@@ -29,10 +29,8 @@ fn free_running_greedy_matches_the_fixture_start() {
     let prompt = ids(&case["prompt_ids"]);
     let expected = ids(&case["generated_ids"]);
     let mut c = ctx(&model, 512, 1);
-    let mut s = Sampler::new(SamplerParams::greedy());
-    let (out, _) = c
-        .generate(&mut s, &prompt, 8, None, |_, _, _| true)
-        .unwrap();
+    let s = shared(Sampler::new(SamplerParams::greedy()));
+    let out = tokens(&generate(&mut c, &s, &prompt, 8));
     assert_eq!(out, expected[..8]);
 }
 

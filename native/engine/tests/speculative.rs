@@ -1,14 +1,15 @@
-//! Prompt-lookup speculative decoding on SmolLM2: the tokens are exactly those of plain
-//! one-token-per-step decoding — greedy, and seeded sampling with penalties (the same random
-//! draws) — drafts are accepted on a copying workload, and rejected drafts leave no KV blocks
-//! behind. The same holds for drafts from a draft model, whose sampled distribution is also
+//! Prompt-lookup speculative decoding on SmolLM2, through engine steps: the tokens are
+//! exactly those of plain one-token-per-step decoding — greedy, and seeded sampling with
+//! penalties (the same random draws) — drafts are accepted on a copying workload, rejected
+//! drafts leave no KV blocks behind, and each step sends only the tokens fed since the last
+//! one. The same holds for drafts from a draft model, whose sampled distribution is also
 //! checked against plain decoding with a χ² test.
 
 mod common;
 use common::*;
+use llama_cpp_ex_engine::context::{DraftModel, DraftSource, PromptLookup};
 use llama_cpp_ex_engine::sampler::{Sampler, SamplerParams};
-use llama_cpp_ex_engine::speculative::{DraftModel, DraftSource, PromptLookup};
-use llama_cpp_ex_engine::{Batch, Context, Model, Requantize};
+use llama_cpp_ex_engine::{Batch, Context, KvOp, Model, Requantize, Step};
 use std::sync::Arc;
 
 const PARAGRAPH: &str = "The committee met on Tuesday to review the budget for the new \
@@ -46,7 +47,8 @@ fn plain(model: &Arc<Model>, tokens: &[u32], params: SamplerParams, n: usize) ->
 }
 
 /// `n` tokens (at least) on `ctx` with drafts from `source`: (tokens, drafted, accepted,
-/// forward passes, the context).
+/// forward passes, the context). The first step sends the whole history, every later one
+/// only the tokens accepted since and the one evaluated.
 fn speculative(
     mut ctx: Context,
     tokens: &[u32],
@@ -55,23 +57,20 @@ fn speculative(
     source: DraftSource,
 ) -> (Vec<u32>, usize, usize, usize, Context) {
     let mut s = Sampler::new(params);
-    let mut history = tokens.to_vec();
     let mut out = vec![prefill(&mut ctx, tokens, &mut s)];
-    history.push(out[0]);
+    let s = shared(s);
+    let mut fed: Vec<u32> = tokens.iter().copied().chain([out[0]]).collect();
     let (mut drafted, mut accepted, mut passes) = (0, 0, 0);
     while out.len() < n {
         let pos = tokens.len() + out.len() - 1;
         let last = *out.last().unwrap();
-        let step = ctx
-            .speculate(0, last, pos, &history, &mut s, source)
-            .unwrap();
+        let (emitted, n_drafted) =
+            speculate(&mut ctx, &s, 0, last, pos, &fed, passes == 0, source).unwrap();
         passes += 1;
-        drafted += step.n_drafted;
-        accepted += step.tokens.len() - 1;
-        for t in step.tokens {
-            out.push(t.token);
-            history.push(t.token);
-        }
+        drafted += n_drafted;
+        accepted += emitted.len() - 1;
+        fed = common::tokens(&emitted);
+        out.extend(&fed);
     }
     (out, drafted, accepted, passes, ctx)
 }
@@ -124,12 +123,11 @@ fn speculation_changes_nothing_but_the_number_of_passes() {
     }
 }
 
-/// ferrum's decoder interface: `forward_verify` gives the logits one-token steps give,
-/// `truncate_kv` rolls back without touching a prefix shared with another sequence, `prepare`
-/// reserves ahead and `kv_capacity` reports what is left.
+/// What speculation stands on: one pass over 20 tokens gives the logits 20 one-token steps
+/// give, and trimming a sequence back into a prefix it shares with another (what a rejected
+/// draft does) leaves the other's blocks untouched and continues exactly as before.
 #[test]
-fn decoder_interface() {
-    use llama_cpp_ex_engine::{ContextParams, KvOp, Step};
+fn one_pass_equals_steps_and_trimming_keeps_a_shared_prefix() {
     let model = load(SMOLLM2, Requantize::Q8_0);
     let p = prompt(&model);
     let extra: Vec<u32> = p[5..25].to_vec();
@@ -143,15 +141,18 @@ fn decoder_interface() {
     }
     a.decode(&batch).unwrap();
     b.decode(&batch).unwrap();
-    let verified = a.forward_verify(0, p.len(), &extra).unwrap().to_vec();
-    let n_vocab = model.tokenizer.n_vocab();
-    assert_eq!(verified.len(), extra.len() * n_vocab);
+    let mut all = Batch::with_capacity(extra.len());
+    for (i, &t) in extra.iter().enumerate() {
+        all.push(t, p.len() + i, 0, true);
+    }
+    a.decode(&all).unwrap();
     for (i, &t) in extra.iter().enumerate() {
         let mut one = Batch::with_capacity(1);
         one.push(t, p.len() + i, 0, true);
         b.decode(&one).unwrap();
-        let row = &verified[i * n_vocab..(i + 1) * n_vocab];
-        let diff = row
+        let diff = a
+            .logits_ith(i as i64)
+            .unwrap()
             .iter()
             .zip(b.logits_ith(-1).unwrap())
             .map(|(x, y)| (x - y).abs())
@@ -159,60 +160,41 @@ fn decoder_interface() {
         assert!(diff < 1e-3, "position {i}: logits differ by {diff}");
     }
 
-    // share the prompt with sequence 1, roll sequence 0 back into the shared part: sequence
+    // share the prompt with sequence 1, trim sequence 0 back into the shared part: sequence
     // 1's prefix is untouched and sequence 0 continues exactly as before
+    let mut a = ctx(&model, 1024, 2);
+    a.decode(&Batch::for_sequence(&p, 0, 0)).unwrap();
     a.step(&Step {
-        ops: vec![KvOp::Share {
-            src: 0,
-            dst: 1,
-            len: p.len(),
-        }],
+        ops: vec![
+            KvOp::Share {
+                src: 0,
+                dst: 1,
+                len: p.len(),
+            },
+            KvOp::Trim {
+                seq: 0,
+                keep: p.len() - 3,
+            },
+        ],
         ..Default::default()
     })
     .unwrap();
-    a.truncate_kv(0, p.len() - 3).unwrap();
     assert_eq!(a.kv.seq_len(0), p.len() - 3);
     assert_eq!(a.kv.seq_len(1), p.len());
     a.kv.audit().unwrap();
-    let again = a
-        .forward_verify(0, p.len() - 3, &p[p.len() - 3..])
-        .unwrap()
-        .to_vec();
+    a.decode(&Batch::for_sequence(&p[p.len() - 3..], p.len() - 3, 0))
+        .unwrap();
     let mut fresh = ctx(&model, 1024, 1);
-    let mut all = Batch::with_capacity(p.len());
-    for (i, &t) in p.iter().enumerate() {
-        all.push(t, i, 0, i + 3 >= p.len());
-    }
-    fresh.decode(&all).unwrap();
-    let last = fresh.logits_ith(-1).unwrap();
-    let diff = again[2 * n_vocab..]
+    fresh.decode(&Batch::for_sequence(&p, 0, 0)).unwrap();
+    let diff = a
+        .logits_ith(-1)
+        .unwrap()
         .iter()
-        .zip(last)
+        .zip(fresh.logits_ith(-1).unwrap())
         .map(|(x, y)| (x - y).abs())
         .fold(0f32, f32::max);
-    assert!(diff < 1e-3, "after truncation the logits differ by {diff}");
-
-    // capacity and reservation
-    let mut c = Context::new(
-        model.clone(),
-        ContextParams {
-            n_ctx: 256,
-            n_batch: 256,
-            n_seq_max: 2,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    assert_eq!(c.kv_capacity(0).unwrap(), 256);
-    c.prepare(0, 100).unwrap();
-    assert_eq!(c.kv_capacity(0).unwrap(), 256);
-    assert!(c.kv_capacity(1).unwrap() <= 256);
-    assert!(c.prepare(0, 300).is_err(), "more than n_ctx");
-    c.forward_verify(0, 0, &p[..40]).unwrap();
-    assert_eq!(c.kv_capacity(0).unwrap(), 256 - 40);
-    c.truncate_kv(0, 10).unwrap();
-    assert_eq!(c.kv_capacity(0).unwrap(), 256 - 10);
-    c.kv.audit().unwrap();
+    assert!(diff < 1e-3, "after trimming the logits differ by {diff}");
+    a.kv.audit().unwrap();
 }
 
 /// A draft model (SmolLM2 with its own Q4_1 weights) proposes for the target (SmolLM2
@@ -267,17 +249,9 @@ fn a_draft_model_changes_nothing_but_the_number_of_passes() {
     let err = DraftModel::new(ctx(&draft, 64, 1), &gemma).err().unwrap();
     assert!(err.to_string().contains("vocabulary"), "{err}");
     let mut plain_ctx = ctx(&target, 64, 1);
-    let mut s = Sampler::new(SamplerParams::greedy());
-    let err = plain_ctx
-        .speculate(
-            0,
-            p[0],
-            0,
-            &p[..1],
-            &mut s,
-            DraftSource::DraftModel { n_draft: 4 },
-        )
-        .unwrap_err();
+    let s = shared(Sampler::new(SamplerParams::greedy()));
+    let source = DraftSource::DraftModel { n_draft: 4 };
+    let err = speculate(&mut plain_ctx, &s, 0, p[0], 0, &p[..1], true, source).unwrap_err();
     assert!(err.to_string().contains("no draft model"), "{err}");
 }
 
@@ -317,7 +291,7 @@ fn draft_model_speculation_samples_the_target_distribution() {
             t = s.sample(ctx.logits_ith(-1).unwrap());
         }
         plain_third.push(t);
-        ctx.truncate_kv(0, n).unwrap();
+        ctx.kv.seq_rm(0, n, None).unwrap();
     }
     // the same with draft-model speculation, other seeds
     let mut spec_third = Vec::with_capacity(trials);
@@ -325,31 +299,22 @@ fn draft_model_speculation_samples_the_target_distribution() {
     for seed in trials as u64..2 * trials as u64 {
         let mut s = Sampler::new(params(seed));
         let t1 = s.sample(&first_logits);
-        let mut history = p.clone();
-        history.push(t1);
+        let s = shared(s);
+        let mut fed: Vec<u32> = p.iter().copied().chain([t1]).collect();
         let mut emitted = Vec::new();
+        let source = DraftSource::DraftModel { n_draft: 3 };
         while emitted.len() < 2 {
-            let (last, pos) = (*history.last().unwrap(), n + emitted.len());
-            let step = ctx
-                .speculate(
-                    0,
-                    last,
-                    pos,
-                    &history,
-                    &mut s,
-                    DraftSource::DraftModel { n_draft: 3 },
-                )
-                .unwrap();
-            if emitted.is_empty() && step.tokens.len() > 1 {
+            let (last, pos) = (*fed.last().unwrap(), n + emitted.len());
+            let reset = emitted.is_empty();
+            let (step, _) = speculate(&mut ctx, &s, 0, last, pos, &fed, reset, source).unwrap();
+            if emitted.is_empty() && step.len() > 1 {
                 verified += 1;
             }
-            for v in step.tokens {
-                emitted.push(v.token);
-                history.push(v.token);
-            }
+            fed = common::tokens(&step);
+            emitted.extend(&fed);
         }
         spec_third.push(emitted[1]);
-        ctx.truncate_kv(0, n).unwrap();
+        ctx.kv.seq_rm(0, n, None).unwrap();
     }
     // most of the speculative samples came from a verified draft row
     assert!(

@@ -160,7 +160,7 @@ fn the_engine_thread_runs_steps_in_order_and_survives_errors() {
         let tx = tx.clone();
         Box::new(move |r: llama_cpp_ex_engine::error::Result<StepOutcome>| {
             let _ = tx.send((i, r.map_err(|e| e.to_string())));
-        }) as llama_cpp_ex_engine::step::Reply
+        }) as llama_cpp_ex_engine::engine_thread::Reply
     };
     let prompt = model.tokenizer.encode("Hello there", true, true).unwrap();
     let sampler = greedy(&model);

@@ -3,7 +3,6 @@ rustler::atoms! {
     error,
     invalid_seq_id,
     invalid_grammar,
-    part,
     f16,
     f32,
     q8_0,

@@ -1,4 +1,5 @@
-//! Contexts: creation, the KV cache, decode, logits, and one step for local generation.
+//! Contexts: creation, the KV cache, decode, logits, and one step run in the caller (a
+//! generation on a model; the Server's steps go through `engine.rs`).
 
 use crate::atoms;
 use crate::error::{guard, lock, message, Out, Status};
@@ -124,12 +125,6 @@ fn context_n_seq_max(c: ResourceArc<ContextRes>) -> usize {
     c.n_seq_max
 }
 
-/// llama.cpp's `seq_rm` capability: a paged transformer cache removes any tail (`:part`).
-#[rustler::nif]
-fn context_can_seq_rm(_c: ResourceArc<ContextRes>) -> Atom {
-    atoms::part()
-}
-
 #[rustler::nif(schedule = "DirtyCpu")]
 fn memory_clear(c: ResourceArc<ContextRes>) -> Atom {
     lock(&c.ctx).kv.clear();
@@ -174,8 +169,8 @@ fn get_top_logprobs(c: ResourceArc<ContextRes>, idx: i64, n: usize) -> Out<Vec<(
     })
 }
 
-/// Runs one step on this context now (local generation: the caller drives, one prompt chunk
-/// or one token per call, so it can stop between any two).
+/// Runs one step on this context now (a generation on a model: the caller drives, one prompt
+/// chunk or one token per call, so it can stop between any two).
 #[rustler::nif(schedule = "DirtyCpu")]
 fn context_step<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, step: StepTerm) -> Out<Term<'a>> {
     guard(|| {
@@ -183,45 +178,5 @@ fn context_step<'a>(env: Env<'a>, c: ResourceArc<ContextRes>, step: StepTerm) ->
         let mut ctx = lock(&c.ctx);
         let outcome = ctx.step(&step)?;
         Ok(encode_outcome(env, &ctx.model, &outcome))
-    })
-}
-
-/// One speculative step of sequence 0 (local generation): evaluates `token` at `pos` with a
-/// draft of at most `n_draft` tokens — from the attached draft model when `draft_model` is
-/// true, else looked up in `history` — and returns `{[{token, piece, eog, logprobs}],
-/// n_drafted}`: the accepted draft tokens and the token sampled after them (see the engine's
-/// `speculative` module).
-#[rustler::nif(schedule = "DirtyCpu")]
-#[allow(clippy::too_many_arguments)]
-fn context_speculate<'a>(
-    env: Env<'a>,
-    c: ResourceArc<ContextRes>,
-    s: ResourceArc<crate::sampler::SamplerRes>,
-    token: u32,
-    pos: usize,
-    history: Vec<u32>,
-    n_draft: usize,
-    draft_model: bool,
-) -> Out<Term<'a>> {
-    use llama_cpp_ex_engine::speculative::DraftSource;
-    guard(|| {
-        let mut ctx = lock(&c.ctx);
-        let mut sampler = lock(&s.sampler);
-        let source = DraftSource::new(n_draft, draft_model);
-        let outcome = ctx.speculate(0, token, pos, &history, &mut sampler, source)?;
-        let model = ctx.model.clone();
-        let tokens: Vec<Term> = outcome
-            .tokens
-            .iter()
-            .map(|t| {
-                let piece = model.tokenizer.token_to_piece(t.token).unwrap_or(&[]);
-                let lp = match &t.logprobs {
-                    Some(lp) => crate::step::encode_logprobs(env, &model, lp),
-                    None => rustler::types::atom::nil().encode(env),
-                };
-                (t.token, crate::error::binary(env, piece), t.is_eog, lp).encode(env)
-            })
-            .collect();
-        Ok((tokens, outcome.n_drafted).encode(env))
     })
 }

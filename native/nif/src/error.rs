@@ -75,8 +75,4 @@ pub fn binary<'a>(env: Env<'a>, bytes: &[u8]) -> Term<'a> {
     }
 }
 
-/// Locks a mutex whose holder may have panicked (the state it guards stays usable: a failed
-/// forward pass rolls its KV reservation back).
-pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+pub use llama_cpp_ex_engine::error::lock;

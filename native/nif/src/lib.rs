@@ -11,18 +11,16 @@
 //! | `tokenizer.rs` | encode, decode, token pieces, vocabulary queries |
 //! | `context.rs` | contexts, KV cache operations, decode, logits, one step |
 //! | `sampler.rs` | samplers, grammars, JSON Schema conversion |
-//! | `generate.rs` | the blocking generation loop and its cancel flags |
 //! | `engine.rs` | the Server's engine thread: start, submit a step, stop |
-//! | `step.rs` | the step and outcome terms shared by `context.rs` and `engine.rs` |
+//! | `step.rs` | the step and outcome structs shared by `context.rs` and `engine.rs` |
 //! | `snapshot.rs` | KV snapshots (the level-2 prompt cache's entries) and their byte form |
-//! | `limits.rs` | input limits, the KV block size and its prefix rule, the SIMD level |
+//! | `limits.rs` | input limits, the engine's constants, the KV cache's prefix rule |
 
 mod atoms;
 mod context;
 mod embedding;
 mod engine;
 mod error;
-mod generate;
 mod limits;
 mod model;
 mod sampler;

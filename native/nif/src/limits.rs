@@ -1,4 +1,4 @@
-//! Input limits, the KV cache's block size and prefix rule, and the SIMD level in use.
+//! Input limits, the engine's constants, and the KV cache's prefix rule.
 
 use crate::error::{guard, message, Status};
 use llama_cpp_ex_engine::limits::{limits, set_limits, Limits};
@@ -52,11 +52,6 @@ fn limits_set(l: LimitsTerm) -> Status {
     }))
 }
 
-#[rustler::nif]
-fn kv_block_size() -> usize {
-    llama_cpp_ex_engine::kv::KV_BLOCK_SIZE
-}
-
 /// Whether the first `n` positions of a sequence holding `len` can be continued when its
 /// sliding-window layers (window `window`, 0 = none) dropped old blocks: the engine's rule,
 /// for the Server's prefix matching.
@@ -65,7 +60,27 @@ fn kv_prefix_usable(len: usize, n: usize, window: usize) -> bool {
     llama_cpp_ex_engine::kv::window_keeps_prefix(len, n, (window > 0).then_some(window))
 }
 
+/// The bounds and defaults the engine enforces, for `LlamaCppEx.Limits.engine/0`: Elixir
+/// validates against these instead of repeating them.
+#[derive(NifMap)]
+struct EngineLimits {
+    max_context_tokens: usize,
+    max_sequences: usize,
+    max_threads: usize,
+    max_top_logprobs: usize,
+    default_context_tokens: usize,
+    default_ubatch: usize,
+}
+
 #[rustler::nif]
-fn simd_level() -> &'static str {
-    llama_cpp_ex_engine::kernels::simd_level().name()
+fn engine_limits() -> EngineLimits {
+    use llama_cpp_ex_engine::context as c;
+    EngineLimits {
+        max_context_tokens: c::MAX_CONTEXT_TOKENS,
+        max_sequences: c::MAX_SEQUENCES,
+        max_threads: llama_cpp_ex_engine::pool::max_threads(),
+        max_top_logprobs: llama_cpp_ex_engine::sampler::MAX_TOP_LOGPROBS,
+        default_context_tokens: c::DEFAULT_CONTEXT_TOKENS,
+        default_ubatch: c::DEFAULT_UBATCH,
+    }
 }

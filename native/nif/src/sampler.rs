@@ -17,7 +17,8 @@ pub struct SamplerRes {
 #[rustler::resource_impl]
 impl rustler::Resource for SamplerRes {}
 
-/// Every sampler option, as `LlamaCppEx.Sampler` sends them (validated and complete).
+/// Every sampler option, as `LlamaCppEx.Sampler` sends them (validated and complete) and as
+/// `sampler_defaults` reports the engine's defaults: the one list of the fields on this side.
 #[derive(NifMap)]
 struct SamplerOpts {
     seed: Option<u64>,
@@ -52,67 +53,95 @@ struct SamplerOpts {
     grammar_root: String,
 }
 
-/// The engine's sampler defaults under `LlamaCppEx.Sampler`'s option names: the one place
-/// they are defined.
-#[derive(NifMap)]
-struct SamplerDefaults {
-    temp: f64,
-    top_k: i64,
-    top_p: f64,
-    min_p: f64,
-    penalty_repeat: f64,
-    penalty_freq: f64,
-    penalty_present: f64,
-    penalty_last_n: i64,
-    min_keep: u64,
-    typical_p: f64,
-    top_n_sigma: f64,
-    xtc_probability: f64,
-    xtc_threshold: f64,
-    dry_multiplier: f64,
-    dry_base: f64,
-    dry_allowed_length: i64,
-    dry_penalty_last_n: i64,
-    dry_sequence_breakers: Vec<String>,
-    mirostat: u8,
-    mirostat_tau: f64,
-    mirostat_eta: f64,
-    dynatemp_range: f64,
-    dynatemp_exponent: f64,
+fn i32_of(v: i64, name: &str) -> Out<i32> {
+    i32::try_from(v).map_err(|_| message(format!("{name} must fit in 32 bits, got {v}")))
 }
 
-#[rustler::nif]
-fn sampler_defaults() -> SamplerDefaults {
-    let p = SamplerParams::default();
-    SamplerDefaults {
-        temp: p.temp as f64,
-        top_k: p.top_k as i64,
-        top_p: p.top_p as f64,
-        min_p: p.min_p as f64,
-        penalty_repeat: p.penalty_repeat as f64,
-        penalty_freq: p.penalty_freq as f64,
-        penalty_present: p.penalty_present as f64,
-        penalty_last_n: p.penalty_last_n as i64,
-        min_keep: p.min_keep as u64,
-        typical_p: p.typical_p as f64,
-        top_n_sigma: p.top_n_sigma as f64,
-        xtc_probability: p.xtc_probability as f64,
-        xtc_threshold: p.xtc_threshold as f64,
-        dry_multiplier: p.dry_multiplier as f64,
-        dry_base: p.dry_base as f64,
-        dry_allowed_length: p.dry_allowed_length as i64,
-        dry_penalty_last_n: p.dry_penalty_last_n as i64,
-        dry_sequence_breakers: DEFAULT_DRY_BREAKERS.iter().map(|s| s.to_string()).collect(),
-        mirostat: p.mirostat,
-        mirostat_tau: p.mirostat_tau as f64,
-        mirostat_eta: p.mirostat_eta as f64,
-        dynatemp_range: p.dynatemp_range as f64,
-        dynatemp_exponent: p.dynatemp_exponent as f64,
+impl SamplerOpts {
+    /// The engine's defaults under `LlamaCppEx.Sampler`'s option names.
+    fn defaults() -> Self {
+        let p = SamplerParams::default();
+        SamplerOpts {
+            seed: None,
+            temp: p.temp as f64,
+            top_k: p.top_k as i64,
+            top_p: p.top_p as f64,
+            min_p: p.min_p as f64,
+            penalty_repeat: p.penalty_repeat as f64,
+            penalty_freq: p.penalty_freq as f64,
+            penalty_present: p.penalty_present as f64,
+            penalty_last_n: p.penalty_last_n as i64,
+            min_keep: p.min_keep as u64,
+            typical_p: p.typical_p as f64,
+            top_n_sigma: p.top_n_sigma as f64,
+            xtc_probability: p.xtc_probability as f64,
+            xtc_threshold: p.xtc_threshold as f64,
+            dry_multiplier: p.dry_multiplier as f64,
+            dry_base: p.dry_base as f64,
+            dry_allowed_length: p.dry_allowed_length as i64,
+            dry_penalty_last_n: p.dry_penalty_last_n as i64,
+            dry_sequence_breakers: DEFAULT_DRY_BREAKERS.iter().map(|s| s.to_string()).collect(),
+            mirostat: p.mirostat,
+            mirostat_tau: p.mirostat_tau as f64,
+            mirostat_eta: p.mirostat_eta as f64,
+            dynatemp_range: p.dynatemp_range as f64,
+            dynatemp_exponent: p.dynatemp_exponent as f64,
+            logit_bias: Vec::new(),
+            logit_ban: Vec::new(),
+            logprobs: None,
+            grammar: None,
+            grammar_root: "root".into(),
+        }
+    }
+
+    fn into_spec(self) -> Out<SamplerSpec> {
+        let mut logit_bias: Vec<(u32, f32)> = self
+            .logit_bias
+            .iter()
+            .map(|&(t, b)| (t, b as f32))
+            .collect();
+        logit_bias.extend(self.logit_ban.iter().map(|&t| (t, f32::NEG_INFINITY)));
+        let params = SamplerParams {
+            seed: 0,
+            temp: self.temp as f32,
+            top_k: i32_of(self.top_k, "top_k")?,
+            top_p: self.top_p as f32,
+            min_p: self.min_p as f32,
+            penalty_repeat: self.penalty_repeat as f32,
+            penalty_freq: self.penalty_freq as f32,
+            penalty_present: self.penalty_present as f32,
+            penalty_last_n: i32_of(self.penalty_last_n, "penalty_last_n")?,
+            min_keep: self.min_keep as usize,
+            typical_p: self.typical_p as f32,
+            top_n_sigma: self.top_n_sigma as f32,
+            xtc_probability: self.xtc_probability as f32,
+            xtc_threshold: self.xtc_threshold as f32,
+            dry_multiplier: self.dry_multiplier as f32,
+            dry_base: self.dry_base as f32,
+            dry_allowed_length: i32_of(self.dry_allowed_length, "dry_allowed_length")?,
+            dry_penalty_last_n: i32_of(self.dry_penalty_last_n, "dry_penalty_last_n")?,
+            mirostat: self.mirostat,
+            mirostat_tau: self.mirostat_tau as f32,
+            mirostat_eta: self.mirostat_eta as f32,
+            dynatemp_range: self.dynatemp_range as f32,
+            dynatemp_exponent: self.dynatemp_exponent as f32,
+            logit_bias,
+            logprobs: self.logprobs,
+        };
+        Ok(SamplerSpec {
+            params,
+            seed: self.seed,
+            grammar: self.grammar.map(|g| grammar_spec(g, self.grammar_root)),
+            dry_sequence_breakers: self.dry_sequence_breakers,
+        })
     }
 }
 
-fn i32_of(v: i64, name: &str) -> Out<i32> {
-    i32::try_from(v).map_err(|_| message(format!("{name} must fit in 32 bits, got {v}")))
+/// The engine's sampler defaults (`LlamaCppEx.Sampler.defaults/0`): the one place they are
+/// defined is the engine's `SamplerParams::default`.
+#[rustler::nif]
+fn sampler_defaults() -> SamplerOpts {
+    SamplerOpts::defaults()
 }
 
 fn grammar_spec(text: String, root: String) -> GrammarSpec {
@@ -125,42 +154,7 @@ fn grammar_spec(text: String, root: String) -> GrammarSpec {
 #[rustler::nif(schedule = "DirtyCpu")]
 fn sampler_init<'a>(env: Env<'a>, m: ResourceArc<ModelRes>, o: SamplerOpts) -> Term<'a> {
     let r: Out<ResourceArc<SamplerRes>> = guard(|| {
-        let mut logit_bias: Vec<(u32, f32)> =
-            o.logit_bias.iter().map(|&(t, b)| (t, b as f32)).collect();
-        logit_bias.extend(o.logit_ban.iter().map(|&t| (t, f32::NEG_INFINITY)));
-        let params = SamplerParams {
-            seed: 0,
-            temp: o.temp as f32,
-            top_k: i32_of(o.top_k, "top_k")?,
-            top_p: o.top_p as f32,
-            min_p: o.min_p as f32,
-            penalty_repeat: o.penalty_repeat as f32,
-            penalty_freq: o.penalty_freq as f32,
-            penalty_present: o.penalty_present as f32,
-            penalty_last_n: i32_of(o.penalty_last_n, "penalty_last_n")?,
-            min_keep: o.min_keep as usize,
-            typical_p: o.typical_p as f32,
-            top_n_sigma: o.top_n_sigma as f32,
-            xtc_probability: o.xtc_probability as f32,
-            xtc_threshold: o.xtc_threshold as f32,
-            dry_multiplier: o.dry_multiplier as f32,
-            dry_base: o.dry_base as f32,
-            dry_allowed_length: i32_of(o.dry_allowed_length, "dry_allowed_length")?,
-            dry_penalty_last_n: i32_of(o.dry_penalty_last_n, "dry_penalty_last_n")?,
-            mirostat: o.mirostat,
-            mirostat_tau: o.mirostat_tau as f32,
-            mirostat_eta: o.mirostat_eta as f32,
-            dynatemp_range: o.dynatemp_range as f32,
-            dynatemp_exponent: o.dynatemp_exponent as f32,
-            logit_bias,
-            logprobs: o.logprobs,
-        };
-        let spec = SamplerSpec {
-            params,
-            seed: o.seed,
-            grammar: o.grammar.map(|g| grammar_spec(g, o.grammar_root)),
-            dry_sequence_breakers: o.dry_sequence_breakers,
-        };
+        let spec = o.into_spec()?;
         let sampler = m.model.sampler(&spec)?;
         Ok(ResourceArc::new(SamplerRes {
             sampler: Arc::new(Mutex::new(sampler)),

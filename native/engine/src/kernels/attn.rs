@@ -6,9 +6,9 @@
 //! loaded key or value vector is used by four query rows. [`exp_sum`] and [`max_of`] do the
 //! softmax of a score row between the two.
 
-use crate::model::ops::fast_exp;
+use crate::math::fast_exp;
 #[cfg(target_arch = "x86_64")]
-use crate::model::ops::FAST_EXP;
+use crate::math::FAST_EXP;
 use half::f16;
 
 /// Query rows per micro-kernel call.

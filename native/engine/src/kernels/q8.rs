@@ -132,6 +132,13 @@ impl Q8Activations {
     }
 }
 
+/// Quantizes one block of [`QK8_0`] values as llama.cpp's `quantize_row_q8_0` does on x86
+/// (`d = max|x| / 127`, `q = round(x / d)`, ties to even); returns `d`. The one Q8_0 quantizer
+/// of the engine: activations and q8_0 KV blocks.
+pub fn quantize_block_q8_0(xb: &[f32], qb: &mut [i8]) -> f32 {
+    quantize_block(xb, qb).0
+}
+
 /// Quantizes one block of [`QK8_0`] values; returns the scale and the sums of the quantized
 /// halves.
 fn quantize_block(xb: &[f32], qb: &mut [i8]) -> (f32, [i32; 2]) {

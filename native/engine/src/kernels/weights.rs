@@ -57,26 +57,6 @@ impl Drop for Region {
 /// Bytes copied between releases of the source's pages.
 const COPY_STEP: usize = 4 << 20;
 
-/// Hands the whole pages inside `len` bytes from `from` back to the system: the part of an
-/// array already copied, so that a 170 MB output head is not resident twice while it moves.
-///
-/// # Safety
-/// The range must belong to a `Vec` that is dropped without being read again (its pages read
-/// as zeros afterwards; an allocator's own bookkeeping lies outside the range, before it).
-unsafe fn release_pages(from: *const u8, len: usize) {
-    #[cfg(target_os = "linux")]
-    {
-        let page = crate::kv::page_words() * 4;
-        let start = (from as usize).next_multiple_of(page);
-        let end = (from as usize + len) / page * page;
-        if end > start {
-            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED);
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (from, len);
-}
-
 /// One array of a matrix: a `Vec` while the matrix is built, a slice of a [`Region`] once
 /// pinned (mutating it again turns it back into a `Vec`).
 pub(crate) enum Store<T> {
@@ -187,7 +167,7 @@ impl<T: Copy> PinStore for Store<T> {
             for from in (0..n).step_by(COPY_STEP) {
                 let len = COPY_STEP.min(n - from);
                 std::ptr::copy_nonoverlapping(src.add(from), dst.add(from), len);
-                release_pages(src.add(from), len);
+                crate::pages::release_pages(src.add(from), len);
             }
         }
         *self = Store::Pinned {

@@ -13,10 +13,11 @@
 //! (one sequence decoding at a long context, with one to three KV heads) each segment is a
 //! task of its own, so both cores read the cache; the arithmetic is the same either way.
 
-use super::ops::{fast_exp, Rope};
+use super::ops::Rope;
 use crate::batch::Batch;
 use crate::kernels::attn;
 use crate::kv::{KvCache, KV_BLOCK_SIZE};
+use crate::math::fast_exp;
 
 /// Query tokens of one sequence that share each K/V chunk read.
 const QUERY_TILE: usize = 32;

@@ -3,9 +3,13 @@
 
 #![allow(dead_code)]
 
-use llama_cpp_ex_engine::{Batch, Context, ContextParams, LoadOptions, Model, Requantize};
+use llama_cpp_ex_engine::context::{DraftSource, SpecRequest};
+use llama_cpp_ex_engine::{
+    Batch, Context, ContextParams, KvOp, LoadOptions, Model, Requantize, SampledToken, Sampler,
+    SharedSampler, Step,
+};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 pub const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
@@ -70,13 +74,92 @@ pub const REQUIRED_AGREEMENT: f64 = 0.99;
 pub const REQUIRED_MARGIN: f64 = 0.5;
 
 pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
+    llama_cpp_ex_engine::sampler::argmax(row.iter().copied()) as u32
+}
+
+/// A sampler the steps of a test can share.
+pub fn shared(sampler: Sampler) -> SharedSampler {
+    Arc::new(Mutex::new(sampler))
+}
+
+/// Generates on sequence 0 of `ctx` as a generation on a model does, through engine steps:
+/// the sequence cleared, the prompt in chunks of `n_batch`, then one token per step. Returns
+/// up to `max_tokens` sampled tokens, ending at (and with) an end-of-generation token.
+pub fn generate(
+    ctx: &mut Context,
+    sampler: &SharedSampler,
+    prompt: &[u32],
+    max_tokens: usize,
+) -> Vec<SampledToken> {
+    let chunks: Vec<&[u32]> = prompt.chunks(ctx.params.n_batch).collect();
+    let mut ops = vec![KvOp::Clear { seq: 0 }];
+    let mut pos = 0;
+    let mut out: Vec<SampledToken> = Vec::new();
+    for (k, chunk) in chunks.iter().enumerate() {
+        let last = k + 1 == chunks.len();
+        let mut batch = Batch::for_sequence(chunk, pos, 0);
+        batch.logits.iter_mut().for_each(|l| *l &= last);
+        pos += chunk.len();
+        let step = Step {
+            ops: std::mem::take(&mut ops),
+            batch,
+            samplers: if last {
+                vec![(0, sampler.clone())]
+            } else {
+                vec![]
+            },
+            ..Default::default()
+        };
+        out.extend(ctx.step(&step).unwrap().sampled);
     }
-    best as u32
+    while out.len() < max_tokens && !out.last().is_some_and(|t| t.is_eog) {
+        let token = out.last().unwrap().token;
+        let step = Step {
+            batch: Batch::for_sequence(&[token], pos, 0),
+            samplers: vec![(0, sampler.clone())],
+            ..Default::default()
+        };
+        pos += 1;
+        out.extend(ctx.step(&step).unwrap().sampled);
+    }
+    out
+}
+
+/// The token ids of sampled tokens.
+pub fn tokens(sampled: &[SampledToken]) -> Vec<u32> {
+    sampled.iter().map(|s| s.token).collect()
+}
+
+/// One speculative step of sequence `seq`: `token` evaluated at `pos` with a draft from
+/// `source`; `fed` are the tokens the sequence took since its last speculative step (with
+/// `reset`, all of them), `token` last. Returns the tokens emitted and the draft's length.
+#[allow(clippy::too_many_arguments)]
+pub fn speculate(
+    ctx: &mut Context,
+    sampler: &SharedSampler,
+    seq: usize,
+    token: u32,
+    pos: usize,
+    fed: &[u32],
+    reset: bool,
+    source: DraftSource,
+) -> llama_cpp_ex_engine::Result<(Vec<SampledToken>, usize)> {
+    let mut batch = Batch::with_capacity(1);
+    batch.push(token, pos, seq, true);
+    let step = Step {
+        batch,
+        samplers: vec![(seq, sampler.clone())],
+        specs: vec![SpecRequest {
+            seq,
+            tokens: fed.to_vec(),
+            reset,
+            source,
+        }],
+        ..Default::default()
+    };
+    let out = ctx.step(&step)?;
+    let drafted = out.drafted.iter().find(|d| d.0 == seq).map_or(0, |d| d.1);
+    Ok((out.sampled, drafted))
 }
 
 pub fn ctx(model: &Arc<Model>, n_ctx: usize, n_seq: usize) -> Context {

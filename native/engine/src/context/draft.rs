@@ -1,6 +1,6 @@
 //! Draft-model speculation: a smaller model sharing the target's vocabulary proposes the next
 //! tokens of a sequence from its own KV cache, and the target verifies them in one forward
-//! pass by the same rule as prompt-lookup drafts ([`Context::verify_draft`]).
+//! pass by the same rule as prompt-lookup drafts (`speculate.rs`).
 //!
 //! Drafts are greedy (the draft model's most likely token at each position), so the draft
 //! distribution q is one-hot and the rejection-sampling rule "accept with min(1, p/q), else
@@ -10,8 +10,8 @@
 //! as without speculation. A sampled draft would accept more often at high temperature but
 //! would make the request's random stream depend on the draft model.
 
+use super::Context;
 use crate::batch::Batch;
-use crate::context::Context;
 use crate::error::{EngineError, Result};
 use crate::model::Model;
 use crate::tokenizer::TokenId;
@@ -128,7 +128,7 @@ impl DraftModel {
                 let Ok(logits) = self.ctx.logits_ith(row as i64) else {
                     continue;
                 };
-                drafts[i].push(argmax(logits));
+                drafts[i].push(crate::sampler::argmax(logits.iter().copied()) as TokenId);
                 if drafts[i].len() < reqs[i].max {
                     next.push((i, from, end + 1));
                 }
@@ -180,14 +180,4 @@ impl DraftModel {
             self.held[seq].clear();
         }
     }
-}
-
-fn argmax(logits: &[f32]) -> TokenId {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as TokenId
 }

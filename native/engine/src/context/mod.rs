@@ -1,18 +1,31 @@
-//! A context: a model, a paged KV cache sized by `n_ctx`, and the logits of the last decode.
+//! A context: a model, a paged KV cache sized by `n_ctx`, and the logits of the last forward
+//! pass. Its one driver is [`Context::step`] (`step.rs`): cache edits, one batched forward
+//! pass and a sampled token per sequence that asks for one, speculation included
+//! (`speculate.rs`, drafts from a draft model in `draft.rs`). [`Context::decode`] is the bare
+//! forward pass under it, for callers that only fill the cache.
+
+mod draft;
+mod speculate;
+mod step;
+
+pub use draft::{DraftModel, DraftRequest};
+pub use speculate::{DraftSource, PromptLookup, SpecRequest};
+pub use step::{KvOp, SampledToken, SharedSampler, Step, StepOutcome};
 
 use crate::batch::Batch;
-use crate::embedding::{pool, EmbedRequest};
 use crate::error::{EngineError, Result};
-use crate::kv::{KvCache, KvSnapshot, KvType, KvUsage};
+use crate::kv::{KvCache, KvType, KvUsage};
 use crate::model::{Model, Workspace};
-use crate::sampler::{Sampler, TokenLogprobs};
 use crate::tokenizer::TokenId;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Hard ceiling on `n_ctx`, far above any model's training context, so that a typo cannot
 /// size a cache of terabytes.
 pub const MAX_CONTEXT_TOKENS: usize = 1 << 22;
+/// Most sequences one context holds.
+pub const MAX_SEQUENCES: usize = 4096;
+/// `n_ctx` when none is given.
+pub const DEFAULT_CONTEXT_TOKENS: usize = 2048;
 /// Largest batch a single forward pass evaluates; bigger batches are split.
 pub const DEFAULT_UBATCH: usize = 512;
 
@@ -23,15 +36,14 @@ pub struct ContextParams {
     pub n_ubatch: usize,
     pub n_seq_max: usize,
     /// Of `n_seq_max`, the last sequences that hold embedding texts for one step only
-    /// ([`Step::embeds`](crate::Step::embeds)): they borrow KV blocks from the `n_ctx` budget.
+    /// ([`Step::embeds`]): they borrow KV blocks from the `n_ctx` budget.
     pub n_seq_embd: usize,
     /// Precision of cached keys, and of cached values (`None`: as the keys).
     pub kv_type: KvType,
     pub kv_type_v: Option<KvType>,
     /// Lower precisions (keys and values alike) the cache may switch newly written blocks to,
     /// highest first, all within the byte budget `n_ctx` tokens take at `kv_type`/`kv_type_v`
-    /// (the Server's `kv_policy`, through [`KvOp::SetWriteTier`](crate::KvOp::SetWriteTier));
-    /// empty: one precision.
+    /// (the Server's `kv_policy`, through [`KvOp::SetWriteTier`]); empty: one precision.
     pub kv_pressure_types: Vec<KvType>,
     /// Threads a one-token forward pass of this context uses (the calling thread included).
     pub n_threads: usize,
@@ -42,8 +54,8 @@ pub struct ContextParams {
 impl Default for ContextParams {
     fn default() -> Self {
         ContextParams {
-            n_ctx: 2048,
-            n_batch: 2048,
+            n_ctx: DEFAULT_CONTEXT_TOKENS,
+            n_batch: DEFAULT_CONTEXT_TOKENS,
             n_ubatch: DEFAULT_UBATCH,
             n_seq_max: 1,
             n_seq_embd: 0,
@@ -56,19 +68,11 @@ impl Default for ContextParams {
     }
 }
 
-/// Why generation stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StopReason {
-    Eog,
-    MaxTokens,
-    Cancelled,
-}
-
 pub struct Context {
     pub model: Arc<Model>,
     pub params: ContextParams,
     pub kv: KvCache,
-    /// Logits rows of the last decode, `[n_outputs, n_vocab]` (or, in embeddings mode,
+    /// Logits rows of the last forward pass, `[n_outputs, n_vocab]` (or, in embeddings mode,
     /// hidden-state rows `[n_outputs, n_embd]`).
     logits: Vec<f32>,
     /// For each entry of the last batch, its logits row (or -1).
@@ -81,9 +85,13 @@ pub struct Context {
     ws: Workspace,
     next_pos: Vec<Option<usize>>,
     ranges: Vec<(usize, usize, usize)>,
+    /// Per sequence, the tokens a speculating request has sent so far (its cache's tokens):
+    /// drafts are looked up in them and a draft model catches up on them. A request sends
+    /// only what it fed since its last step ([`SpecRequest`]).
+    spec_history: Vec<Vec<TokenId>>,
     /// A draft model attached for speculative decoding (its own context and KV), used by
     /// sequences that ask for draft-model drafts.
-    pub(crate) drafter: Option<Box<crate::speculative::DraftModel>>,
+    drafter: Option<Box<DraftModel>>,
 }
 
 impl Context {
@@ -99,9 +107,9 @@ impl Context {
                 "n_batch and n_ubatch must be positive".into(),
             ));
         }
-        if params.n_seq_max == 0 || params.n_seq_max > 4096 {
+        if params.n_seq_max == 0 || params.n_seq_max > MAX_SEQUENCES {
             return Err(EngineError::InvalidArgument(format!(
-                "n_seq_max must be in 1..=4096, got {}",
+                "n_seq_max must be in 1..={MAX_SEQUENCES}, got {}",
                 params.n_seq_max
             )));
         }
@@ -153,6 +161,7 @@ impl Context {
             },
             next_pos: Vec::new(),
             ranges: Vec::new(),
+            spec_history: Vec::new(),
             drafter: None,
         })
     }
@@ -161,9 +170,20 @@ impl Context {
         self.model.config.n_vocab
     }
 
-    /// Validates a batch: known tokens, sequence ids in range, and per sequence positions
-    /// that continue its cache without gaps.
+    /// Checks a batch: within `n_batch`, known tokens, sequence ids in range, and per
+    /// sequence positions that continue its cache without gaps and stay below `n_ctx`. The
+    /// one check a batch gets on its way to the forward pass.
     fn validate(&mut self, batch: &Batch) -> Result<()> {
+        if batch.is_empty() {
+            return Err(EngineError::InvalidArgument("empty batch".into()));
+        }
+        if batch.len() > self.params.n_batch {
+            return Err(EngineError::InvalidArgument(format!(
+                "batch of {} tokens exceeds n_batch {}",
+                batch.len(),
+                self.params.n_batch
+            )));
+        }
         let mut next = std::mem::take(&mut self.next_pos);
         next.clear();
         next.resize(self.kv.n_seq_max(), None);
@@ -205,19 +225,15 @@ impl Context {
     /// [`Context::logits_ith`]. On error the cache is left as it was before the call for
     /// every sequence of the failing micro-batch.
     pub fn decode(&mut self, batch: &Batch) -> Result<()> {
-        if batch.is_empty() {
-            return Err(EngineError::InvalidArgument("empty batch".into()));
-        }
-        if batch.len() > self.params.n_batch {
-            return Err(EngineError::InvalidArgument(format!(
-                "batch of {} tokens exceeds n_batch {}",
-                batch.len(),
-                self.params.n_batch
-            )));
-        }
         self.validate(batch)?;
+        self.forward(batch, false)
+    }
+
+    /// The forward pass of a validated batch, in micro-batches of `n_ubatch`; `reserved`:
+    /// the batch's KV blocks are reserved already (a step reserved them while it made room).
+    fn forward(&mut self, batch: &Batch, reserved: bool) -> Result<()> {
         // The last step's logits go back to the workspace, whose output head overwrites
-        // them in place (no zeroing); this step's are handed over in `decode_ranges`. Two
+        // them in place (no zeroing); this step's are handed over in `forward_ranges`. Two
         // buffers trade places every step, so neither is copied, cleared or reallocated.
         std::mem::swap(&mut self.logits, &mut self.ws.logits);
         self.logits.clear();
@@ -226,7 +242,7 @@ impl Context {
         self.embd_rows.clear();
         let ub = self.params.n_ubatch;
         if batch.len() <= ub {
-            return self.decode_ubatch(batch);
+            return self.forward_ubatch(batch, reserved);
         }
         // an encoder attends within its micro-batch only (no cache to read earlier tokens
         // from), so its sequences are never cut: a micro-batch ends between two sequences
@@ -237,24 +253,37 @@ impl Context {
             if whole_seqs {
                 end = micro_batch_end(&batch.seq, start, end);
             }
-            self.decode_ubatch(&batch.slice(start..end))?;
+            if let Err(e) = self.forward_ubatch(&batch.slice(start..end), reserved) {
+                if reserved {
+                    // what the later micro-batches had reserved goes too
+                    self.release_reserved(&seq_ranges(batch));
+                }
+                return Err(e);
+            }
             start = end;
         }
         debug_assert_eq!(self.logits.len() % self.row_width().max(1), 0);
         Ok(())
     }
 
-    fn decode_ubatch(&mut self, batch: &Batch) -> Result<()> {
+    fn forward_ubatch(&mut self, batch: &Batch, reserved: bool) -> Result<()> {
         let mut ranges = std::mem::take(&mut self.ranges);
         seq_ranges_into(batch, &mut ranges);
-        let done = self.decode_ranges(batch, &ranges);
+        let done = self.forward_ranges(batch, &ranges, reserved);
         self.ranges = ranges;
         done
     }
 
-    fn decode_ranges(&mut self, batch: &Batch, ranges: &[(usize, usize, usize)]) -> Result<()> {
-        self.reserve_batch(ranges)
-            .map_err(|seq| EngineError::ContextFull { seq })?;
+    fn forward_ranges(
+        &mut self,
+        batch: &Batch,
+        ranges: &[(usize, usize, usize)],
+        reserved: bool,
+    ) -> Result<()> {
+        if !reserved {
+            self.reserve_batch(ranges)
+                .map_err(|seq| EngineError::ContextFull { seq })?;
+        }
         let arch = self.model.architecture()?;
         let threads = if batch.len() == 1 {
             self.params.n_threads
@@ -360,11 +389,6 @@ impl Context {
         }
     }
 
-    /// Every output row of the last decode, in batch order (`[n_outputs, n_vocab]`).
-    pub(crate) fn last_logits(&self) -> &[f32] {
-        &self.logits
-    }
-
     /// Logits of entry `i` of the last batch (`-1` = the last entry with logits).
     pub fn logits_ith(&self, i: i64) -> Result<&[f32]> {
         if self.ws.hidden_only {
@@ -384,58 +408,6 @@ impl Context {
         .ok_or_else(|| EngineError::InvalidArgument(format!("no logits for batch entry {i}")))?;
         let r = row as usize;
         Ok(&self.logits[r * n_vocab..(r + 1) * n_vocab])
-    }
-
-    /// Clears sequence 0, evaluates `prompt` in chunks of `n_batch` and generates up to
-    /// `max_tokens` tokens, calling `on_token` after each one (return `false` to stop).
-    /// The cancel flag is checked before every forward pass.
-    pub fn generate(
-        &mut self,
-        sampler: &mut Sampler,
-        prompt: &[TokenId],
-        max_tokens: usize,
-        cancel: Option<&AtomicBool>,
-        mut on_token: impl FnMut(TokenId, bool, Option<TokenLogprobs>) -> bool,
-    ) -> Result<(Vec<TokenId>, StopReason)> {
-        if prompt.is_empty() {
-            return Err(EngineError::InvalidArgument(
-                "prompt cannot be empty".into(),
-            ));
-        }
-        for &t in prompt {
-            self.model.tokenizer.check_id(t as i64)?;
-        }
-        let cancelled = || cancel.map(|c| c.load(Ordering::Relaxed)).unwrap_or(false);
-        self.kv.seq_clear(0);
-        let mut pos = 0;
-        for chunk in prompt.chunks(self.params.n_batch) {
-            if cancelled() {
-                return Ok((Vec::new(), StopReason::Cancelled));
-            }
-            self.decode(&Batch::for_sequence(chunk, pos, 0))?;
-            pos += chunk.len();
-        }
-        let mut out = Vec::new();
-        while out.len() < max_tokens {
-            let (token, logprobs) = sampler.sample_with_logprobs(self.logits_ith(-1)?);
-            let eog = self.model.tokenizer.is_eog(token);
-            out.push(token);
-            if !on_token(token, eog, logprobs) {
-                return Ok((out, StopReason::Cancelled));
-            }
-            if eog {
-                return Ok((out, StopReason::Eog));
-            }
-            if out.len() >= max_tokens {
-                break;
-            }
-            if cancelled() {
-                return Ok((out, StopReason::Cancelled));
-            }
-            self.decode(&Batch::for_sequence(&[token], pos, 0))?;
-            pos += 1;
-        }
-        Ok((out, StopReason::MaxTokens))
     }
 
     /// Appends `tokens` to sequence `seq` in `n_batch` chunks. All or nothing: an append
@@ -508,150 +480,6 @@ fn seq_ranges_into(batch: &Batch, ranges: &mut Vec<(usize, usize, usize)>) {
             Some(r) => r.2 = batch.pos[i] + 1,
             None => ranges.push((s, batch.pos[i], batch.pos[i] + 1)),
         }
-    }
-}
-
-/// One sequence's outcome in [`Context::eval_sample`].
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sampled {
-    pub seq: usize,
-    pub token: TokenId,
-    pub is_eog: bool,
-    pub logprobs: Option<TokenLogprobs>,
-}
-
-/// Result of a batched evaluate-and-sample step.
-#[derive(Debug, Clone, Default)]
-pub struct EvalOutcome {
-    pub sampled: Vec<Sampled>,
-    /// Idle sequences whose cache was dropped to make room.
-    pub purged: Vec<usize>,
-    /// How many times the batch had to be re-planned under KV pressure.
-    pub n_splits: usize,
-    /// Sequences that could not get KV blocks even after purging; their entries were dropped.
-    pub failed: Vec<usize>,
-    /// The pooled vector (or why there is none) of every embedding sequence evaluated.
-    pub embedded: Vec<(usize, std::result::Result<Vec<f32>, String>)>,
-    /// Copies of purged caches taken before they were dropped (see [`Purge::save_max_bytes`]).
-    pub saved: Vec<(usize, Arc<KvSnapshot>)>,
-}
-
-/// Which idle caches a pass may drop under KV pressure, and whether to keep copies of them.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Purge<'a> {
-    /// Idle sequences, first to go first.
-    pub order: &'a [usize],
-    /// When positive, a purged cache of at most this many bytes is copied first
-    /// ([`EvalOutcome::saved`]): the Server's level-2 prompt cache.
-    pub save_max_bytes: usize,
-}
-
-impl Context {
-    /// Evaluates a batch and samples one token for every entry with its logits flag set, with
-    /// that entry's sequence's sampler. Under KV pressure, drops the caches of `purge.order`
-    /// sequences (in order) first, then fails the sequences that still do not fit and evaluates
-    /// the rest, so one request outgrowing the cache does not fail the others.
-    ///
-    /// The sequences of `embeds` are embedding texts riding in the pass: their entries keep
-    /// hidden states ([`Batch::embd`] must mark them), pooled per sequence into
-    /// [`EvalOutcome::embedded`]. The sequences of `speculating` carry a draft after their
-    /// next token: their logits rows are verified in order (several tokens may come out) and
-    /// the rejected positions rolled back.
-    pub fn eval_sample(
-        &mut self,
-        batch: &Batch,
-        samplers: &mut [(usize, &mut Sampler)],
-        purge: Purge<'_>,
-        embeds: &[EmbedRequest],
-        speculating: &[usize],
-    ) -> Result<EvalOutcome> {
-        let mut outcome = EvalOutcome::default();
-        // a sequence that would grow past n_ctx fails alone, whatever else is free
-        let n_ctx = self.params.n_ctx;
-        outcome.failed = seq_ranges(batch)
-            .into_iter()
-            .filter(|&(_, _, end)| end > n_ctx)
-            .map(|(s, _, _)| s)
-            .collect();
-        let mut batch = batch.without(&outcome.failed);
-        self.validate(&batch)?;
-        let in_batch = |s: &usize| batch.seq.contains(s);
-        let purge_order: Vec<usize> = purge
-            .order
-            .iter()
-            .copied()
-            .filter(|s| !in_batch(s))
-            .collect();
-        let mut victims = purge_order.into_iter();
-        loop {
-            if batch.is_empty() {
-                return Ok(outcome);
-            }
-            match self.reserve_batch(&seq_ranges(&batch)) {
-                Ok(()) => break,
-                Err(seq) => {
-                    outcome.n_splits += 1;
-                    if let Some(p) = victims.next() {
-                        if let Some(snap) =
-                            self.snapshot_within(p, usize::MAX, purge.save_max_bytes)
-                        {
-                            outcome.saved.push((p, snap));
-                        }
-                        self.kv.seq_clear(p);
-                        outcome.purged.push(p);
-                        continue;
-                    }
-                    outcome.failed.push(seq);
-                    batch = batch.without(&[seq]);
-                }
-            }
-        }
-        // Blocks are reserved for the whole batch; decode re-checks them cheaply.
-        self.decode(&batch)?;
-        for (i, (&seq, &want)) in batch.seq.iter().zip(&batch.logits).enumerate() {
-            if !want {
-                continue;
-            }
-            if speculating.contains(&seq) {
-                // every logits row of the sequence at once, at its first one
-                if batch.seq[..i].contains(&seq) {
-                    continue;
-                }
-                let rows: Vec<usize> = (i..batch.len())
-                    .filter(|&r| batch.seq[r] == seq && batch.logits[r])
-                    .collect();
-                if let Some((_, sampler)) = samplers.iter_mut().find(|(s, _)| *s == seq) {
-                    for v in self.verify_draft(seq, &rows, &batch, sampler)? {
-                        outcome.sampled.push(Sampled {
-                            seq,
-                            token: v.token,
-                            is_eog: v.is_eog,
-                            logprobs: v.logprobs,
-                        });
-                    }
-                }
-                continue;
-            }
-            if let Some((_, sampler)) = samplers.iter_mut().find(|(s, _)| *s == seq) {
-                let (token, logprobs) = sampler.sample_with_logprobs(self.logits_ith(i as i64)?);
-                outcome.sampled.push(Sampled {
-                    seq,
-                    token,
-                    is_eog: self.model.tokenizer.is_eog(token),
-                    logprobs,
-                });
-            }
-        }
-        for e in embeds.iter().filter(|e| batch.seq.contains(&e.seq)) {
-            let rows: Vec<&[f32]> = (0..batch.len())
-                .filter(|&i| batch.seq[i] == e.seq)
-                .filter_map(|i| self.embeddings_ith(i))
-                .collect();
-            let pooled =
-                pool(&self.model, &rows, e.pooling, e.normalize).map_err(|e| e.to_string());
-            outcome.embedded.push((e.seq, pooled));
-        }
-        Ok(outcome)
     }
 }
 

@@ -7,15 +7,18 @@
 //! valid in every group that still holds them.
 
 use crate::error::{EngineError, Result};
-use half::f16;
+use crate::pages::{page_words, PageBuf};
 
+mod access;
+mod alloc;
+mod codec;
 mod snapshot;
+pub use alloc::MAX_KV_TIERS;
+use alloc::{split_id, Group, SeqTable, Tier, INDEX_MASK, NO_BLOCK};
 pub use snapshot::{KvLayout, KvSnapshot};
 
 /// Tokens per KV block.
 pub const KV_BLOCK_SIZE: usize = 16;
-
-const NO_BLOCK: u32 = u32::MAX;
 
 /// Whether a sequence that held `len` positions under a sliding window `window` (which drops
 /// whole blocks that fell out of it) still holds what position `n` attends to, so its first
@@ -44,7 +47,7 @@ pub enum KvType {
 }
 
 /// Values per quantization block of `q8_0` / `q4_0`.
-const QK: usize = 32;
+pub(crate) const QK: usize = 32;
 
 /// Bytes one cached token takes: keys and values of every layer.
 pub fn bytes_per_token(
@@ -60,7 +63,7 @@ pub fn bytes_per_token(
 
 impl KvType {
     /// Bytes that hold `elems` values (`elems` a multiple of 32 for the quantized types).
-    fn bytes(self, elems: usize) -> usize {
+    pub(crate) fn bytes(self, elems: usize) -> usize {
         match self {
             KvType::F32 => elems * 4,
             KvType::F16 => elems * 2,
@@ -69,256 +72,13 @@ impl KvType {
         }
     }
 
-    fn quantized(self) -> bool {
+    pub(crate) fn quantized(self) -> bool {
         matches!(self, KvType::Q8_0 | KvType::Q4_0)
     }
 }
 
-/// Zero-filled words in their own anonymous mapping: untouched pages are never committed, so
-/// memory grows with the blocks actually written, and [`PageBuf::release`] hands a freed
-/// block's pages back to the kernel (a cache whose blocks come in several precisions needs
-/// that to stay within its byte budget).
-struct PageBuf {
-    ptr: *mut u32,
-    n_words: usize,
-}
-
-// SAFETY: a PageBuf owns its mapping exclusively (like a Vec); shared access is read-only.
-unsafe impl Send for PageBuf {}
-unsafe impl Sync for PageBuf {}
-
-impl PageBuf {
-    fn new(n_words: usize) -> Result<Self> {
-        if n_words == 0 {
-            return Ok(PageBuf {
-                ptr: std::ptr::NonNull::dangling().as_ptr(),
-                n_words: 0,
-            });
-        }
-        let bytes = n_words
-            .checked_mul(4)
-            .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| EngineError::OutOfMemory(format!("KV buffer of {n_words} words")))?;
-        let ptr = map_zeroed(bytes).ok_or_else(|| {
-            EngineError::OutOfMemory(format!(
-                "cannot reserve {} MiB for the KV cache",
-                bytes >> 20
-            ))
-        })?;
-        Ok(PageBuf {
-            ptr: ptr as *mut u32,
-            n_words,
-        })
-    }
-
-    fn words(&self) -> &[u32] {
-        // SAFETY: ptr is valid for n_words initialised words (zero pages or written values)
-        // for the buffer's lifetime, and u32 has no invalid bit patterns.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.n_words) }
-    }
-
-    fn words_mut(&mut self) -> &mut [u32] {
-        // SAFETY: as in `words`; `&mut self` makes the borrow unique.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.n_words) }
-    }
-
-    /// Gives the pages of words `[at, at + n)` back to the kernel; they read as zeros after.
-    /// The range must be page-aligned (the callers' blocks are whole pages).
-    fn release(&mut self, at: usize, n: usize) {
-        #[cfg(unix)]
-        if n > 0 {
-            // SAFETY: the range lies inside this buffer's own private anonymous mapping and is
-            // page-aligned; MADV_DONTNEED on such memory only drops its contents (later reads
-            // see zero pages), and no reference into the range exists (`&mut self`).
-            unsafe {
-                libc::madvise(
-                    self.ptr.add(at) as *mut libc::c_void,
-                    n * 4,
-                    libc::MADV_DONTNEED,
-                );
-            }
-        }
-        #[cfg(not(unix))]
-        self.words_mut()[at..at + n].fill(0);
-    }
-}
-
-impl Drop for PageBuf {
-    fn drop(&mut self) {
-        if self.n_words > 0 {
-            unmap(self.ptr as *mut u8, self.n_words * 4);
-        }
-    }
-}
-
-#[cfg(unix)]
-fn map_zeroed(bytes: usize) -> Option<*mut u8> {
-    // SAFETY: an anonymous private mapping with no address hint; the result is checked.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            bytes,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    (p != libc::MAP_FAILED).then_some(p as *mut u8)
-}
-
-#[cfg(unix)]
-fn unmap(ptr: *mut u8, bytes: usize) {
-    // SAFETY: exactly the mapping `map_zeroed` returned, unmapped once (on drop).
-    unsafe { libc::munmap(ptr as *mut libc::c_void, bytes) };
-}
-
-#[cfg(not(unix))]
-fn map_zeroed(bytes: usize) -> Option<*mut u8> {
-    let layout = Layout::from_size_align(bytes, 4096).ok()?;
-    // SAFETY: non-zero size (checked by the caller); the result is checked for null.
-    let p = unsafe { alloc_zeroed(layout) };
-    (!p.is_null()).then_some(p)
-}
-
-#[cfg(not(unix))]
-fn unmap(ptr: *mut u8, bytes: usize) {
-    use std::alloc::{dealloc, Layout};
-    // SAFETY: allocated by `map_zeroed` with this layout.
-    unsafe { dealloc(ptr, Layout::from_size_align_unchecked(bytes, 4096)) };
-}
-
-pub(crate) fn page_words() -> usize {
-    #[cfg(unix)]
-    {
-        // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        if page > 0 {
-            return page as usize / 4;
-        }
-    }
-    1024
-}
-
 /// Keys and values types of a cache's blocks.
 pub type KvTypes = (KvType, KvType);
-
-/// A block id carries its precision tier in the top bits (so block tables, and the attention
-/// reading through them, stay one `u32` per block).
-const TIER_SHIFT: u32 = 29;
-const INDEX_MASK: u32 = (1 << TIER_SHIFT) - 1;
-/// At most this many precisions in one cache (ids of tier 7 would collide with `NO_BLOCK`).
-pub const MAX_KV_TIERS: usize = 3;
-
-fn split_id(b: u32) -> (usize, usize) {
-    ((b >> TIER_SHIFT) as usize, (b & INDEX_MASK) as usize)
-}
-
-/// The blocks of one precision in one layer group: `[block][layer of the group][keys, values]`,
-/// so one block of every layer is one run of memory, released at once when freed.
-struct Tier {
-    types: KvTypes,
-    /// Words of one layer's keys / values in one block.
-    k_words: usize,
-    v_words: usize,
-    /// Words of one whole block (every layer of the group; whole pages when pages are released).
-    block_words: usize,
-    store: PageBuf,
-    refcount: Vec<u32>,
-    free: Vec<u32>,
-}
-
-impl Tier {
-    fn block_bytes(&self) -> usize {
-        self.block_words * 4
-    }
-
-    fn blocks_in_use(&self) -> usize {
-        self.refcount.iter().filter(|&&c| c > 0).count()
-    }
-
-    /// The keys and values of layer slot `li` of block `idx`: `(word offset of the keys,
-    /// word offset of the values)`.
-    fn layer_at(&self, idx: usize, li: usize) -> (usize, usize) {
-        let at = idx * self.block_words + li * (self.k_words + self.v_words);
-        (at, at + self.k_words)
-    }
-}
-
-#[derive(Debug, Clone, Default)]
-struct SeqTable {
-    /// Block ids by logical block index; `NO_BLOCK` for blocks dropped by a sliding window.
-    blocks: Vec<u32>,
-}
-
-/// One allocator and one set of block tables shared by a group of layers. Blocks of every
-/// precision tier draw from one byte budget.
-struct Group {
-    window: Option<usize>,
-    tiers: Vec<Tier>,
-    /// Bytes the blocks in use take, and the most they may take.
-    used_bytes: usize,
-    budget_bytes: usize,
-    /// Whether freed blocks give their pages back (several tiers share the budget, so a
-    /// tier's touched pages must not outlive its blocks).
-    release_pages: bool,
-    seqs: Vec<SeqTable>,
-}
-
-impl Group {
-    /// Blocks of `tier` that can still be allocated.
-    fn free_blocks(&self, tier: usize) -> usize {
-        let t = &self.tiers[tier];
-        t.free
-            .len()
-            .min((self.budget_bytes - self.used_bytes) / t.block_bytes())
-    }
-
-    fn blocks_in_use(&self) -> usize {
-        self.tiers.iter().map(Tier::blocks_in_use).sum()
-    }
-
-    fn alloc(&mut self, tier: usize) -> Option<u32> {
-        if self.free_blocks(tier) == 0 {
-            return None;
-        }
-        let t = &mut self.tiers[tier];
-        let idx = t.free.pop()?;
-        t.refcount[idx as usize] = 1;
-        self.used_bytes += t.block_bytes();
-        Some(((tier as u32) << TIER_SHIFT) | idx)
-    }
-
-    /// A block of `tier`, or of the first lower precision that still fits: a request is not
-    /// failed for want of room at the write precision while a smaller block would do (the
-    /// policy's level lags a burst of allocations).
-    fn alloc_from(&mut self, tier: usize) -> Option<u32> {
-        (tier..self.tiers.len()).find_map(|t| self.alloc(t))
-    }
-
-    fn refcount_mut(&mut self, b: u32) -> &mut u32 {
-        let (tier, idx) = split_id(b);
-        &mut self.tiers[tier].refcount[idx]
-    }
-
-    fn release(&mut self, b: u32) {
-        if b == NO_BLOCK {
-            return;
-        }
-        let (tier, idx) = split_id(b);
-        let t = &mut self.tiers[tier];
-        let rc = &mut t.refcount[idx];
-        debug_assert!(*rc > 0, "double free of KV block {b}");
-        *rc -= 1;
-        if *rc == 0 {
-            t.free.push(idx as u32);
-            self.used_bytes -= t.block_bytes();
-            if self.release_pages {
-                t.store.release(idx * t.block_words, t.block_words);
-            }
-        }
-    }
-}
 
 /// Block-level description of where a sequence's positions live, for the attention kernel.
 pub struct SeqView<'a> {
@@ -506,11 +266,6 @@ impl KvCache {
         self.layer_group.len()
     }
 
-    /// Total number of token positions the cache can hold at its first precision.
-    pub fn capacity_tokens(&self) -> usize {
-        self.n_blocks * KV_BLOCK_SIZE
-    }
-
     /// The precisions blocks may have, highest first.
     pub fn tiers(&self) -> Vec<KvTypes> {
         self.groups[0].tiers.iter().map(|t| t.types).collect()
@@ -563,11 +318,6 @@ impl KvCache {
     /// Number of valid positions of `seq` (its next position).
     pub fn seq_len(&self, seq: usize) -> usize {
         self.lens[seq]
-    }
-
-    /// Highest valid position of `seq`, -1 when empty (llama.cpp's `seq_pos_max`).
-    pub fn seq_pos_max(&self, seq: usize) -> i64 {
-        self.lens[seq] as i64 - 1
     }
 
     /// Makes sure positions `[from, to)` of `seq` have blocks this sequence owns exclusively,
@@ -695,18 +445,27 @@ impl KvCache {
             .unwrap_or(0)
     }
 
-    /// Positions `seq` can still add: the unused part of the blocks it holds, plus what the
-    /// free budget holds at the write precision (the smallest figure over the layer groups).
-    pub fn room(&self, seq: usize) -> usize {
-        let len = self.lens[seq];
-        self.groups
-            .iter()
-            .map(|g| {
-                let held = g.seqs[seq].blocks.len() * KV_BLOCK_SIZE;
-                held.saturating_sub(len) + g.free_blocks(self.write_tier) * KV_BLOCK_SIZE
+    /// Per sequence holding blocks: the positions its blocks that no other sequence shares
+    /// hold (in the layer group where it holds the most), what clearing it would free.
+    pub fn exclusive_tokens(&self) -> Vec<(usize, usize)> {
+        (0..self.n_seq_max)
+            .filter(|&s| self.lens[s] > 0)
+            .map(|s| {
+                let blocks = self
+                    .groups
+                    .iter()
+                    .map(|g| {
+                        g.seqs[s]
+                            .blocks
+                            .iter()
+                            .filter(|&&b| b != NO_BLOCK && g.refcount(b) == 1)
+                            .count()
+                    })
+                    .max()
+                    .unwrap_or(0);
+                (s, (blocks * KV_BLOCK_SIZE).min(self.lens[s]))
             })
-            .min()
-            .unwrap_or(0)
+            .collect()
     }
 
     /// Frees blocks reserved beyond the valid positions of `seq` (after a failed batch).
@@ -850,376 +609,6 @@ impl KvCache {
         }
         Ok(())
     }
-
-    pub fn seq_view(&self, layer: usize, seq: usize) -> SeqView<'_> {
-        SeqView {
-            blocks: &self.groups[self.layer_group[layer]].seqs[seq].blocks,
-        }
-    }
-
-    pub fn layer_window(&self, layer: usize) -> Option<usize> {
-        self.groups[self.layer_group[layer]].window
-    }
-
-    /// The tier of block `b` in `layer`'s group and the word offsets of that layer's keys and
-    /// values in it.
-    fn locate(&self, layer: usize, b: u32) -> (&Tier, usize, usize) {
-        let (tier, idx) = split_id(b);
-        let t = &self.groups[self.layer_group[layer]].tiers[tier];
-        let (k, v) = t.layer_at(idx, self.layer_slot[layer]);
-        (t, k, v)
-    }
-
-    /// Writes one position's keys and values (`n_kv_heads * head_dim` each) for a layer.
-    /// The block must have been reserved.
-    pub fn write(&mut self, layer: usize, seq: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let hd = self.head_dim;
-        let (g, li) = (self.layer_group[layer], self.layer_slot[layer]);
-        let b = self.groups[g].seqs[seq].blocks[pos / KV_BLOCK_SIZE];
-        let (tier, idx) = split_id(b);
-        let t = &mut self.groups[g].tiers[tier];
-        let ((kt, vt), (kw, vw)) = (t.types, (t.k_words, t.v_words));
-        let (k_at, v_at) = t.layer_at(idx, li);
-        let words = t.store.words_mut();
-        // the values follow the keys of the same layer (`Tier::layer_at`)
-        debug_assert_eq!(v_at, k_at + kw);
-        let (kd, rest) = words[k_at..].split_at_mut(kw);
-        let vd = &mut rest[..vw];
-        let first = pos % KV_BLOCK_SIZE * hd;
-        for h in 0..self.n_kv_heads {
-            let at = first + h * KV_BLOCK_SIZE * hd;
-            write_row(kt, kd, at, &k[h * hd..(h + 1) * hd]);
-            write_row(vt, vd, at, &v[h * hd..(h + 1) * hd]);
-        }
-    }
-
-    /// Reads the keys (or values) of `n` consecutive slots of block `b` into `out` as f32,
-    /// one row of every KV head per slot.
-    pub fn read_block(&self, layer: usize, values: bool, b: u32, n: usize, out: &mut [f32]) {
-        let (hd, row) = (self.head_dim, self.n_kv_heads * self.head_dim);
-        let mut head = vec![0f32; n * hd];
-        for h in 0..self.n_kv_heads {
-            self.read_head(layer, values, b, h, 0..n, &mut head);
-            for (s, src) in head.chunks_exact(hd).enumerate() {
-                out[s * row + h * hd..][..hd].copy_from_slice(src);
-            }
-        }
-    }
-
-    /// Reads one KV head of the slots `slots` of block `b` into `out`
-    /// (`slots.len() * head_dim` values). Slots of KV head `h` are contiguous in a block
-    /// (`[kv_head][slot][head_dim]`), for the per-head attention tasks.
-    pub fn read_head(
-        &self,
-        layer: usize,
-        values: bool,
-        b: u32,
-        head: usize,
-        slots: std::ops::Range<usize>,
-        out: &mut [f32],
-    ) {
-        let hd = self.head_dim;
-        let (words, ty) = self.layer_words(layer, b, values);
-        let first = (head * KV_BLOCK_SIZE + slots.start) * hd;
-        read_rows(ty, words, first, &mut out[..slots.len() * hd]);
-    }
-
-    /// The words of block `b` that hold one layer's keys (or values), and their type.
-    fn layer_words(&self, layer: usize, b: u32, values: bool) -> (&[u32], KvType) {
-        let (t, k_at, v_at) = self.locate(layer, b);
-        let (at, n, ty) = if values {
-            (v_at, t.v_words, t.types.1)
-        } else {
-            (k_at, t.k_words, t.types.0)
-        };
-        (&t.store.words()[at..at + n], ty)
-    }
-
-    /// One KV head's keys (or values) of slots `slots` of block `b` as the cache stores them,
-    /// for attention to read in place; `None` for quantized blocks, which [`Self::read_head`]
-    /// dequantizes. Slots past the sequence's end are readable (the block holds them) but
-    /// hold stale or zero values.
-    pub fn head_rows(
-        &self,
-        layer: usize,
-        values: bool,
-        b: u32,
-        head: usize,
-        slots: std::ops::Range<usize>,
-    ) -> Option<crate::kernels::attn::Rows<'_>> {
-        use crate::kernels::attn::Rows;
-        let hd = self.head_dim;
-        let (words, ty) = self.layer_words(layer, b, values);
-        let range =
-            (head * KV_BLOCK_SIZE + slots.start) * hd..(head * KV_BLOCK_SIZE + slots.end) * hd;
-        match ty {
-            KvType::F32 => Some(Rows::F32(bytemuck_f32(&words[range]))),
-            KvType::F16 => {
-                let halves = &bytemuck_u16(words)[range];
-                Some(Rows::F16(half::slice::HalfBitsSliceExt::reinterpret_cast(
-                    halves,
-                )))
-            }
-            KvType::Q8_0 | KvType::Q4_0 => None,
-        }
-    }
-
-    /// Asks the CPU to start loading one KV head's keys and values of block `b`, so that
-    /// attention computing on the current blocks overlaps the memory reads of the next ones.
-    /// The hint is `T2` (to the outer caches): a head's 2–8 KB runs in scattered blocks are
-    /// too short for the hardware prefetchers, and a single core reading them in turn waits
-    /// on each miss (5.6 GB/s on Zen 4); `T0` prefetches compete for the few L1 miss
-    /// buffers the reads need themselves (6.8 GB/s), `T2` a block or two ahead reached
-    /// 11.5 GB/s (docs/performance.md, session 17).
-    pub fn prefetch_head(&self, layer: usize, b: u32, head: usize) {
-        #[cfg(target_arch = "x86_64")]
-        for values in [false, true] {
-            self.prefetch_rows::<{ std::arch::x86_64::_MM_HINT_T2 }>(layer, b, head, values);
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (layer, b, head);
-    }
-
-    /// Asks for one KV head's values of block `b` into L1, just before they are summed. They
-    /// were asked for with `T2` a chunk earlier; the weighted sum then walks them a column
-    /// block at a time across every slot, and waited on them for 67% of its time. Asking
-    /// for all of a chunk's value lines first made an 8-stream SmolLM2 step 4% faster at
-    /// depth 300 (docs/performance.md, session 19); the same for keys was slower (their
-    /// scores read them row by row).
-    pub fn prefetch_values_l1(&self, layer: usize, b: u32, head: usize) {
-        #[cfg(target_arch = "x86_64")]
-        self.prefetch_rows::<{ std::arch::x86_64::_MM_HINT_T0 }>(layer, b, head, true);
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (layer, b, head);
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    fn prefetch_rows<const HINT: i32>(&self, layer: usize, b: u32, head: usize, values: bool) {
-        use std::arch::x86_64::_mm_prefetch;
-        const LINE_BYTES: usize = 64;
-        let (words, ty) = self.layer_words(layer, b, values);
-        let n = KV_BLOCK_SIZE * self.head_dim;
-        let base = words.as_ptr() as *const i8;
-        let (at, len) = (ty.bytes(head * n), ty.bytes(n));
-        for off in (0..len).step_by(LINE_BYTES) {
-            // SAFETY: a prefetch never faults, and `at + off` stays inside the layer's
-            // words of block `b` (head `head`'s run), so the pointer arithmetic is in bounds.
-            unsafe { _mm_prefetch::<HINT>(base.add(at + off)) };
-        }
-    }
-}
-
-fn write_row(kv_type: KvType, words: &mut [u32], at: usize, src: &[f32]) {
-    match kv_type {
-        KvType::F32 => {
-            for (w, x) in words[at..at + src.len()].iter_mut().zip(src) {
-                *w = x.to_bits();
-            }
-        }
-        KvType::F16 => {
-            let halves: &mut [u16] = bytemuck_u16_mut(words);
-            let dst = &mut halves[at..at + src.len()];
-            let dst: &mut [f16] = half::slice::HalfBitsSliceExt::reinterpret_cast_mut(dst);
-            half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
-        }
-        KvType::Q8_0 | KvType::Q4_0 => {
-            let bytes = bytemuck_u8_mut(words);
-            let (bb, mut off) = (kv_type.bytes(QK), kv_type.bytes(at));
-            for x in src.chunks_exact(QK) {
-                let dst = &mut bytes[off..off + bb];
-                if kv_type == KvType::Q8_0 {
-                    quantize_q8_0(x, dst);
-                } else {
-                    quantize_q4_0(x, dst);
-                }
-                off += bb;
-            }
-        }
-    }
-}
-
-/// ggml's `quantize_row_q8_0_ref`: `d = max|x| / 127`, `q = round(x / d)`.
-fn quantize_q8_0(x: &[f32], dst: &mut [u8]) {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    dst[..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
-    for (q, v) in dst[2..].iter_mut().zip(x) {
-        *q = ((v * id).round() as i8) as u8;
-    }
-}
-
-/// ggml's `quantize_row_q4_0_ref`: `d = max / -8` (the value of largest magnitude, signed),
-/// `q = min(15, x / d + 8.5)`; byte `j` holds values `j` (low nibble) and `j + 16`.
-fn quantize_q4_0(x: &[f32], dst: &mut [u8]) {
-    let max = x
-        .iter()
-        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-    let d = max / -8.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    dst[..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
-    let q = |v: f32| ((v * id + 8.5) as u8).min(15);
-    for j in 0..QK / 2 {
-        dst[2 + j] = q(x[j]) | (q(x[j + QK / 2]) << 4);
-    }
-}
-
-fn read_rows(kv_type: KvType, words: &[u32], at: usize, out: &mut [f32]) {
-    match kv_type {
-        KvType::F32 => {
-            let n = out.len();
-            for (o, w) in out.iter_mut().zip(&words[at..at + n]) {
-                *o = f32::from_bits(*w);
-            }
-        }
-        KvType::F16 => {
-            let halves: &[u16] = bytemuck_u16(words);
-            f16_to_f32(&halves[at..at + out.len()], out);
-        }
-        // dequantized a head row at a time, into the attention's chunk buffer: the cache
-        // itself stays quantized
-        KvType::Q8_0 | KvType::Q4_0 => {
-            let bytes = bytemuck_u8(words);
-            let (bb, mut off) = (kv_type.bytes(QK), kv_type.bytes(at));
-            let simd = avx2();
-            for o in out.chunks_exact_mut(QK) {
-                let blk = &bytes[off..off + bb];
-                let d = f16::from_bits(u16::from_le_bytes([blk[0], blk[1]])).to_f32();
-                let q = &blk[2..];
-                #[cfg(target_arch = "x86_64")]
-                if simd {
-                    // SAFETY: AVX2 was detected; `q` holds 32 (q8_0) or 16 (q4_0) bytes and
-                    // `o` 32 values.
-                    unsafe {
-                        if kv_type == KvType::Q8_0 {
-                            dequant_q8_0_avx2(d, q, o)
-                        } else {
-                            dequant_q4_0_avx2(d, q, o)
-                        }
-                    }
-                    off += bb;
-                    continue;
-                }
-                let _ = simd;
-                if kv_type == KvType::Q8_0 {
-                    for (y, &q) in o.iter_mut().zip(q) {
-                        *y = d * (q as i8) as f32;
-                    }
-                } else {
-                    for j in 0..QK / 2 {
-                        o[j] = d * ((q[j] & 0x0f) as i32 - 8) as f32;
-                        o[j + QK / 2] = d * ((q[j] >> 4) as i32 - 8) as f32;
-                    }
-                }
-                off += bb;
-            }
-        }
-    }
-}
-
-/// Whether the quantized KV reads may use AVX2: any SIMD level the engine runs at (cached by
-/// `simd_level`, which `LLAMA_CPP_EX_SIMD=scalar` forces off) includes it.
-fn avx2() -> bool {
-    crate::kernels::simd_level() != crate::kernels::SimdLevel::Scalar
-}
-
-/// 32 q8_0 values `d · q` into `out`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn dequant_q8_0_avx2(d: f32, q: &[u8], out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let scale = _mm256_set1_ps(d);
-    for k in 0..4 {
-        let bytes = _mm_loadl_epi64(q.as_ptr().add(8 * k) as *const __m128i);
-        let ints = _mm256_cvtepi8_epi32(bytes);
-        let v = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(ints));
-        _mm256_storeu_ps(out.as_mut_ptr().add(8 * k), v);
-    }
-}
-
-/// 32 q4_0 values `d · (nibble - 8)` into `out` (low nibbles first, then high ones).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn dequant_q4_0_avx2(d: f32, q: &[u8], out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let scale = _mm256_set1_ps(d);
-    let packed = _mm_loadu_si128(q.as_ptr() as *const __m128i);
-    let mask = _mm_set1_epi8(0x0f);
-    let eight = _mm_set1_epi8(8);
-    let lo = _mm_sub_epi8(_mm_and_si128(packed, mask), eight);
-    let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), eight);
-    for (half, v) in [lo, hi].into_iter().enumerate() {
-        for k in 0..2 {
-            let bytes = if k == 0 { v } else { _mm_srli_si128(v, 8) };
-            let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-            _mm256_storeu_ps(
-                out.as_mut_ptr().add(16 * half + 8 * k),
-                _mm256_mul_ps(scale, f),
-            );
-        }
-    }
-}
-
-/// f16 bits to f32. The `half` crate's slice conversion checks the CPU and calls out once
-/// per 8 values, which costs more than the conversion on head-sized rows.
-fn f16_to_f32(src: &[u16], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static F16C: OnceLock<bool> = OnceLock::new();
-        if *F16C.get_or_init(|| is_x86_feature_detected!("f16c") && is_x86_feature_detected!("avx"))
-        {
-            // SAFETY: F16C and AVX were detected; both slices have the same length.
-            return unsafe { f16_to_f32_f16c(src, out) };
-        }
-    }
-    for (o, &h) in out.iter_mut().zip(src) {
-        *o = f16::from_bits(h).to_f32();
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx,f16c")]
-unsafe fn f16_to_f32_f16c(src: &[u16], out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let n = src.len().min(out.len());
-    let mut i = 0;
-    while i + 8 <= n {
-        let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
-        _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-        i += 8;
-    }
-    for j in i..n {
-        out[j] = f16::from_bits(src[j]).to_f32();
-    }
-}
-
-fn bytemuck_u16(words: &[u32]) -> &[u16] {
-    // SAFETY: u32 storage reinterpreted as twice as many u16; alignment of u16 divides that
-    // of u32 and every bit pattern is a valid u16.
-    unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u16, words.len() * 2) }
-}
-
-fn bytemuck_f32(words: &[u32]) -> &[f32] {
-    // SAFETY: u32 and f32 have the same size and alignment and every bit pattern is a valid
-    // f32.
-    unsafe { std::slice::from_raw_parts(words.as_ptr() as *const f32, words.len()) }
-}
-
-fn bytemuck_u8(words: &[u32]) -> &[u8] {
-    // SAFETY: u32 storage reinterpreted as four times as many bytes; every bit pattern is a
-    // valid u8 and u8 has alignment 1.
-    unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, words.len() * 4) }
-}
-
-fn bytemuck_u8_mut(words: &mut [u32]) -> &mut [u8] {
-    // SAFETY: as in `bytemuck_u8`; the borrow is unique.
-    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, words.len() * 4) }
-}
-
-fn bytemuck_u16_mut(words: &mut [u32]) -> &mut [u16] {
-    // SAFETY: as in `bytemuck_u16`; the borrow is unique.
-    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u16, words.len() * 2) }
 }
 
 #[cfg(test)]
@@ -1432,7 +821,6 @@ mod tests {
                 len += KV_BLOCK_SIZE;
             }
             assert_eq!(kv.free_tokens(), 0);
-            assert_eq!(kv.room(0), len.next_multiple_of(KV_BLOCK_SIZE) - len);
             assert!(kv.occupancy() <= 1.0 && kv.occupancy() > 0.99);
             kv.audit().unwrap();
             // once the write precision is full, the rest went to the lower ones

@@ -1,0 +1,153 @@
+//! Page memory: zero-filled buffers in their own anonymous mappings whose pages can be given
+//! back to the system, and the system's page size. The KV cache's blocks and the kernels'
+//! pinned weights both use it; a leaf below both.
+
+use crate::error::{EngineError, Result};
+
+/// Zero-filled words in their own anonymous mapping: untouched pages are never committed, so
+/// memory grows with the blocks actually written, and [`PageBuf::release`] hands a freed
+/// block's pages back to the kernel (a cache whose blocks come in several precisions needs
+/// that to stay within its byte budget).
+pub struct PageBuf {
+    ptr: *mut u32,
+    n_words: usize,
+}
+
+// SAFETY: a PageBuf owns its mapping exclusively (like a Vec); shared access is read-only.
+unsafe impl Send for PageBuf {}
+unsafe impl Sync for PageBuf {}
+
+impl PageBuf {
+    pub fn new(n_words: usize) -> Result<Self> {
+        if n_words == 0 {
+            return Ok(PageBuf {
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                n_words: 0,
+            });
+        }
+        let bytes = n_words
+            .checked_mul(4)
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| EngineError::OutOfMemory(format!("KV buffer of {n_words} words")))?;
+        let ptr = map_zeroed(bytes).ok_or_else(|| {
+            EngineError::OutOfMemory(format!(
+                "cannot reserve {} MiB for the KV cache",
+                bytes >> 20
+            ))
+        })?;
+        Ok(PageBuf {
+            ptr: ptr as *mut u32,
+            n_words,
+        })
+    }
+
+    pub fn words(&self) -> &[u32] {
+        // SAFETY: ptr is valid for n_words initialised words (zero pages or written values)
+        // for the buffer's lifetime, and u32 has no invalid bit patterns.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.n_words) }
+    }
+
+    pub fn words_mut(&mut self) -> &mut [u32] {
+        // SAFETY: as in `words`; `&mut self` makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.n_words) }
+    }
+
+    /// Gives the pages of words `[at, at + n)` back to the kernel; they read as zeros after.
+    /// The range must be page-aligned (the callers' blocks are whole pages).
+    pub fn release(&mut self, at: usize, n: usize) {
+        #[cfg(unix)]
+        if n > 0 {
+            // SAFETY: the range lies inside this buffer's own private anonymous mapping and is
+            // page-aligned; MADV_DONTNEED on such memory only drops its contents (later reads
+            // see zero pages), and no reference into the range exists (`&mut self`).
+            unsafe {
+                libc::madvise(
+                    self.ptr.add(at) as *mut libc::c_void,
+                    n * 4,
+                    libc::MADV_DONTNEED,
+                );
+            }
+        }
+        #[cfg(not(unix))]
+        self.words_mut()[at..at + n].fill(0);
+    }
+}
+
+impl Drop for PageBuf {
+    fn drop(&mut self) {
+        if self.n_words > 0 {
+            unmap(self.ptr as *mut u8, self.n_words * 4);
+        }
+    }
+}
+
+#[cfg(unix)]
+fn map_zeroed(bytes: usize) -> Option<*mut u8> {
+    // SAFETY: an anonymous private mapping with no address hint; the result is checked.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    (p != libc::MAP_FAILED).then_some(p as *mut u8)
+}
+
+#[cfg(unix)]
+fn unmap(ptr: *mut u8, bytes: usize) {
+    // SAFETY: exactly the mapping `map_zeroed` returned, unmapped once (on drop).
+    unsafe { libc::munmap(ptr as *mut libc::c_void, bytes) };
+}
+
+#[cfg(not(unix))]
+fn map_zeroed(bytes: usize) -> Option<*mut u8> {
+    use std::alloc::{alloc_zeroed, Layout};
+    let layout = Layout::from_size_align(bytes, 4096).ok()?;
+    // SAFETY: non-zero size (checked by the caller); the result is checked for null.
+    let p = unsafe { alloc_zeroed(layout) };
+    (!p.is_null()).then_some(p)
+}
+
+#[cfg(not(unix))]
+fn unmap(ptr: *mut u8, bytes: usize) {
+    use std::alloc::{dealloc, Layout};
+    // SAFETY: allocated by `map_zeroed` with this layout.
+    unsafe { dealloc(ptr, Layout::from_size_align_unchecked(bytes, 4096)) };
+}
+
+/// The system's page size, in 32-bit words.
+pub fn page_words() -> usize {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if page > 0 {
+            return page as usize / 4;
+        }
+    }
+    1024
+}
+
+/// Hands the whole pages inside `len` bytes from `from` back to the system (they read as
+/// zeros afterwards).
+///
+/// # Safety
+/// The range must belong to memory that is not read again before it is freed (an
+/// allocator's own bookkeeping lies outside the range, before it).
+pub unsafe fn release_pages(from: *const u8, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        let page = page_words() * 4;
+        let start = (from as usize).next_multiple_of(page);
+        let end = (from as usize + len) / page * page;
+        if end > start {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (from, len);
+}
