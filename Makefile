@@ -1,5 +1,6 @@
 # Builds the Rust NIF in release mode and installs it under priv/native.
-#   LLAMA_BACKEND=cpu|cuda   cargo features (cpu is the default)
+#   LLAMA_BACKEND=cpu|cuda   cargo features (cpu, the default; cuda only compiles candle's
+#                            CUDA kernels in: nothing runs on a GPU yet)
 #   CARGO_TARGET_DIR         cargo's build directory (default native/target)
 #   LLAMA_NATIVE_CPU=1       compile for this machine's CPU (-C target-cpu=native); off by
 #                            default so a build runs on any x86-64 and picks kernels at run time
@@ -50,6 +51,7 @@ demo: setup
 	mix run scripts/demo.exs
 
 test: setup
+	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/check_style.sh
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) test --release --manifest-path native/Cargo.toml -p llama_cpp_ex_engine
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/test_simd_levels.sh
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/check_aarch64.sh

@@ -105,18 +105,18 @@ GenServer.stop(server)
 # file, so the draft costs about as much per token as the target and no speedup is expected;
 # what this measures is acceptance and the cost per emitted token (draft passes + one target
 # verification pass), which tells what a draft k times cheaper would give.
-alias LlamaCppEx.Local
+alias LlamaCppEx.{Generation, Stepper}
 
 {:ok, target} = LlamaCppEx.load_model(path, requantize: :all)
 
 run_local = fn m, msgs, opts ->
   {:ok, prompt} = LlamaCppEx.Chat.apply_template(m, msgs)
-  {:ok, ids} = LlamaCppEx.Tokenizer.encode(m, prompt)
-  opts = [temp: 0.0, n_threads: threads] ++ opts
-  {:ok, s} = Local.start(m, ids, opts)
+  opts = Generation.options!([temp: 0.0, n_threads: threads] ++ opts, :model)
+  {:ok, gen} = Generation.prepare(m, prompt, opts, :model)
+  {:ok, s} = Stepper.start(gen, Keyword.take(opts, [:n_threads]))
 
   loop = fn loop, s, passes ->
-    case Local.step(s) do
+    case Stepper.step(s) do
       {:cont, _, s} -> loop.(loop, s, passes + 1)
       {:done, _, s} -> {s, passes + 1}
     end
@@ -151,14 +151,14 @@ for {label, msgs} <- workloads do
   {plain, s0, _} = decode.(target, msgs, [])
   {draft_only, d0, _} = decode.(model, msgs, [])
   {spec, s, passes} = decode.(target, msgs, speculative: [mode: :draft, draft_model: model])
-  n = Local.generated(s0)
-  {drafted, accepted} = Local.speculation(s)
+  n = Stepper.generated(s0)
+  {drafted, accepted} = Stepper.speculation(s)
   # passes counted over the whole run: the prompt step(s) are not decode passes
   decode_passes = max(passes - 1, 1)
 
   IO.puts(
-    "| #{label} | #{n} | #{Float.round(plain / n, 2)} | #{Float.round(draft_only / Local.generated(d0), 2)} | " <>
-      "#{Float.round(spec / Local.generated(s), 2)} | #{Float.round(Local.generated(s) / decode_passes, 2)} | " <>
+    "| #{label} | #{n} | #{Float.round(plain / n, 2)} | #{Float.round(draft_only / Stepper.generated(d0), 2)} | " <>
+      "#{Float.round(spec / Stepper.generated(s), 2)} | #{Float.round(Stepper.generated(s) / decode_passes, 2)} | " <>
       "#{Float.round(accepted / max(drafted, 1), 2)} |"
   )
 end

@@ -19,10 +19,9 @@ for level in "${levels[@]}"; do
     -p llama_cpp_ex_engine --test kernels --test llama_parity --test gemma3_parity \
     --test allocations --test arch_parity --test kv_precision
 done
-exunit=()
-if [[ " ${levels[*]} " == *" avx2 "* ]]; then exunit+=(avx2); fi
-if [ -n "${LLAMA_CPP_EX_FULL_LEVELS:-}" ] && [[ " ${levels[*]} " == *" scalar "* ]]; then exunit+=(scalar); fi
-for level in "${exunit[@]}"; do
-  echo "==> ExUnit suite with LLAMA_CPP_EX_SIMD=$level"
-  LLAMA_CPP_EX_SIMD=$level mix test
+for level in "${levels[@]}"; do
+  if [ "$level" = avx2 ] || [ -n "${LLAMA_CPP_EX_FULL_LEVELS:-}" ]; then
+    echo "==> ExUnit suite with LLAMA_CPP_EX_SIMD=$level"
+    LLAMA_CPP_EX_SIMD=$level mix test
+  fi
 done

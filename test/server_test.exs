@@ -203,6 +203,10 @@ defmodule LlamaCppEx.ServerTest do
   end
 
   test "a stream timeout gives {:error, :timeout} and cancels", %{server: server} do
+    # paused, the server evaluates nothing: no token can arrive before the timeout, however
+    # fast the machine
+    :ok = Server.pause(server)
+
     assert [{:error, :timeout}] =
              server |> Server.stream("Hello there", max_tokens: 200, timeout: 1) |> Enum.to_list()
 
@@ -213,6 +217,8 @@ defmodule LlamaCppEx.ServerTest do
              catch_exit(Server.generate(server, "Hello again", max_tokens: 300, timeout: 1))
 
     assert %{active_slots: 0, queue_depth: 0} = Server.get_stats(server)
+    :ok = Server.resume(server)
+    assert {:ok, _} = Server.generate(server, "Hello", max_tokens: 2)
   end
 
   test "get_stats answers during a forward pass", %{server: server} do

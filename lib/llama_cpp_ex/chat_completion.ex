@@ -5,7 +5,21 @@ defmodule LlamaCppEx.ChatCompletion do
   finish_reason: "stop" | "length"}]` and `usage: %{prompt_tokens, completion_tokens, total_tokens}`.
   """
   defstruct [:id, :object, :created, :model, :choices, :usage]
-  @type t :: %__MODULE__{}
+
+  @type t :: %__MODULE__{
+          id: String.t() | nil,
+          object: String.t() | nil,
+          created: integer() | nil,
+          model: String.t() | nil,
+          choices: [map()] | nil,
+          usage:
+            %{
+              prompt_tokens: non_neg_integer(),
+              completion_tokens: non_neg_integer(),
+              total_tokens: non_neg_integer()
+            }
+            | nil
+        }
 end
 
 defmodule LlamaCppEx.ChatCompletionChunk do
@@ -14,5 +28,12 @@ defmodule LlamaCppEx.ChatCompletionChunk do
   finish_reason: nil | "stop" | "length"}]`.
   """
   defstruct [:id, :object, :created, :model, :choices]
-  @type t :: %__MODULE__{}
+
+  @type t :: %__MODULE__{
+          id: String.t() | nil,
+          object: String.t() | nil,
+          created: integer() | nil,
+          model: String.t() | nil,
+          choices: [map()] | nil
+        }
 end

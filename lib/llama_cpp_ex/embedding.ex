@@ -54,7 +54,7 @@ defmodule LlamaCppEx.Embedding do
       {:ok, [s1, s2]} = LlamaCppEx.rerank(reranker, "what is a cat?", ["A cat is a feline.", "Paris"])
   """
 
-  alias LlamaCppEx.{Context, Model, NIF, Options}
+  alias LlamaCppEx.{Context, Limits, Model, NIF, Options}
 
   @type t :: [float()] | binary()
 
@@ -64,10 +64,9 @@ defmodule LlamaCppEx.Embedding do
     pooling_type: :unspecified,
     normalize: 2,
     format: :list,
-    n_ctx: 2048,
     truncate: false
   ]
-  @keys Keyword.keys(@defaults)
+  @keys [:n_ctx | Keyword.keys(@defaults)]
 
   @doc """
   The embedding of `text`; see the module documentation for the options.
@@ -117,11 +116,11 @@ defmodule LlamaCppEx.Embedding do
              pooling_type: {:in, Map.keys(@pooling)},
              normalize: {:int, -1, 1_000},
              format: {:in, [:list, :binary]},
-             n_ctx: {:int, 1, 16_777_216},
+             n_ctx: {:int, 1, Limits.max_context()},
              truncate: :boolean,
              n_threads: {:int, 1, 1024}
            ),
-         opts = Keyword.merge(@defaults, opts),
+         opts = Keyword.merge(@defaults ++ [n_ctx: Limits.engine().default_context_tokens], opts),
          # never past the positions the model was trained with (an encoder has no more)
          opts = Keyword.update!(opts, :n_ctx, &min(min(&1, Model.n_ctx_train(model)), max_ctx)),
          {:ok, ids} <- tokenize_all(model, texts, opts) do
@@ -152,7 +151,7 @@ defmodule LlamaCppEx.Embedding do
       when is_binary(query) and is_list(documents) do
     opts =
       Options.validate!(opts, [:n_ctx, :n_threads], "LlamaCppEx.Embedding.rerank/4")
-      |> Keyword.put_new(:n_ctx, 2048)
+      |> Keyword.put_new(:n_ctx, Limits.engine().default_context_tokens)
       |> Keyword.update!(:n_ctx, &min(&1, Model.n_ctx_train(model)))
 
     cond do

@@ -279,7 +279,8 @@ defmodule LlamaCppEx.ModelManager do
           mode: mode,
           source: source,
           capabilities: caps,
-          n_gpu_layers: Keyword.get(opts, :n_gpu_layers, 99)
+          # what runs on a GPU: nothing, on this CPU engine, whatever `:n_gpu_layers` asked
+          n_gpu_layers: 0
         }
 
         :ets.insert(@table, {id, entry})

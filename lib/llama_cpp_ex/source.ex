@@ -32,9 +32,7 @@ defmodule LlamaCppEx.Source do
     end
   end
 
-  @doc "A generation the caller set up on a context of its own."
-  @spec from_stepper(Stepper.t(), timeout()) :: t()
-  def from_stepper(stepper, timeout),
+  defp from_stepper(stepper, timeout),
     do: %__MODULE__{kind: :stepper, stepper: stepper, timeout: timeout}
 
   @doc """

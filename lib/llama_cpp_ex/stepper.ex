@@ -11,14 +11,13 @@ defmodule LlamaCppEx.Stepper do
   alias LlamaCppEx.{Context, Engine, Generation, Limits, Pipeline, Sampler}
   alias LlamaCppEx.Engine.{Outcome, Sampled, Spec, Step}
 
-  @enforce_keys [:ctx, :sampler, :pipeline, :prompt, :chunk, :n_prompt]
+  @enforce_keys [:ctx, :sampler, :pipeline, :prompt, :chunk]
   defstruct [
     :ctx,
     :sampler,
     :pipeline,
     :prompt,
     :chunk,
-    :n_prompt,
     :next_token,
     :spec,
     pos: 0,
@@ -39,7 +38,6 @@ defmodule LlamaCppEx.Stepper do
           pipeline: Pipeline.t(),
           prompt: [non_neg_integer()],
           chunk: pos_integer(),
-          n_prompt: pos_integer(),
           next_token: non_neg_integer() | nil,
           spec: %{n_draft: pos_integer(), draft_model?: boolean()} | nil,
           pos: non_neg_integer(),
@@ -90,7 +88,6 @@ defmodule LlamaCppEx.Stepper do
       pipeline: pipeline,
       prompt: tokens,
       chunk: chunk,
-      n_prompt: length(tokens),
       spec: spec && Map.take(spec, [:n_draft, :draft_model?]),
       unsent: if(spec, do: Enum.reverse(tokens), else: [])
     }
@@ -189,8 +186,4 @@ defmodule LlamaCppEx.Stepper do
   @doc "Tokens generated so far (the end-of-generation token included)."
   @spec generated(t()) :: non_neg_integer()
   def generated(%__MODULE__{pipeline: p}), do: p.generated
-
-  @doc "Prompt tokens."
-  @spec n_prompt(t()) :: non_neg_integer()
-  def n_prompt(%__MODULE__{n_prompt: n}), do: n
 end

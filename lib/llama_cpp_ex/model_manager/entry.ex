@@ -1,5 +1,9 @@
 defmodule LlamaCppEx.ModelManager.Entry do
-  @moduledoc "One model known to `LlamaCppEx.ModelManager`."
+  @moduledoc """
+  One model known to `LlamaCppEx.ModelManager`. `n_gpu_layers` is the number of layers
+  that run on a GPU: always 0 with this engine, which computes on the CPU (the
+  `:n_gpu_layers` option is accepted and has no effect).
+  """
 
   defstruct [
     :id,
@@ -15,11 +19,26 @@ defmodule LlamaCppEx.ModelManager.Entry do
     capabilities: [:generate, :chat],
     byte_size: 0,
     est_bytes: 0,
-    n_gpu_layers: 99
+    n_gpu_layers: 0
   ]
 
   @type status :: :loading | :ready | :unloading | :error
-  @type t :: %__MODULE__{}
+  @type t :: %__MODULE__{
+          id: term(),
+          mode: :server | :direct | nil,
+          model: LlamaCppEx.Model.t() | nil,
+          server_pid: pid() | nil,
+          monitor_ref: reference() | nil,
+          source: {:path, Path.t()} | {:hub, String.t(), String.t()} | nil,
+          error: term(),
+          loaded_at: integer() | nil,
+          last_used: integer() | nil,
+          status: status(),
+          capabilities: [atom()],
+          byte_size: non_neg_integer(),
+          est_bytes: non_neg_integer(),
+          n_gpu_layers: integer()
+        }
 
   @doc "The entry without its process and resource references."
   @spec to_public(t()) :: map()

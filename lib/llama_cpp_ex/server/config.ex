@@ -6,6 +6,9 @@ defmodule LlamaCppEx.Server.Config do
   alias LlamaCppEx.{Context, Limits, Model, Options, Sampler}
   alias LlamaCppEx.Server.KvPolicy
 
+  # `:n_batch` when none is given: min(n_ctx, this), the contract's
+  @default_max_batch 2048
+
   @own [
     model_path: nil,
     n_gpu_layers: 99,
@@ -31,7 +34,33 @@ defmodule LlamaCppEx.Server.Config do
 
   defstruct Keyword.keys(@own) ++ [:sampler_defaults, :model_opts, :context_opts]
 
-  @type t :: %__MODULE__{}
+  @type t :: %__MODULE__{
+          model_path: Path.t(),
+          # accepted for llama_cpp_ex's code and forwarded to `Model.load/2`, where it does
+          # nothing (the engine computes on the CPU)
+          n_gpu_layers: integer(),
+          requantize: boolean() | :all,
+          quantize: atom(),
+          n_parallel: pos_integer(),
+          n_ctx: pos_integer(),
+          kv_budget_mb: pos_integer() | nil,
+          n_batch: pos_integer(),
+          chunk_size: pos_integer(),
+          max_queue: non_neg_integer(),
+          embed_parallel: pos_integer(),
+          embed_chunk: pos_integer(),
+          pause_policy: module() | {module(), term()} | nil,
+          pause_poll_ms: pos_integer(),
+          cache_prompt: boolean(),
+          kv_unified: boolean(),
+          prompt_cache_ram_mb: non_neg_integer(),
+          draft_model: LlamaCppEx.Model.t() | Path.t() | nil,
+          kv_policy: KvPolicy.t() | nil,
+          batch_strategy: module(),
+          sampler_defaults: keyword(),
+          model_opts: keyword(),
+          context_opts: keyword()
+        }
 
   @doc "Every option `LlamaCppEx.Server.start_link/1` accepts (besides `:name`)."
   @spec keys() :: [atom()]
@@ -62,7 +91,7 @@ defmodule LlamaCppEx.Server.Config do
         |> Map.merge(%{
           model_path: path,
           kv_policy: kv_policy,
-          n_batch: own[:n_batch] || min(n_ctx, 2048),
+          n_batch: own[:n_batch] || min(n_ctx, @default_max_batch),
           sampler_defaults: Keyword.take(opts, Sampler.option_keys() ++ Sampler.extra_keys()),
           model_opts:
             Keyword.take(
@@ -74,7 +103,7 @@ defmodule LlamaCppEx.Server.Config do
             |> Keyword.take(Context.tuning_option_keys())
             |> Keyword.merge(
               n_ctx: n_ctx,
-              n_batch: own[:n_batch] || min(n_ctx, 2048),
+              n_batch: own[:n_batch] || min(n_ctx, @default_max_batch),
               # slots first, then one sequence per embedding text of a step
               n_seq_max: own[:n_parallel] + own[:embed_parallel],
               n_seq_embd: own[:embed_parallel]

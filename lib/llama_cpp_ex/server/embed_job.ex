@@ -11,7 +11,21 @@ defmodule LlamaCppEx.Server.EmbedJob do
   # `waiting`: tokens of the texts in `todo` (kept, not summed, as every tick reads it)
   defstruct @enforce_keys ++ [:monitor_ref, :waiting, results: %{}]
 
-  @type t :: %__MODULE__{}
+  @type t :: %__MODULE__{
+          ref: reference(),
+          pid: pid(),
+          pooling: integer(),
+          normalize: integer(),
+          # texts not yet placed in a step, with their index
+          todo: [{[non_neg_integer()], non_neg_integer()}],
+          n_texts: non_neg_integer(),
+          n_tokens: non_neg_integer(),
+          t_start: integer(),
+          monitor_ref: reference() | nil,
+          waiting: non_neg_integer(),
+          # text index => its vector (f32 native-endian)
+          results: %{non_neg_integer() => binary()}
+        }
 
   @doc "A job for `ids` (one list per text) replying to `pid` as `{ref, result}`."
   @spec new([[non_neg_integer()]], integer(), integer(), pid(), reference()) :: t()

@@ -24,7 +24,16 @@ defmodule LlamaCppEx.Server.PromptCache do
           ref: reference(),
           bytes: non_neg_integer()
         }
-  @type t :: %__MODULE__{}
+  @type t :: %__MODULE__{
+          budget: non_neg_integer(),
+          bytes: non_neg_integer(),
+          entries: [entry()],
+          next_tag: pos_integer(),
+          pending: %{pos_integer() => {[non_neg_integer()], term(), GenServer.from() | nil}},
+          hits: non_neg_integer(),
+          saves: non_neg_integer(),
+          evictions: non_neg_integer()
+        }
 
   # shorter prefixes are cheaper to evaluate again than to keep
   @min_tokens 32

@@ -34,7 +34,10 @@ defmodule LlamaCppEx.Server.Slot do
           prefill_pos: non_neg_integer(),
           pos: non_neg_integer(),
           pending: non_neg_integer() | nil,
-          fed: [non_neg_integer()]
+          fed: [non_neg_integer()],
+          cache_scope: term(),
+          session: term(),
+          t_last_used: integer()
         }
 
   @spec idle(non_neg_integer()) :: t()

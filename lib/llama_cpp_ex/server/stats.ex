@@ -16,7 +16,17 @@ defmodule LlamaCppEx.Server.Stats do
             paused_ms: 0,
             paused_since: nil
 
-  @type t :: %__MODULE__{}
+  @type t :: %__MODULE__{
+          tokens_generated: non_neg_integer(),
+          requests_completed: non_neg_integer(),
+          embeddings_completed: non_neg_integer(),
+          drafted_tokens: non_neg_integer(),
+          accepted_tokens: non_neg_integer(),
+          window_start: integer(),
+          window_tokens: non_neg_integer(),
+          paused_ms: non_neg_integer(),
+          paused_since: integer() | nil
+        }
 
   @spec new() :: t()
   def new, do: %__MODULE__{window_start: now_ms()}

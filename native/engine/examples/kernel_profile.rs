@@ -13,17 +13,17 @@
 //! 576 × 1536).
 
 use half::f16;
-use llama_cpp_ex_engine::kernels::nibble::{NibbleMatrix, NibbleType};
+use llama_cpp_ex_engine::kernels::packed::{PackedMatrix, PackedType};
 use std::time::Instant;
 
-fn random_bytes(kind: NibbleType, n_out: usize, n_in: usize) -> Vec<u8> {
+fn random_bytes(kind: PackedType, n_out: usize, n_in: usize) -> Vec<u8> {
     let block = match kind {
-        NibbleType::Q4_0 => 18,
-        NibbleType::Q4_1 => 20,
-        NibbleType::Q5_0 => 22,
-        NibbleType::Q5_1 => 24,
-        NibbleType::Q8_0 => 34,
-        NibbleType::Q6K => unreachable!(),
+        PackedType::Q4_0 => 18,
+        PackedType::Q4_1 => 20,
+        PackedType::Q5_0 => 22,
+        PackedType::Q5_1 => 24,
+        PackedType::Q8_0 => 34,
+        PackedType::Q6K => unreachable!(),
     };
     let mut seed = 7u64;
     let mut next = || {
@@ -39,7 +39,7 @@ fn random_bytes(kind: NibbleType, n_out: usize, n_in: usize) -> Vec<u8> {
         let rest = block - 2;
         let start = bytes.len();
         bytes.extend((0..rest).map(|_| next() as u8));
-        if matches!(kind, NibbleType::Q4_1 | NibbleType::Q5_1) {
+        if matches!(kind, PackedType::Q4_1 | PackedType::Q5_1) {
             bytes[start..start + 2].copy_from_slice(&f16::from_f32(-0.05).to_le_bytes());
         }
     }
@@ -56,11 +56,11 @@ fn main() {
         llama_cpp_ex_engine::kernels::simd_level().name()
     );
     let shapes = [
-        ("gemma head q8_0", NibbleType::Q8_0, 262144, 640),
-        ("gemma ffn_up q5_0", NibbleType::Q5_0, 2048, 640),
-        ("gemma ffn_down q5_0", NibbleType::Q5_0, 640, 2048),
-        ("smollm2 gate_up q4_1", NibbleType::Q4_1, 3072, 576),
-        ("smollm2 down q4_1", NibbleType::Q4_1, 576, 1536),
+        ("gemma head q8_0", PackedType::Q8_0, 262144, 640),
+        ("gemma ffn_up q5_0", PackedType::Q5_0, 2048, 640),
+        ("gemma ffn_down q5_0", PackedType::Q5_0, 640, 2048),
+        ("smollm2 gate_up q4_1", PackedType::Q4_1, 3072, 576),
+        ("smollm2 down q4_1", PackedType::Q4_1, 576, 1536),
     ];
     // SHAPES=text: only the shapes whose label contains it (e.g. `ffn` skips the head)
     let only = std::env::var("SHAPES").unwrap_or_default();
@@ -76,8 +76,8 @@ fn main() {
             .unwrap_or(1)
             .min((512 << 20) / bytes.len())
             .max(1);
-        let ws: Vec<NibbleMatrix> = (0..copies)
-            .map(|_| NibbleMatrix::from_bytes(kind, &bytes, n_out, n_in).unwrap())
+        let ws: Vec<PackedMatrix> = (0..copies)
+            .map(|_| PackedMatrix::from_bytes(kind, &bytes, n_out, n_in).unwrap())
             .collect();
         let mut next = 0;
         let mut w = || {

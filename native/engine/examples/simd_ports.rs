@@ -4,7 +4,7 @@
 //!
 //!     cargo run --release --example simd_ports
 //!
-//! On Zen 4 (docs/performance.md, session 21) `vpmaddubsw`, `vpmaddwd` and `vfmadd231ps`
+//! On Zen 4 `vpmaddubsw`, `vpmaddwd` and `vfmadd231ps`
 //! each issue two per cycle alone, but one `vpmaddubsw` with one `vfmadd` only one pair per
 //! cycle (they share two pipes), and one with two `vpaddw`s 1.2 triples per cycle (the adds
 //! take the four vector pipes the multiplies' two are among).

@@ -100,6 +100,22 @@ struct StTensor {
     end: usize,
 }
 
+/// A decoder's GGUF metadata, and the rope frequency factors it needs as a tensor (Llama 3.1).
+type DecoderMetadata = (HashMap<String, Value>, Option<Vec<f32>>);
+
+/// A decoder's dimensions, as config.json gives them.
+#[derive(Debug, Clone, Copy)]
+struct DecoderShape {
+    gemma: bool,
+    d: usize,
+    n_layer: usize,
+    n_head: usize,
+    n_head_kv: usize,
+    n_ff: usize,
+    n_vocab: usize,
+    head_dim: usize,
+}
+
 /// A checkpoint directory, read and checked but not converted.
 pub struct HfDir {
     pub dir: PathBuf,
@@ -135,6 +151,161 @@ fn token_text(v: &Json) -> Option<String> {
         .map(str::to_owned)
 }
 
+/// The mapped weight files and where each tensor lies in them.
+type Shards = (Vec<(String, Mmap)>, BTreeMap<String, StTensor>);
+
+/// The weight files: the shards the index names, or `model.safetensors`.
+fn shard_files(dir: &Path, index: Option<&Json>) -> Result<Vec<String>> {
+    let files: Vec<String> = match index {
+        Some(index) => {
+            let map = index["weight_map"]
+                .as_object()
+                .ok_or_else(|| invalid("model.safetensors.index.json: no weight_map"))?;
+            let mut files: Vec<String> = map
+                .values()
+                .map(|f| f.as_str().map(str::to_owned))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| {
+                    invalid("model.safetensors.index.json: a file name is not a string")
+                })?;
+            files.sort();
+            files.dedup();
+            files
+        }
+        None if dir.join("model.safetensors").is_file() => vec!["model.safetensors".into()],
+        None => {
+            let bin = dir.join("pytorch_model.bin").exists();
+            return Err(invalid(format!(
+                "no model.safetensors or model.safetensors.index.json in {}{}",
+                dir.display(),
+                if bin {
+                    " (only safetensors weights are read, not pytorch_model.bin)"
+                } else {
+                    ""
+                }
+            )));
+        }
+    };
+    Ok(files)
+}
+
+/// Each weight file mapped, and where each tensor lies in them (checked against the files'
+/// lengths; a tensor in two files is an error).
+fn map_shards(dir: &Path, files: Vec<String>) -> Result<Shards> {
+    let mut shards = Vec::with_capacity(files.len());
+    let mut tensors = BTreeMap::new();
+    for (i, file) in files.into_iter().enumerate() {
+        // the index names files inside the directory, never paths
+        if file.is_empty() || file.contains(['/', '\\', '\0']) || file.starts_with('.') {
+            return Err(invalid(format!(
+                "model.safetensors.index.json names {file:?}, not a file in the directory"
+            )));
+        }
+        let f = std::fs::File::open(dir.join(&file))
+            .map_err(|e| invalid(format!("cannot open {file}: {e}")))?;
+        // SAFETY: a read-only private mapping of a file; as for GGUF files, a concurrent
+        // truncation by another process is the documented mmap caveat. Every range read
+        // from it is checked against its length below.
+        let map =
+            unsafe { Mmap::map(&f) }.map_err(|e| invalid(format!("cannot map {file}: {e}")))?;
+        let (header, meta) = safetensors::SafeTensors::read_metadata(&map)
+            .map_err(|e| invalid(format!("{file}: {e}")))?;
+        for (name, t) in meta.tensors() {
+            let start = 8 + header + t.data_offsets.0;
+            let end = 8 + header + t.data_offsets.1;
+            if end > map.len() || start > end {
+                return Err(invalid(format!(
+                    "{file}: tensor {name} lies beyond the end of the file"
+                )));
+            }
+            if tensors.contains_key(&name) {
+                return Err(invalid(format!(
+                    "tensor {name} appears in more than one file"
+                )));
+            }
+            tensors.insert(
+                name,
+                StTensor {
+                    shard: i,
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    start,
+                    end,
+                },
+            );
+        }
+        shards.push((file, map));
+    }
+    Ok((shards, tensors))
+}
+
+/// Every tensor the index lists lies in the file it names.
+fn check_index(
+    index: &Json,
+    shards: &[(String, Mmap)],
+    tensors: &BTreeMap<String, StTensor>,
+) -> Result<()> {
+    for (name, file) in index["weight_map"].as_object().into_iter().flatten() {
+        let listed = file.as_str().unwrap_or("");
+        match tensors.get(name) {
+            Some(t) if shards[t.shard].0 == listed => {}
+            _ => {
+                return Err(invalid(format!(
+                    "model.safetensors.index.json lists {name} in {listed}, which does not hold it"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The tokenizer (`tokenizer.json`, with the special tokens of `tokenizer_config.json` and
+/// `generation_config.json`) and the chat template (`chat_template.jinja`, else
+/// `tokenizer_config.json`'s).
+fn read_tokenizer(dir: &Path, config: &Json) -> Result<(Tokenizer, Option<String>)> {
+    let tokenizer_config = read_json(dir, "tokenizer_config.json")?.unwrap_or(Json::Null);
+    let generation = read_json(dir, "generation_config.json")?.unwrap_or(Json::Null);
+    let eos_ids: Vec<TokenId> = match &generation["eos_token_id"] {
+        Json::Array(a) => a
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .map(|v| v as TokenId)
+            .collect(),
+        v => v.as_u64().map(|v| v as TokenId).into_iter().collect(),
+    };
+    let specials = HfSpecials {
+        bos: token_text(&tokenizer_config["bos_token"]),
+        eos: token_text(&tokenizer_config["eos_token"]),
+        add_bos: tokenizer_config["add_bos_token"].as_bool(),
+        add_eos: tokenizer_config["add_eos_token"].as_bool(),
+        eos_ids,
+    };
+    let json = read(dir, "tokenizer.json")?.ok_or_else(|| {
+        invalid(format!(
+            "no tokenizer.json in {} (the tokenizer is read from it)",
+            dir.display()
+        ))
+    })?;
+    let n_vocab = config["vocab_size"].as_u64().unwrap_or(0) as usize;
+    let tokenizer = Tokenizer::from_hf_json(&json, n_vocab, &specials)?;
+    let chat_template = match read(dir, "chat_template.jinja")? {
+        Some(b) => {
+            Some(String::from_utf8(b).map_err(|_| invalid("chat_template.jinja is not UTF-8"))?)
+        }
+        None => match &tokenizer_config["chat_template"] {
+            Json::String(s) => Some(s.clone()),
+            // named templates: the default one
+            Json::Array(a) => a
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_owned),
+            _ => None,
+        },
+    };
+    Ok((tokenizer, chat_template))
+}
+
 impl HfDir {
     pub fn open(dir: &Path) -> Result<Self> {
         if !dir.is_dir() {
@@ -146,137 +317,13 @@ impl HfDir {
             .as_str()
             .ok_or_else(|| invalid("config.json: no model_type"))?
             .to_string();
-
-        // weights: the shards of the index, or model.safetensors
         let index = read_json(dir, "model.safetensors.index.json")?;
-        let mut files: Vec<String> = match &index {
-            Some(index) => {
-                let map = index["weight_map"]
-                    .as_object()
-                    .ok_or_else(|| invalid("model.safetensors.index.json: no weight_map"))?;
-                let mut files: Vec<String> = map
-                    .values()
-                    .map(|f| f.as_str().map(str::to_owned))
-                    .collect::<Option<Vec<_>>>()
-                    .ok_or_else(|| {
-                        invalid("model.safetensors.index.json: a file name is not a string")
-                    })?;
-                files.sort();
-                files.dedup();
-                files
-            }
-            None if dir.join("model.safetensors").is_file() => vec!["model.safetensors".into()],
-            None => {
-                let bin = dir.join("pytorch_model.bin").exists();
-                return Err(invalid(format!(
-                    "no model.safetensors or model.safetensors.index.json in {}{}",
-                    dir.display(),
-                    if bin {
-                        " (only safetensors weights are read, not pytorch_model.bin)"
-                    } else {
-                        ""
-                    }
-                )));
-            }
-        };
-        let mut shards = Vec::with_capacity(files.len());
-        let mut tensors = BTreeMap::new();
-        for (i, file) in files.drain(..).enumerate() {
-            // the index names files inside the directory, never paths
-            if file.is_empty() || file.contains(['/', '\\', '\0']) || file.starts_with('.') {
-                return Err(invalid(format!(
-                    "model.safetensors.index.json names {file:?}, not a file in the directory"
-                )));
-            }
-            let f = std::fs::File::open(dir.join(&file))
-                .map_err(|e| invalid(format!("cannot open {file}: {e}")))?;
-            // SAFETY: a read-only private mapping of a file; as for GGUF files, a concurrent
-            // truncation by another process is the documented mmap caveat. Every range read
-            // from it is checked against its length below.
-            let map =
-                unsafe { Mmap::map(&f) }.map_err(|e| invalid(format!("cannot map {file}: {e}")))?;
-            let (header, meta) = safetensors::SafeTensors::read_metadata(&map)
-                .map_err(|e| invalid(format!("{file}: {e}")))?;
-            for (name, t) in meta.tensors() {
-                let start = 8 + header + t.data_offsets.0;
-                let end = 8 + header + t.data_offsets.1;
-                if end > map.len() || start > end {
-                    return Err(invalid(format!(
-                        "{file}: tensor {name} lies beyond the end of the file"
-                    )));
-                }
-                if tensors.contains_key(&name) {
-                    return Err(invalid(format!(
-                        "tensor {name} appears in more than one file"
-                    )));
-                }
-                tensors.insert(
-                    name,
-                    StTensor {
-                        shard: i,
-                        dtype: t.dtype,
-                        shape: t.shape.clone(),
-                        start,
-                        end,
-                    },
-                );
-            }
-            shards.push((file, map));
-        }
+        let files = shard_files(dir, index.as_ref())?;
+        let (shards, tensors) = map_shards(dir, files)?;
         if let Some(index) = &index {
-            for (name, file) in index["weight_map"].as_object().into_iter().flatten() {
-                let listed = file.as_str().unwrap_or("");
-                match tensors.get(name) {
-                    Some(t) if shards[t.shard].0 == listed => {}
-                    _ => {
-                        return Err(invalid(format!(
-                            "model.safetensors.index.json lists {name} in {listed}, which does not hold it"
-                        )))
-                    }
-                }
-            }
+            check_index(index, &shards, &tensors)?;
         }
-
-        let tokenizer_config = read_json(dir, "tokenizer_config.json")?.unwrap_or(Json::Null);
-        let generation = read_json(dir, "generation_config.json")?.unwrap_or(Json::Null);
-        let eos_ids: Vec<TokenId> = match &generation["eos_token_id"] {
-            Json::Array(a) => a
-                .iter()
-                .filter_map(|v| v.as_u64())
-                .map(|v| v as TokenId)
-                .collect(),
-            v => v.as_u64().map(|v| v as TokenId).into_iter().collect(),
-        };
-        let specials = HfSpecials {
-            bos: token_text(&tokenizer_config["bos_token"]),
-            eos: token_text(&tokenizer_config["eos_token"]),
-            add_bos: tokenizer_config["add_bos_token"].as_bool(),
-            add_eos: tokenizer_config["add_eos_token"].as_bool(),
-            eos_ids,
-        };
-        let json = read(dir, "tokenizer.json")?.ok_or_else(|| {
-            invalid(format!(
-                "no tokenizer.json in {} (the tokenizer is read from it)",
-                dir.display()
-            ))
-        })?;
-        let n_vocab = config["vocab_size"].as_u64().unwrap_or(0) as usize;
-        let tokenizer = Tokenizer::from_hf_json(&json, n_vocab, &specials)?;
-        let chat_template = match read(dir, "chat_template.jinja")? {
-            Some(b) => Some(
-                String::from_utf8(b).map_err(|_| invalid("chat_template.jinja is not UTF-8"))?,
-            ),
-            None => match &tokenizer_config["chat_template"] {
-                Json::String(s) => Some(s.clone()),
-                // named templates: the default one
-                Json::Array(a) => a
-                    .iter()
-                    .find(|t| t["name"] == "default")
-                    .and_then(|t| t["template"].as_str())
-                    .map(str::to_owned),
-                _ => None,
-            },
-        };
+        let (tokenizer, chat_template) = read_tokenizer(dir, &config)?;
         Ok(HfDir {
             dir: dir.to_path_buf(),
             config,
@@ -373,7 +420,30 @@ impl HfDir {
     /// The GGUF file llama.cpp's converter would write for this checkpoint.
     /// `weights: false` converts the metadata only (a vocabulary-only load).
     pub fn convert(&self, quantize: Quantize, weights: bool) -> Result<GgufFile> {
-        let arch = ARCHITECTURES
+        let arch = self.architecture()?;
+        if arch == "bert" {
+            return self.convert_bert(quantize, weights);
+        }
+        let shape = self.decoder_shape(arch)?;
+        let (meta, rope_freqs) = self.decoder_metadata(arch, &shape, quantize)?;
+        let mut out = GgufBuilder::new(meta);
+        if weights {
+            self.put_decoder_tensors(&mut out, arch, &shape, quantize)?;
+            if let Some(f) = rope_freqs {
+                out.add(
+                    "rope_freqs.weight",
+                    &[f.len()],
+                    GgmlDType::F32,
+                    &f32_bytes(&f),
+                )?;
+            }
+        }
+        Ok(out.finish())
+    }
+
+    /// llama.cpp's architecture for the checkpoint's `model_type`.
+    fn architecture(&self) -> Result<&'static str> {
+        ARCHITECTURES
             .iter()
             .find(|(t, _)| *t == self.model_type)
             .map(|(_, a)| *a)
@@ -392,10 +462,12 @@ impl HfDir {
                         ""
                     }
                 ))
-            })?;
-        if arch == "bert" {
-            return self.convert_bert(quantize, weights);
-        }
+            })
+    }
+
+    /// A decoder's dimensions from config.json, checked: what the converter supports and
+    /// what is consistent.
+    fn decoder_shape(&self, arch: &str) -> Result<DecoderShape> {
         let gemma = arch == "gemma3";
         let d = self.cfg_u64("hidden_size")? as usize;
         let n_layer = self.cfg_u64("num_hidden_layers")? as usize;
@@ -436,6 +508,36 @@ impl HfDir {
             ));
         }
 
+        Ok(DecoderShape {
+            gemma,
+            d,
+            n_layer,
+            n_head,
+            n_head_kv,
+            n_ff,
+            n_vocab,
+            head_dim,
+        })
+    }
+
+    /// The decoder's GGUF metadata, and the rope frequency factors Llama 3.1 scaling needs as
+    /// a tensor.
+    fn decoder_metadata(
+        &self,
+        arch: &str,
+        shape: &DecoderShape,
+        quantize: Quantize,
+    ) -> Result<DecoderMetadata> {
+        let DecoderShape {
+            gemma,
+            d,
+            n_layer,
+            n_head,
+            n_head_kv,
+            n_ff,
+            head_dim,
+            ..
+        } = *shape;
         let key = |k: &str| format!("{arch}.{k}");
         let mut meta: HashMap<String, Value> = HashMap::new();
         let mut put = |k: String, v: Value| {
@@ -534,13 +636,34 @@ impl HfDir {
             put("tokenizer.chat_template".into(), Value::String(t.clone()));
         }
 
+        Ok((meta, rope_freqs))
+    }
+
+    /// Every weight under its GGUF name, shape-checked against config.json, in llama.cpp's
+    /// layout (Llama's Q/K rows interleaved, Gemma's norms as `1 + weight`), quantized.
+    fn put_decoder_tensors(
+        &self,
+        out: &mut GgufBuilder,
+        arch: &str,
+        shape: &DecoderShape,
+        quantize: Quantize,
+    ) -> Result<()> {
+        let DecoderShape {
+            gemma,
+            d,
+            n_head,
+            n_head_kv,
+            n_ff,
+            n_vocab,
+            head_dim,
+            ..
+        } = *shape;
         let tied = self.config["tie_word_embeddings"]
             .as_bool()
             .unwrap_or(gemma);
         let q_dim = n_head * head_dim;
         let kv_dim = n_head_kv * head_dim;
-        let mut out = GgufBuilder::new(meta);
-        for (name, t) in self.tensors.iter().filter(|_| weights) {
+        for (name, t) in &self.tensors {
             if name.ends_with("rotary_emb.inv_freq") || (tied && name == "lm_head.weight") {
                 continue;
             }
@@ -585,17 +708,9 @@ impl HfDir {
                 // Gemma's RMSNorm multiplies by (1 + weight); GGUF files store 1 + weight
                 values.iter_mut().for_each(|v| *v += 1.0);
             }
-            self.put_tensor(&mut out, &gguf, &t.shape, t.dtype, values, quantize)?;
+            self.put_tensor(out, &gguf, &t.shape, t.dtype, values, quantize)?;
         }
-        if let Some(f) = rope_freqs.filter(|_| weights) {
-            out.add(
-                "rope_freqs.weight",
-                &[f.len()],
-                GgmlDType::F32,
-                &f32_bytes(&f),
-            )?;
-        }
-        Ok(out.finish())
+        Ok(())
     }
 
     /// A BERT encoder as llama.cpp's converter writes it (`bert`), with the pooling of the

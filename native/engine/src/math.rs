@@ -65,23 +65,21 @@ pub fn fast_exp(x: f32) -> f32 {
 /// degree-5 polynomial, scaled by `2^n`; at most 1.5 ulp from `expf`), the same operations
 /// and fused multiply-adds in the same order, so a vectorised loop over it gives, bit for
 /// bit, what llama.cpp's AVX2 build gives (its AVX-512 build rounds the polynomial's last
-/// step differently, by at most an ulp). Branch-free, so loops over it vectorise: each lane
+/// step differently). Branch-free, so loops over it vectorise: each lane
 /// computes both the common result and the one for `|n| > 126` and selects. Without FMA
 /// hardware `mul_add` is libm's exact `fmaf`: slower, the same bits.
 #[inline(always)]
 pub fn ggml_expf(x: f32) -> f32 {
-    let r = f32::from_bits(0x4b40_0000); // 0x1.8p23
-    let z = x.mul_add(f32::from_bits(0x3fb8_aa3b), r); // log2 e
+    // ggml's constants, as the bit patterns of its hexadecimal literals
+    let p = f32::from_bits;
+    let r = p(0x4b40_0000); // 0x1.8p23
+    let z = x.mul_add(p(0x3fb8_aa3b), r); // log2 e
     let n = z - r;
     // x - n·ln 2, with ln 2 split in a short high part and the rest
-    let b = (-n).mul_add(
-        f32::from_bits(0x35bf_be8e),
-        (-n).mul_add(f32::from_bits(0x3f31_7200), x),
-    );
+    let b = (-n).mul_add(p(0x35bf_be8e), (-n).mul_add(p(0x3f31_7200), x));
     let e = z.to_bits() << 23;
-    let k = f32::from_bits(e.wrapping_add(1f32.to_bits()));
+    let k = p(e.wrapping_add(1f32.to_bits()));
     let u = b * b;
-    let p = |c: u32| f32::from_bits(c);
     let j = p(0x3c07_2010)
         .mul_add(b, p(0x3d2b_9f17))
         .mul_add(u, p(0x3e2a_af33).mul_add(b, p(0x3eff_fedb)));
@@ -89,8 +87,8 @@ pub fn ggml_expf(x: f32) -> f32 {
     let common = k.mul_add(j, k);
     // |n| > 126: 2^n is not a normal float; scale in two steps (and past 192, to 0 or ∞)
     let g: u32 = if n <= 0.0 { 0x8200_0000 } else { 0 };
-    let s1 = f32::from_bits(g.wrapping_add(0x7f00_0000));
-    let s2 = f32::from_bits(e.wrapping_sub(g));
+    let s1 = p(g.wrapping_add(0x7f00_0000));
+    let s2 = p(e.wrapping_sub(g));
     let far = if n.abs() > 192.0 {
         s1 * s1
     } else {

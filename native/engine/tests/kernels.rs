@@ -5,7 +5,7 @@ use candle_core::Device;
 use common::*;
 use llama_cpp_ex_engine::gguf::GgufFile;
 use llama_cpp_ex_engine::kernels::kquant::KQuant;
-use llama_cpp_ex_engine::kernels::nibble::{NibbleMatrix, NibbleType};
+use llama_cpp_ex_engine::kernels::packed::{PackedMatrix, PackedType};
 
 /// Rows `start..start + n_out` of a real matrix through `matmul` (built from the rows' raw
 /// bytes) against candle's dequantized f32 values, for the batch sizes the issue lists.
@@ -68,7 +68,7 @@ fn check_real_rows(
 fn interleaved_q8_0_kernel_on_real_weights() {
     // the layout every Q8_0 matrix (the tied embeddings of both models) uses
     check_real_rows(SMOLLM2, "token_embd.weight", 30_000, 203, |b, n, k| {
-        let w = NibbleMatrix::from_bytes(NibbleType::Q8_0, b, n, k).unwrap();
+        let w = PackedMatrix::from_bytes(PackedType::Q8_0, b, n, k).unwrap();
         Box::new(move |x, m, out| w.matmul(x, m, out))
     });
 }
@@ -76,7 +76,7 @@ fn interleaved_q8_0_kernel_on_real_weights() {
 #[test]
 fn q4_1_kernel_on_real_weights() {
     check_real_rows(SMOLLM2, "blk.3.ffn_gate.weight", 100, 203, |b, n, k| {
-        let w = NibbleMatrix::from_bytes(NibbleType::Q4_1, b, n, k).unwrap();
+        let w = PackedMatrix::from_bytes(PackedType::Q4_1, b, n, k).unwrap();
         Box::new(move |x, m, out| w.matmul(x, m, out))
     });
 }
@@ -96,7 +96,7 @@ fn q5_0_kernel_on_real_weights() {
         .expect("Gemma 3 Q4_K_M has Q5_0 matrices")
         .to_string();
     check_real_rows(GEMMA3, &name, 7, 97, |b, n, k| {
-        let w = NibbleMatrix::from_bytes(NibbleType::Q5_0, b, n, k).unwrap();
+        let w = PackedMatrix::from_bytes(PackedType::Q5_0, b, n, k).unwrap();
         Box::new(move |x, m, out| w.matmul(x, m, out))
     });
 }
@@ -113,7 +113,7 @@ fn k_quant_kernels_on_real_weights() {
         let info = gguf.tensor_info(name).unwrap();
         assert_eq!(format!("{:?}", info.dtype), dtype, "{name}");
         check_real_rows(GEMMA3, name, 5, 101, move |b, n, k| {
-            let w = NibbleMatrix::from_k_quant(kind, b, n, k).unwrap();
+            let w = PackedMatrix::from_k_quant(kind, b, n, k).unwrap();
             Box::new(move |x, m, out| w.matmul(x, m, out))
         });
     }
@@ -122,7 +122,7 @@ fn k_quant_kernels_on_real_weights() {
 #[test]
 #[cfg(target_arch = "x86_64")]
 fn tied_embedding_rows_come_back_exactly_from_the_output_head() {
-    use llama_cpp_ex_engine::model::ops::{Embedding, Linear};
+    use llama_cpp_ex_engine::model::linear::{Embedding, Linear};
     use std::sync::Arc;
     // both models tie their output head to a Q8_0 token embedding
     for file in [SMOLLM2, GEMMA3] {

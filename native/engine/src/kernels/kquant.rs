@@ -1,16 +1,16 @@
 //! ggml's K-quants (256-value super-blocks with 6- or 8-bit sub-block scales) re-expressed,
-//! exactly, as the 32-value blocks of [`NibbleMatrix`]:
+//! exactly, as the 32-value blocks of [`PackedMatrix`]:
 //!
 //! * Q4_K and Q5_K: sub-block `j` is `d·sc_j·q − dmin·m_j`, i.e. a Q4_1 / Q5_1 block with
 //!   scale `d·sc_j` and offset `−dmin·m_j` (an f16 times a 6-bit integer is exact in f32).
 //! * Q6_K: 16-value sub-blocks `d·sc·(q − 32)` with signed 8-bit `sc`; each 32-value block is
-//!   two halves with scales `d·sc` and offsets `−32·d·sc` ([`NibbleType::Q6K`]).
+//!   two halves with scales `d·sc` and offsets `−32·d·sc` ([`PackedType::Q6K`]).
 //!
 //! The products then run on the interleaved kernels, whose per-row arithmetic does not depend
 //! on how many activation rows share the call (batch-invariant, unlike candle's separate
 //! single-row and tiled paths).
 
-use super::nibble::{NibbleMatrix, NibbleType, RowBlock, QK4_1};
+use super::packed::{PackedMatrix, PackedType, RowBlock, QK4_1};
 use half::f16;
 
 /// Values per super-block.
@@ -36,11 +36,11 @@ impl KQuant {
         }
     }
 
-    fn target(self) -> NibbleType {
+    fn target(self) -> PackedType {
         match self {
-            KQuant::Q4K => NibbleType::Q4_1,
-            KQuant::Q5K => NibbleType::Q5_1,
-            KQuant::Q6K => NibbleType::Q6K,
+            KQuant::Q4K => PackedType::Q4_1,
+            KQuant::Q5K => PackedType::Q5_1,
+            KQuant::Q6K => PackedType::Q6K,
         }
     }
 }
@@ -118,7 +118,7 @@ fn decode(kind: KQuant, sb: &[u8]) -> [RowBlock; BLOCKS] {
     out
 }
 
-impl NibbleMatrix {
+impl PackedMatrix {
     /// From GGUF/ggml K-quant bytes; `None` when the sizes do not match.
     pub fn from_k_quant(kind: KQuant, bytes: &[u8], n_out: usize, n_in: usize) -> Option<Self> {
         let bb = kind.block_bytes();
@@ -170,7 +170,7 @@ mod tests {
         let mut seed = 21;
         for kind in KINDS {
             let (bytes, dense) = quantized(kind, 9, 512, &mut seed);
-            let w = NibbleMatrix::from_k_quant(kind, &bytes, 9, 512).unwrap();
+            let w = PackedMatrix::from_k_quant(kind, &bytes, 9, 512).unwrap();
             for o in 0..9 {
                 for b in 0..512 / QK4_1 {
                     let blk = w.row_block(o, b);
@@ -180,8 +180,8 @@ mod tests {
                     }
                 }
             }
-            assert!(NibbleMatrix::from_k_quant(kind, &bytes[1..], 9, 512).is_none());
-            assert!(NibbleMatrix::from_k_quant(kind, &bytes, 9, 500).is_none());
+            assert!(PackedMatrix::from_k_quant(kind, &bytes[1..], 9, 512).is_none());
+            assert!(PackedMatrix::from_k_quant(kind, &bytes, 9, 500).is_none());
         }
     }
 
@@ -191,7 +191,7 @@ mod tests {
         for kind in KINDS {
             for &(n_out, n_in) in &[(7usize, 256usize), (13, 1024)] {
                 let (bytes, dense) = quantized(kind, n_out, n_in, &mut seed);
-                let w = NibbleMatrix::from_k_quant(kind, &bytes, n_out, n_in).unwrap();
+                let w = PackedMatrix::from_k_quant(kind, &bytes, n_out, n_in).unwrap();
                 crate::kernels::check_against_reference(
                     &format!("{kind:?}"),
                     &dense,
@@ -210,8 +210,8 @@ mod tests {
         let mut seed = 23;
         for kind in KINDS {
             let (bytes, _) = quantized(kind, 12, 512, &mut seed);
-            let w = NibbleMatrix::from_k_quant(kind, &bytes, 12, 512).unwrap();
-            crate::kernels::nibble::tests::assert_paths_agree(&w, &mut seed);
+            let w = PackedMatrix::from_k_quant(kind, &bytes, 12, 512).unwrap();
+            crate::kernels::packed::tests::assert_paths_agree(&w, &mut seed);
             let x: Vec<f32> = (0..9 * 512).map(|_| lcg(&mut seed)).collect();
             let mut all = vec![0f32; 9 * 12];
             w.matmul(&x, 9, &mut all);

@@ -10,7 +10,7 @@
 
 pub mod attn;
 pub mod kquant;
-pub mod nibble;
+pub mod packed;
 pub mod q8;
 pub(crate) mod weights;
 

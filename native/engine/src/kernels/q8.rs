@@ -1,5 +1,5 @@
 //! Activations quantized to Q8_0 (blocks of 32 int8 values with one scale): the input side
-//! of every quantized product (`super::nibble`).
+//! of every quantized product (`super::packed`).
 
 #[cfg(target_arch = "x86_64")]
 use super::has_avx2;
@@ -30,7 +30,7 @@ pub struct Q8Activations {
     /// Per block: scale × Σ quants (ggml's Q8_1 `s`), for weight types with a stored offset.
     pub(crate) sums: Vec<f32>,
     /// Per block: `-c·Σ quants`, where the weights' values carry an implied offset of `c`
-    /// units of their scale (`w = d·(q - c)`, see `nibble`): the integer that turns the dot
+    /// units of their scale (`w = d·(q - c)`, see `packed`): the integer that turns the dot
     /// product of the stored values into the one of `q - c`, exactly.
     pub(crate) folded: Vec<i32>,
     /// The same per half block (values 0..16, 16..32), for types with a scale per half.

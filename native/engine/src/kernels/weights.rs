@@ -5,8 +5,8 @@
 //! Decode streams every weight once per token, most of them in matrices of 0.2–2 MB (a layer's
 //! Q/K/V, output, gate/up and down products); in 4 KB pages each product starts on pages
 //! the TLB has never seen. Gemma 3's single-stream decode on the AVX2 path ran 23–28% faster
-//! inside the BEAM with the host's transparent huge pages set to `always` (docs/performance.md,
-//! session 20); this gets that under the default `madvise` setting. Off Linux, or when the
+//! inside the BEAM with the host's transparent huge pages set to `always`; this gets that
+//! under the default `madvise` setting. Off Linux, or when the
 //! allocation fails, the matrices keep their `Vec`s.
 
 use std::alloc::Layout;

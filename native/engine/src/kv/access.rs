@@ -123,7 +123,7 @@ impl KvCache {
     /// too short for the hardware prefetchers, and a single core reading them in turn waits
     /// on each miss (5.6 GB/s on Zen 4); `T0` prefetches compete for the few L1 miss
     /// buffers the reads need themselves (6.8 GB/s), `T2` a block or two ahead reached
-    /// 11.5 GB/s (docs/performance.md, session 17).
+    /// 11.5 GB/s.
     pub fn prefetch_head(&self, layer: usize, b: u32, head: usize) {
         #[cfg(target_arch = "x86_64")]
         for values in [false, true] {
@@ -137,7 +137,7 @@ impl KvCache {
     /// were asked for with `T2` a chunk earlier; the weighted sum then walks them a column
     /// block at a time across every slot, and waited on them for 67% of its time. Asking
     /// for all of a chunk's value lines first made an 8-stream SmolLM2 step 4% faster at
-    /// depth 300 (docs/performance.md, session 19); the same for keys was slower (their
+    /// depth 300; the same for keys was slower (their
     /// scores read them row by row).
     pub fn prefetch_values_l1(&self, layer: usize, b: u32, head: usize) {
         #[cfg(target_arch = "x86_64")]

@@ -28,7 +28,7 @@ const CHUNK: usize = CHUNK_BLOCKS * KV_BLOCK_SIZE;
 /// `KvCache::prefetch_head`): a head's run in a block is 2–8 KB, too short for the hardware
 /// prefetchers, and a decode step reads most of the cache once. Asking one block ahead
 /// instead of the next whole chunk after the current one took an 8-stream SmolLM2 step's
-/// share in the conversion from 25% to 15–19% (session 17).
+/// share in the conversion from 25% to 15–19%
 const PREFETCH_BLOCKS: usize = 1;
 
 pub struct AttnParams {

@@ -5,7 +5,8 @@
 //! hidden state for pooling, so `embed`/`embed_batch` and their many-texts-per-pass batching
 //! are the same code for encoders and decoders.
 
-use super::ops::{add_assign, sized, Linear};
+use super::linear::Linear;
+use super::ops::{add_assign, sized};
 use super::{ArchSpec, Architecture, Config, TensorLoader, Workspace};
 use crate::batch::Batch;
 use crate::error::{EngineError, Result};

@@ -20,9 +20,10 @@
 //! without part of its weights would generate garbage.
 
 use super::attention::{paged_attention, rotate_and_store, tiles_into, AttnParams};
+use super::linear::{Embedding, Linear};
 use super::ops::{
     add_assign, add_rms_norm_into, gelu_tanh_mul, inv_freq, output_logits_into, output_rows_into,
-    rms_norm, rms_norm_into, silu_mul, sized, Embedding, Linear,
+    rms_norm, rms_norm_into, silu_mul, sized,
 };
 use super::{ArchSpec, Architecture, Config, Projections, TensorLoader, Workspace};
 use crate::batch::Batch;
@@ -367,12 +368,8 @@ impl Decoder {
         let mut matrices: Vec<&mut dyn Pinnable> = Vec::new();
         for layer in &mut self.layers {
             let p = &mut layer.proj;
-            let fused = p
-                .qkv
-                .nibbles_mut()
-                .into_iter()
-                .chain(p.gate_up.nibbles_mut());
-            let single = [p.wo.nibble_mut(), p.down.nibble_mut()]
+            let fused = p.qkv.packed_mut().into_iter().chain(p.gate_up.packed_mut());
+            let single = [p.wo.packed_mut(), p.down.packed_mut()]
                 .into_iter()
                 .flatten();
             matrices.extend(fused.chain(single).map(|m| m as &mut dyn Pinnable));
@@ -381,7 +378,7 @@ impl Decoder {
             .into_iter()
             .chain(self.cls_out.as_mut())
             .chain(self.dense.iter_mut())
-            .filter_map(|w| w.nibble_mut());
+            .filter_map(|w| w.packed_mut());
         matrices.extend(heads.map(|m| m as &mut dyn Pinnable));
         crate::kernels::weights::pin(&mut matrices);
     }

@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod bert;
 pub mod decoder;
+pub mod linear;
 pub mod ops;
 
 use crate::batch::Batch;
@@ -357,7 +358,7 @@ impl<'a> TensorLoader<'a> {
         let scalar_only = matches!(
             info.dtype,
             GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
-        ) && !ops::own_kernels_enabled();
+        ) && !linear::own_kernels_enabled();
         let quantized = !matches!(
             info.dtype,
             GgmlDType::Q8_0 | GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
@@ -380,7 +381,7 @@ impl<'a> TensorLoader<'a> {
         &self,
         n_vocab: usize,
         d: usize,
-    ) -> Result<(ops::Embedding, std::sync::Arc<ops::Linear>)> {
+    ) -> Result<(linear::Embedding, std::sync::Arc<linear::Linear>)> {
         let info = self.info("token_embd.weight")?;
         if info.shape != [n_vocab, d] {
             return Err(EngineError::InvalidGguf(format!(
@@ -394,12 +395,12 @@ impl<'a> TensorLoader<'a> {
             let bytes = self.gguf.tensor_bytes(info);
             let release = |done: &[u8]| self.gguf.release_bytes(done);
             if let Some(mut head) =
-                ops::Linear::from_file_bytes_releasing(info.dtype, bytes, n_vocab, d, &release)
+                linear::Linear::from_file_bytes_releasing(info.dtype, bytes, n_vocab, d, &release)
             {
                 // (shared with the embedding below, so pinned now rather than with the rest)
                 head.pin_weights();
                 let head = std::sync::Arc::new(head);
-                if let Some(embd) = ops::Embedding::tied(&head) {
+                if let Some(embd) = linear::Embedding::tied(&head) {
                     self.gguf.release(info);
                     return Ok((embd, head));
                 }
@@ -407,16 +408,16 @@ impl<'a> TensorLoader<'a> {
         }
         let table = std::sync::Arc::new(self.gguf.qtensor("token_embd.weight", &Device::Cpu)?);
         if self.gguf.has_tensor("output.weight") {
-            let output = ops::Linear::new(self.matrix("output.weight", n_vocab, d)?)?;
+            let output = linear::Linear::new(self.matrix("output.weight", n_vocab, d)?)?;
             return Ok((
-                ops::Embedding::new(table, None),
+                linear::Embedding::new(table, None),
                 std::sync::Arc::new(output),
             ));
         }
-        let mut output = ops::Linear::from_arc(table.clone())?;
+        let mut output = linear::Linear::from_arc(table.clone())?;
         output.pin_weights();
         let output = std::sync::Arc::new(output);
-        Ok((ops::Embedding::new(table, Some(&output)), output))
+        Ok((linear::Embedding::new(table, Some(&output)), output))
     }
 
     /// The attention and feed-forward products of block `i`, shared by every architecture
@@ -427,29 +428,29 @@ impl<'a> TensorLoader<'a> {
         let kv_dim = cfg.n_head_kv * cfg.head_dim;
         let n = |s: &str| format!("blk.{i}.{s}.weight");
         let linear = |name: &str, rows: usize, cols: usize| {
-            ops::Linear::new(self.matrix(&n(name), rows, cols)?)
+            linear::Linear::new(self.matrix(&n(name), rows, cols)?)
         };
         // Phi-3 stores Q/K/V as one matrix and gate+up as one `ffn_up` of twice the width
         // (gate first): they are already stacked, so they split like fused products do.
         let qkv = if self.gguf.has_tensor(&n("attn_qkv")) {
-            ops::FusedLinear::split(
+            linear::FusedLinear::split(
                 linear("attn_qkv", q_dim + 2 * kv_dim, d)?,
                 vec![q_dim, kv_dim, kv_dim],
             )
         } else {
-            ops::FusedLinear::new(vec![
+            linear::FusedLinear::new(vec![
                 linear("attn_q", q_dim, d)?,
                 linear("attn_k", kv_dim, d)?,
                 linear("attn_v", kv_dim, d)?,
             ])
         };
         let gate_up = if self.gguf.has_tensor(&n("ffn_gate")) {
-            ops::FusedLinear::new(vec![
+            linear::FusedLinear::new(vec![
                 linear("ffn_gate", cfg.n_ff, d)?,
                 linear("ffn_up", cfg.n_ff, d)?,
             ])
         } else {
-            ops::FusedLinear::split(linear("ffn_up", 2 * cfg.n_ff, d)?, vec![cfg.n_ff; 2])
+            linear::FusedLinear::split(linear("ffn_up", 2 * cfg.n_ff, d)?, vec![cfg.n_ff; 2])
         };
         Ok(Projections {
             qkv,
@@ -482,10 +483,10 @@ impl<'a> TensorLoader<'a> {
 
 /// Q/K/V (stacked), attention output, gate/up (stacked) and down products of one block.
 pub struct Projections {
-    pub qkv: ops::FusedLinear,
-    pub wo: ops::Linear,
-    pub gate_up: ops::FusedLinear,
-    pub down: ops::Linear,
+    pub qkv: linear::FusedLinear,
+    pub wo: linear::Linear,
+    pub gate_up: linear::FusedLinear,
+    pub down: linear::Linear,
 }
 
 pub struct Model {

@@ -1,0 +1,104 @@
+//! The AVX2 + FMA products: `vpmaddubsw` dot products of a block with an activation block
+//! (16-bit pair sums widened by `vpmaddwd`), and the one-group kernels built from them.
+
+use super::x86::*;
+use super::*;
+use crate::kernels::q8::Q8Activations;
+
+/// Per lane (row), the dot product of its 32 values with one activation block (`C`, the
+/// number of independent accumulation chains, only matters to VNNI). `NARROW`: the values
+/// are 4-bit (at most 15), so all 8 quads' `maddubs` pairs (each within ±2·15·127) sum in 16
+/// bits without overflow and one `madd` widens them, instead of two for 5-bit values (at
+/// most 31: four quads per 16-bit sum). The AVX2 products are bound by the vector pipes
+/// that `maddubs`, `madd` and the float multiply-adds share (`examples/simd_ports.rs`), so
+/// each one saved counts.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn block_dot_avx2<const C: usize, const NARROW: bool>(
+    v: &[std::arch::x86_64::__m256i; 8],
+    x: *const i32,
+    folded: i32,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let p = |q: usize| _mm256_maddubs_epi16(v[q], _mm256_set1_epi32(*x.add(q)));
+    let lo = _mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)));
+    let hi = _mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7)));
+    let ones = _mm256_set1_epi16(1);
+    let dot = if NARROW {
+        _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones)
+    } else {
+        _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
+    };
+    _mm256_add_epi32(dot, _mm256_set1_epi32(folded))
+}
+
+/// Per lane (row), the dot product of a block of Q8_0 values flipped back from `q + 128` to
+/// signed `q` (see [`GroupRef::signed`]) with one activation block: `maddubs(|q|, sign(q)·x)`
+/// (the sign goes to the activation, whose range excludes -128), whose pairs stay within
+/// ±2·128·127, widened to 32 bits per quad: exactly the integer the VNNI path gets from the
+/// biased values and the folded offset.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn block_dot_avx2_signed(
+    v: &[std::arch::x86_64::__m256i; 8],
+    x: *const i32,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let ones = _mm256_set1_epi16(1);
+    let mut sum = _mm256_setzero_si256();
+    for (q, vq) in v.iter().enumerate() {
+        let xq = _mm256_set1_epi32(*x.add(q));
+        let p = _mm256_maddubs_epi16(_mm256_sign_epi8(*vq, *vq), _mm256_sign_epi8(xq, *vq));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+    }
+    sum
+}
+
+/// Per lane (row), the dot products of values 0..16 and 16..32 with one activation block, plus
+/// their folded offsets (types whose halves have their own scale; values at most 63, so a sum
+/// of two `maddubs` pairs stays below 2¹⁵).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn half_dots_avx2<const C: usize>(
+    v: &[std::arch::x86_64::__m256i; 8],
+    x: *const i32,
+    folded: [i32; 2],
+) -> [std::arch::x86_64::__m256i; 2] {
+    use std::arch::x86_64::*;
+    let p = |q: usize| _mm256_maddubs_epi16(v[q], _mm256_set1_epi32(*x.add(q)));
+    let ones = _mm256_set1_epi16(1);
+    let half = |q: usize, folded: i32| {
+        let a = _mm256_madd_epi16(_mm256_add_epi16(p(q), p(q + 1)), ones);
+        let b = _mm256_madd_epi16(_mm256_add_epi16(p(q + 2), p(q + 3)), ones);
+        _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_set1_epi32(folded))
+    };
+    [half(0, folded[0]), half(4, folded[1])]
+}
+
+group_kernel!(
+    group_kernel_avx2,
+    group_pass_avx2,
+    "avx2,fma,f16c",
+    block_dot_avx2,
+    half_dots_avx2,
+    false,
+    true,
+    true,
+    4,
+    [1, 2, 3, 4]
+);
+group_kernel!(
+    group_kernel_avx2_q8,
+    group_pass_avx2_q8,
+    "avx2,fma,f16c",
+    block_dot_avx2,
+    half_dots_avx2,
+    true,
+    false,
+    false,
+    4,
+    [1, 2, 3, 4]
+);

@@ -1,0 +1,886 @@
+//! Quantized weights kept packed, times f32 activations: 4- and 5-bit blocks with a per-block
+//! scale and offset (`w = d·q + m`: Q4_0 with `m = -8d`, Q4_1, Q5_0 with `m = -16d`, Q5_1),
+//! Q8_0, and K-quants re-expressed as such blocks (`kquant`). Blocks hold 32 values; value i
+//! sits in the low nibble of byte i, value i+16 in the high nibble, and 5-bit types add bit i
+//! of a 32-bit word as the value's fifth bit.
+//!
+//! `pack.rs` lays a matrix out in interleaved row groups; the products run on one of three
+//! paths chosen at run time: `scalar.rs` (portable), `avx2.rs` (AVX2 + FMA) and `vnni.rs`
+//! (AVX-512 VNNI), the x86 ones on what `x86.rs` shares. Every path computes bitwise the same
+//! results.
+//!
+//! With activations quantized to Q8_0 (`x ≈ d_x·a`), one block contributes
+//! `d·d_x·Σ q·a + m·(d_x·Σ a)` for types that store `m`, using the activation block sums
+//! computed once per matmul. Types whose offset is implied (`w = d·(q - c)`) fold it into the
+//! integer instead: `d·d_x·(Σ q·a - c·Σ a)`, as ggml's own dot products do, which spares a
+//! multiply-add per row and block on the vector pipes the integer products also need (they
+//! bound prompts on Zen 4). The values are unsigned, so
+//! `maddubs(q, a)` needs no sign trick.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod pack;
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+#[cfg(target_arch = "x86_64")]
+use avx2::{group_kernel_avx2, group_kernel_avx2_q8};
+#[cfg(target_arch = "x86_64")]
+use vnni::{group_kernel_vnni, pair_kernel_vnni, wide_kernel_vnni};
+
+use super::q8::{Q8Activations, QK8_0};
+use super::weights::{PinStore, Pinnable, Store};
+use half::f16;
+
+/// Elements per block (same as Q8_0, so activation blocks line up).
+pub const QK4_1: usize = QK8_0;
+const PACKED: usize = QK4_1 / 2;
+
+/// The ggml block layouts this kernel reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PackedType {
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    /// Signed 8-bit values, stored here as `q + 128` with offset `-128d` so every type runs
+    /// through the same unsigned products on VNNI; the AVX2 path flips them back to signed
+    /// (`maddubs` on `q + 128` would saturate) and uses `|x|·(sign(x)·q)`.
+    Q8_0,
+    /// Q6_K's 6-bit values (0..=63), one byte each; every 32-value block has two halves of 16
+    /// with their own scale `d` and offset `-32d` (see [`super::kquant`]).
+    Q6K,
+}
+
+impl PackedType {
+    fn has_min(self) -> bool {
+        matches!(self, PackedType::Q4_1 | PackedType::Q5_1)
+    }
+
+    fn has_high_bits(self) -> bool {
+        matches!(self, PackedType::Q5_0 | PackedType::Q5_1)
+    }
+
+    /// Values stored one per byte rather than packed in nibbles.
+    fn byte_values(self) -> bool {
+        matches!(self, PackedType::Q8_0 | PackedType::Q6K)
+    }
+
+    /// Scales (and offsets) per block: 2 when each half of 16 values has its own.
+    pub(crate) fn halves(self) -> usize {
+        if self == PackedType::Q6K {
+            2
+        } else {
+            1
+        }
+    }
+
+    fn block_bytes(self) -> usize {
+        if self.byte_values() {
+            return 2 + QK8_0;
+        }
+        2 + if self.has_min() { 2 } else { 0 } + if self.has_high_bits() { 4 } else { 0 } + PACKED
+    }
+
+    /// Bytes of one block of a row group in the interleaved layout.
+    fn group_block_bytes(self) -> usize {
+        if self.byte_values() {
+            GROUP * QK8_0
+        } else {
+            GROUP * PACKED
+        }
+    }
+
+    /// The `c` of `w = d·(q - c)` folded into the integer dot products (0 for types that
+    /// store their offset).
+    fn folded_offset(self) -> i32 {
+        if self.has_min() {
+            0
+        } else {
+            -self.implied_offset() as i32
+        }
+    }
+
+    /// The offset of a type without a stored minimum, in units of `d`.
+    fn implied_offset(self) -> f32 {
+        match self {
+            PackedType::Q4_0 => -8.0,
+            PackedType::Q5_0 => -16.0,
+            PackedType::Q8_0 => -128.0,
+            PackedType::Q6K => -32.0,
+            _ => 0.0,
+        }
+    }
+}
+/// Output rows interleaved together: one 256-bit lane per row, so a block's products for all
+/// of them come out of one vector and need no horizontal sums.
+pub const GROUP: usize = 8;
+
+/// Most parts [`PackedMatrix::matmul_parts`] writes (Q/K/V).
+pub const MAX_PARTS: usize = 4;
+
+/// Where a product's output columns go: part `p` holds columns `start[p]..start[p + 1]` as
+/// its own row-major `[m, start[p + 1] - start[p]]` matrix. One part is a plain `[m, n_out]`
+/// output; several are a stacked matrix's parts, written in place (each part but the last
+/// a whole number of row groups, so no group straddles two).
+#[derive(Clone, Copy)]
+pub(crate) struct Dest {
+    base: [*mut f32; MAX_PARTS],
+    start: [usize; MAX_PARTS + 1],
+    parts: usize,
+}
+
+// SAFETY: every task writes a distinct set of output elements (its own weight rows' columns).
+unsafe impl Sync for Dest {}
+unsafe impl Send for Dest {}
+
+impl Dest {
+    pub(crate) fn one(out: &mut [f32], n_out: usize) -> Self {
+        let mut start = [n_out; MAX_PARTS + 1];
+        start[0] = 0;
+        Dest {
+            base: [out.as_mut_ptr(); MAX_PARTS],
+            start,
+            parts: 1,
+        }
+    }
+
+    /// Column `col` of output row `r`, and the columns of its part from there on.
+    #[inline(always)]
+    fn at(&self, r: usize, col: usize) -> *mut f32 {
+        let mut p = 0;
+        while p + 1 < self.parts && col >= self.start[p + 1] {
+            p += 1;
+        }
+        let width = self.start[p + 1] - self.start[p];
+        self.base[p].wrapping_add(r * width + col - self.start[p])
+    }
+}
+
+/// A matrix `[n_out, n_in]` repacked in groups of [`GROUP`] output rows, interleaved per
+/// block so that a 256-bit vector holds 4 consecutive values of each of the 8 rows.
+///
+/// Per row group and block: `d` is 8 scales (one per row), and so is `m` for types with a
+/// stored minimum (the others' offset is implied by `d`, so it is not stored), in the
+/// precision they need ([`Scales`]). `qs` is 4 chunks of 32
+/// bytes; in chunk `c`, byte `4j + t` holds value `4c + t` of row `j` in its low nibble and
+/// value `16 + 4c + t` in its high nibble, so the low nibbles of a chunk are "quad" `c` and
+/// the high nibbles quad `c + 4` (a quad is 4 consecutive values). 5-bit types keep one `u32`
+/// per row in which the fifth bit of value `4q + t` sits at bit `8t + 4 + q` (`q < 4`) or
+/// `8t + q - 4` (`q ≥ 4`): one shift by `q` (right) or `8 - q` (left) and a mask with
+/// `0x10101010` put quad `q`'s fifth bits where they belong. Rows past `n_out` are zero.
+pub struct PackedMatrix {
+    pub n_out: usize,
+    pub n_in: usize,
+    pub kind: PackedType,
+    nb: usize,
+    d: Scales,
+    m: Scales,
+    qs: Store<u8>,
+    qh: Store<u32>,
+}
+
+impl Pinnable for PackedMatrix {
+    fn stores(&mut self, f: &mut dyn FnMut(&mut dyn PinStore)) {
+        for s in [&mut self.d, &mut self.m] {
+            match s {
+                Scales::F16(v) => f(v),
+                Scales::F32(v) => f(v),
+            }
+        }
+        f(&mut self.qs);
+        f(&mut self.qh);
+    }
+}
+
+/// A matrix's block scales (or minimums): f16 when every one of them is an f16 value, which
+/// the native types' always are (they come from the file's f16 fields), else f32 (K-quant
+/// sub-block scales `d·sc_j`). Decode reads every weight byte once per token, and f32 copies
+/// of f16 scales made it read 15.6% (SmolLM2 Q4_1) and 9.8% (Gemma 3 Q4_K_M) more than the
+/// file holds.
+#[derive(Debug, Clone)]
+enum Scales {
+    F16(Store<f16>),
+    F32(Store<f32>),
+}
+
+impl Scales {
+    /// `v` in f16 when that is exact for every value.
+    fn new(v: Vec<f32>) -> Self {
+        let exact = |x: &f32| f16::from_f32(*x).to_f32().to_bits() == x.to_bits();
+        if v.iter().all(exact) {
+            Scales::F16(
+                v.iter()
+                    .map(|&x| f16::from_f32(x))
+                    .collect::<Vec<_>>()
+                    .into(),
+            )
+        } else {
+            Scales::F32(v.into())
+        }
+    }
+
+    fn get(&self, i: usize) -> f32 {
+        match self {
+            Scales::F16(v) => v[i].to_f32(),
+            Scales::F32(v) => v[i],
+        }
+    }
+
+    fn reserve_exact(&mut self, n: usize) {
+        match self {
+            Scales::F16(v) => v.vec_mut().reserve_exact(n),
+            Scales::F32(v) => v.vec_mut().reserve_exact(n),
+        }
+    }
+
+    /// Appends `other`'s values (both in f32 unless both are f16).
+    fn extend(&mut self, other: &Scales) {
+        match (&mut *self, other) {
+            (Scales::F16(a), Scales::F16(b)) => a.vec_mut().extend_from_slice(b),
+            (Scales::F32(a), Scales::F32(b)) => a.vec_mut().extend_from_slice(b),
+            (Scales::F32(a), Scales::F16(b)) => a.vec_mut().extend(b.iter().map(|h| h.to_f32())),
+            (Scales::F16(a), Scales::F32(b)) => {
+                let mut all: Vec<f32> = a.iter().map(|h| h.to_f32()).collect();
+                all.extend_from_slice(b);
+                *self = Scales::F32(all.into());
+            }
+        }
+    }
+
+    /// Where value `i` lies, for the kernels.
+    #[cfg(target_arch = "x86_64")]
+    fn at(&self, i: usize) -> ScalePtr {
+        match self {
+            Scales::F16(v) => ScalePtr {
+                at: v.as_ptr().wrapping_add(i) as *const u8,
+                half: true,
+            },
+            Scales::F32(v) => ScalePtr {
+                at: v.as_ptr().wrapping_add(i) as *const u8,
+                half: false,
+            },
+        }
+    }
+}
+
+/// A position in a [`Scales`] for the kernels: 8 consecutive values are one row group's.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct ScalePtr {
+    at: *const u8,
+    half: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl ScalePtr {
+    /// `n` values further on (may point past the end: only ever prefetched there).
+    #[inline(always)]
+    fn add(self, n: usize) -> Self {
+        ScalePtr {
+            at: self.at.wrapping_add(n * self.bytes_per()),
+            half: self.half,
+        }
+    }
+
+    #[inline(always)]
+    fn bytes_per(self) -> usize {
+        if self.half {
+            2
+        } else {
+            4
+        }
+    }
+
+    /// The 8 values from here, as f32.
+    ///
+    /// # Safety
+    /// 8 values from here lie inside their buffer; F16C is available.
+    #[target_feature(enable = "avx,f16c")]
+    #[inline]
+    unsafe fn load8(self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        if self.half {
+            _mm256_cvtph_ps(_mm_loadu_si128(self.at as *const __m128i))
+        } else {
+            _mm256_loadu_ps(self.at as *const f32)
+        }
+    }
+}
+
+/// One block of one row: scale and offset (per half of 16 values for split types; both
+/// entries equal otherwise) and the 32 unsigned values.
+#[derive(Clone, Copy)]
+pub(crate) struct RowBlock {
+    pub d: [f32; 2],
+    pub m: [f32; 2],
+    pub vals: [u8; QK4_1],
+}
+
+impl RowBlock {
+    pub(crate) fn new(d: f32, m: f32, vals: [u8; QK4_1]) -> Self {
+        RowBlock {
+            d: [d; 2],
+            m: [m; 2],
+            vals,
+        }
+    }
+
+    /// The weight value `i` stands for.
+    #[cfg(test)]
+    pub(crate) fn value(&self, i: usize) -> f32 {
+        let h = i / (QK4_1 / 2);
+        self.vals[i] as f32 * self.d[h] + self.m[h]
+    }
+}
+
+impl PackedMatrix {
+    /// Block `b` of row `o` read back from the interleaved layout.
+    pub(crate) fn row_block(&self, o: usize, b: usize) -> RowBlock {
+        let (g, j) = (o / GROUP, o % GROUP);
+        let gb = g * self.nb + b;
+        let gbb = self.kind.group_block_bytes();
+        let chunk = &self.qs[gb * gbb..][..gbb];
+        let high = self.qh.get(gb * GROUP + j).copied();
+        let mut vals = [0u8; QK4_1];
+        for (i, v) in vals.iter_mut().enumerate() {
+            let (q, t) = (i / 4, i % 4);
+            if self.kind.byte_values() {
+                *v = chunk[q * 32 + j * 4 + t];
+                continue;
+            }
+            let byte = chunk[(q % 4) * 32 + j * 4 + t];
+            *v = if q < 4 { byte & 0x0F } else { byte >> 4 };
+            if let Some(w) = high {
+                let pos = if q < 4 { 8 * t + 4 + q } else { 8 * t + q - 4 };
+                *v |= (((w >> pos) & 1) << 4) as u8;
+            }
+        }
+        let halves = self.kind.halves();
+        let at = |h: usize| (gb * halves + h) * GROUP + j;
+        let last = halves - 1;
+        RowBlock {
+            d: [self.d.get(at(0)), self.d.get(at(last))],
+            m: [self.offset(at(0)), self.offset(at(last))],
+            vals,
+        }
+    }
+
+    /// The offset of the scale at `at` in `d`: stored for types with a minimum, else implied
+    /// (`implied_offset · d`, the same f32 product the loader used to compute).
+    fn offset(&self, at: usize) -> f32 {
+        if self.kind.has_min() {
+            self.m.get(at)
+        } else {
+            self.kind.implied_offset() * self.d.get(at)
+        }
+    }
+
+    /// Row `o` dequantized into `out` (`n_in` values), with ggml's own formulas so a tied
+    /// embedding read from here equals one read from the file: `(q + offset)·d` for types
+    /// with an implied offset, `d·q + m` otherwise.
+    pub fn dequantize_row(&self, o: usize, out: &mut [f32]) {
+        let offset = self.kind.implied_offset();
+        for (b, chunk) in out[..self.n_in].chunks_exact_mut(QK4_1).enumerate() {
+            let blk = self.row_block(o, b);
+            for (i, v) in chunk.iter_mut().enumerate() {
+                let h = i / (QK4_1 / 2);
+                let q = blk.vals[i] as f32;
+                *v = if self.kind.has_min() {
+                    blk.d[h] * q + blk.m[h]
+                } else {
+                    (q + offset) * blk.d[h]
+                };
+            }
+        }
+    }
+
+    /// Reserves room for `n_out` rows in all, so appending parts never reallocates.
+    pub fn reserve_rows(&mut self, n_out: usize) {
+        let groups = n_out
+            .div_ceil(GROUP)
+            .saturating_sub(self.n_out.div_ceil(GROUP));
+        let blocks = groups * self.nb;
+        let halves = self.kind.halves();
+        self.d.reserve_exact(blocks * GROUP * halves);
+        if self.kind.has_min() {
+            self.m.reserve_exact(blocks * GROUP * halves);
+        }
+        self.qs
+            .vec_mut()
+            .reserve_exact(blocks * self.kind.group_block_bytes());
+        if self.kind.has_high_bits() {
+            self.qh.vec_mut().reserve_exact(blocks * GROUP);
+        }
+    }
+
+    /// Appends `other`'s rows below this matrix's; `None` (and nothing changes) unless both
+    /// have the same type and input width and this matrix fills its last row group.
+    pub fn append(&mut self, other: PackedMatrix) -> Option<()> {
+        if other.kind != self.kind || other.n_in != self.n_in || !self.n_out.is_multiple_of(GROUP) {
+            return None;
+        }
+        self.n_out += other.n_out;
+        self.d.extend(&other.d);
+        self.m.extend(&other.m);
+        self.qs.vec_mut().extend_from_slice(&other.qs);
+        self.qh.vec_mut().extend_from_slice(&other.qh);
+        Some(())
+    }
+
+    /// Stacks matrices with the same input width so one product computes all of them.
+    pub fn concat(parts: &[&PackedMatrix]) -> Option<PackedMatrix> {
+        let first = parts.first()?;
+        let (n_in, kind) = (first.n_in, first.kind);
+        if parts.iter().any(|p| p.n_in != n_in || p.kind != kind) {
+            return None;
+        }
+        let mut owner = Vec::new();
+        for (pi, p) in parts.iter().enumerate() {
+            owner.extend((0..p.n_out).map(|o| (pi, o)));
+        }
+        Some(Self::build(kind, owner.len(), n_in, |o, b| {
+            let (pi, row) = owner[o];
+            parts[pi].row_block(row, b)
+        }))
+    }
+
+    /// `out[r * n_out + o] = Σ_i w[o, i] · x[r, i]` for `m` rows of `x`.
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), m * self.n_out);
+        self.matmul_into(x, m, &Dest::one(out, self.n_out));
+    }
+
+    /// The product of a matrix stacked from parts of `n_out`s `widths` (Q/K/V, gate/up) into
+    /// one `[m, width]` output per part, written in place instead of split afterwards (the
+    /// copy was 3% of a prompt). `None`, with nothing written, unless every part but the
+    /// last is a whole number of row groups and there are at most [`MAX_PARTS`].
+    pub fn matmul_parts(
+        &self,
+        x: &[f32],
+        m: usize,
+        widths: &[usize],
+        outs: &mut [&mut Vec<f32>],
+    ) -> Option<()> {
+        let n = widths.len();
+        let fits = n <= MAX_PARTS
+            && outs.len() == n
+            && widths.iter().sum::<usize>() == self.n_out
+            && widths[..n.saturating_sub(1)].iter().all(|w| w % GROUP == 0);
+        if !fits {
+            return None;
+        }
+        let mut dest = Dest {
+            base: [std::ptr::null_mut(); MAX_PARTS],
+            start: [self.n_out; MAX_PARTS + 1],
+            parts: n,
+        };
+        let mut col = 0;
+        for (p, (out, &width)) in outs.iter_mut().zip(widths).enumerate() {
+            out.resize(m * width, 0.0);
+            dest.base[p] = out.as_mut_ptr();
+            dest.start[p] = col;
+            col += width;
+        }
+        self.matmul_into(x, m, &dest);
+        Some(())
+    }
+
+    fn matmul_into(&self, x: &[f32], m: usize, shared: &Dest) {
+        assert_eq!(x.len(), m * self.n_in);
+        let macs = m * self.n_out * self.n_in;
+        Q8Activations::with_quantized(x, m, self.n_in, self.kind.folded_offset(), |a| {
+            if self.pairs_groups(m) {
+                return super::for_each_tile(self.n_out, 2 * GROUP, macs, |o0, rows| {
+                    self.group_pair(a, o0 / GROUP, rows, shared)
+                });
+            }
+            if self.wide_groups() {
+                return super::for_each_tile(self.n_out, 2 * GROUP, macs, |o0, rows| {
+                    self.group_wide(a, o0 / GROUP, rows, shared)
+                });
+            }
+            super::for_each_tile(self.n_out, GROUP, macs, |o0, _| {
+                self.group(a, o0 / GROUP, shared)
+            })
+        });
+    }
+
+    fn group(&self, a: &Q8Activations, g: usize, out: &Dest) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: the features were detected at run time; every offset stays inside the
+            // matrices and the activations (checked by the asserts in `matmul`), and row
+            // group `g` writes only its own output columns.
+            if super::has_vnni() {
+                return unsafe { group_kernel_vnni(self, a, g, out) };
+            }
+            if super::has_avx2() {
+                return unsafe {
+                    if self.kind == PackedType::Q8_0 {
+                        group_kernel_avx2_q8(self, a, g, out)
+                    } else {
+                        group_kernel_avx2(self, a, g, out)
+                    }
+                };
+            }
+        }
+        self.group_scalar(a, g, out);
+    }
+
+    /// Whether a product of `m` activation rows runs on pairs of row groups
+    /// ([`pair_kernel_vnni`]): long batches on the VNNI path.
+    fn pairs_groups(&self, m: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if super::has_vnni() {
+            return m > x86::UNPACK_MAX_ROWS;
+        }
+        let _ = m;
+        false
+    }
+
+    /// Whether short batches (decode) run two row groups per pass in 512-bit vectors
+    /// ([`wide_kernel_vnni`]): on the VNNI path.
+    fn wide_groups(&self) -> bool {
+        super::has_vnni()
+    }
+
+    /// Row groups `g` and `g + 1` in 512-bit vectors (a tile of `rows` output rows: one
+    /// group, in 256-bit vectors, when it is the last and alone).
+    fn group_wide(&self, a: &Q8Activations, g: usize, rows: usize, out: &Dest) {
+        #[cfg(target_arch = "x86_64")]
+        if rows > GROUP {
+            // SAFETY: only called when VNNI was detected (`wide_groups`); both groups exist
+            // (the tile has more than one group's rows) and write only their own output
+            // columns; offsets as in `group`.
+            return unsafe { wide_kernel_vnni(self, a, g, out) };
+        }
+        let _ = rows;
+        self.group(a, g, out)
+    }
+
+    /// Row groups `g` and `g + 1` (a tile of `rows` output rows: one group when it is the
+    /// last and alone).
+    fn group_pair(&self, a: &Q8Activations, g: usize, rows: usize, out: &Dest) {
+        #[cfg(target_arch = "x86_64")]
+        if rows > GROUP {
+            // SAFETY: only called when VNNI was detected (`pairs_groups`); both groups
+            // exist (the tile has more than one group's rows) and write only their own
+            // output columns; offsets as in `group`.
+            return unsafe { pair_kernel_vnni(self, a, g, out) };
+        }
+        let _ = rows;
+        self.group(a, g, out)
+    }
+}
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    const TYPES: [PackedType; 5] = [
+        PackedType::Q4_0,
+        PackedType::Q4_1,
+        PackedType::Q5_0,
+        PackedType::Q5_1,
+        PackedType::Q8_0,
+    ];
+
+    use crate::kernels::lcg;
+
+    /// Random blocks of `kind` in ggml's layout and their dequantized values.
+    fn random_blocks(
+        kind: PackedType,
+        n_out: usize,
+        n_in: usize,
+        seed: &mut u64,
+    ) -> (Vec<u8>, Vec<f32>) {
+        let levels = match kind {
+            PackedType::Q8_0 => 256.0,
+            k if k.has_high_bits() => 32.0,
+            _ => 16.0,
+        };
+        let mut bytes = Vec::new();
+        let mut dense = Vec::new();
+        for _ in 0..n_out * n_in / QK4_1 {
+            let d = f16::from_f32(0.005 + lcg(seed).abs() * 0.01);
+            bytes.extend_from_slice(&d.to_le_bytes());
+            let min = if kind.has_min() {
+                let m = f16::from_f32(-0.08 + lcg(seed) * 0.02);
+                bytes.extend_from_slice(&m.to_le_bytes());
+                m.to_f32()
+            } else {
+                kind.implied_offset() * d.to_f32()
+            };
+            let q: Vec<u32> = (0..QK4_1)
+                .map(|_| ((lcg(seed) + 1.0) * (levels / 2.0 - 0.01)) as u32)
+                .collect();
+            if kind == PackedType::Q8_0 {
+                bytes.extend(q.iter().map(|&v| (v as i32 - 128) as i8 as u8));
+            } else if kind.has_high_bits() {
+                let qh: u32 = (0..QK4_1).map(|i| ((q[i] >> 4) & 1) << i).sum();
+                bytes.extend_from_slice(&qh.to_le_bytes());
+            }
+            if kind != PackedType::Q8_0 {
+                for i in 0..PACKED {
+                    bytes.push(((q[i] & 0xF) | ((q[i + PACKED] & 0xF) << 4)) as u8);
+                }
+            }
+            dense.extend(q.iter().map(|&v| v as f32 * d.to_f32() + min));
+        }
+        (bytes, dense)
+    }
+
+    #[test]
+    fn matches_a_dequantized_reference() {
+        let mut seed = 4;
+        for kind in TYPES {
+            for &(n_out, n_in) in &[(7usize, 64usize), (33, 576), (130, 640), (1, 32)] {
+                let (bytes, dense) = random_blocks(kind, n_out, n_in, &mut seed);
+                let w = PackedMatrix::from_bytes(kind, &bytes, n_out, n_in).unwrap();
+                // activation quantization: half a step (1/127) per |w| term
+                crate::kernels::check_against_reference(
+                    &format!("{kind:?}"),
+                    &dense,
+                    n_out,
+                    n_in,
+                    &mut seed,
+                    |x, m, out| w.matmul(x, m, out),
+                    |row| row.iter().map(|v| v.abs()).sum::<f32>() * 0.5 / 127.0 + 1e-3,
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn scales_are_kept_in_f16_exactly_when_every_one_is_an_f16() {
+        assert!(matches!(
+            Scales::new(vec![0.5, -3.0, 65504.0, 0.0]),
+            Scales::F16(_)
+        ));
+        // 0.1 and an f16 times a 6-bit integer (a K-quant scale) are not f16 values
+        assert!(matches!(Scales::new(vec![0.5, 0.1]), Scales::F32(_)));
+        let k = f16::from_f32(0.0123).to_f32() * 37.0;
+        assert!(matches!(Scales::new(vec![k]), Scales::F32(_)));
+        // appending keeps every value, in f32 when the precisions differ
+        let mut a = Scales::new(vec![0.5, 2.0]);
+        a.extend(&Scales::new(vec![k]));
+        assert!(matches!(a, Scales::F32(_)));
+        assert_eq!([a.get(0), a.get(1), a.get(2)], [0.5, 2.0, k]);
+        let mut b = Scales::new(vec![k]);
+        b.extend(&Scales::new(vec![0.25]));
+        assert_eq!([b.get(0), b.get(1)], [k, 0.25]);
+        // the native types' scales come from f16 fields: always stored as f16
+        let mut seed = 5;
+        for kind in TYPES {
+            let (bytes, _) = random_blocks(kind, 16, 64, &mut seed);
+            let w = PackedMatrix::from_bytes(kind, &bytes, 16, 64).unwrap();
+            assert!(matches!(w.d, Scales::F16(_)), "{kind:?}");
+            assert!(matches!(w.m, Scales::F16(_)), "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn the_interleaved_layout_keeps_every_value() {
+        let mut seed = 5;
+        for kind in TYPES {
+            let (bytes, dense) = random_blocks(kind, 13, 96, &mut seed);
+            let w = PackedMatrix::from_bytes(kind, &bytes, 13, 96).unwrap();
+            for o in 0..13 {
+                for b in 0..3 {
+                    let blk = w.row_block(o, b);
+                    for i in 0..QK4_1 {
+                        let want = dense[o * 96 + b * 32 + i];
+                        assert!((blk.value(i) - want).abs() < 1e-6, "{kind:?} {o} {b} {i}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The scalar, AVX2 and VNNI paths give bitwise the same products.
+    pub(crate) fn assert_paths_agree(w12: &PackedMatrix, seed: &mut u64) {
+        #[cfg(target_arch = "x86_64")]
+        let kind = w12.kind;
+        let (n_out, k) = (w12.n_out, w12.n_in);
+        let groups = n_out.div_ceil(GROUP);
+        for m in [1usize, 3, 5, 6, 8, 9, 17] {
+            let x: Vec<f32> = (0..m * k).map(|_| lcg(seed)).collect();
+            let a = Q8Activations::quantize(&x, m, k, w12.kind.folded_offset());
+            let mut scalar = vec![0f32; m * n_out];
+            let s = Dest::one(&mut scalar, n_out);
+            for g in 0..groups {
+                w12.group_scalar(&a, g, &s);
+            }
+            #[cfg(target_arch = "x86_64")]
+            for (path, available) in [
+                ("avx2", crate::kernels::has_avx2()),
+                ("vnni", crate::kernels::has_vnni()),
+            ] {
+                if !available {
+                    continue;
+                }
+                let mut simd = vec![0f32; m * n_out];
+                let p = Dest::one(&mut simd, n_out);
+                for g in 0..groups {
+                    // SAFETY: the feature was detected above.
+                    unsafe {
+                        if path == "avx2" && kind == PackedType::Q8_0 {
+                            group_kernel_avx2_q8(w12, &a, g, &p)
+                        } else if path == "avx2" {
+                            group_kernel_avx2(w12, &a, g, &p)
+                        } else {
+                            group_kernel_vnni(w12, &a, g, &p)
+                        }
+                    }
+                }
+                assert_eq!(simd, scalar, "{kind:?} {path} m={m}");
+            }
+            // prompts' pairs of row groups (any batch size computes the same per row)
+            #[cfg(target_arch = "x86_64")]
+            if crate::kernels::has_vnni() {
+                let mut pairs = vec![0f32; m * n_out];
+                let p = Dest::one(&mut pairs, n_out);
+                for g in (0..groups).step_by(2) {
+                    // SAFETY: VNNI was detected above; group g + 1 exists when called.
+                    unsafe {
+                        if g + 1 < groups {
+                            pair_kernel_vnni(w12, &a, g, &p)
+                        } else {
+                            group_kernel_vnni(w12, &a, g, &p)
+                        }
+                    }
+                }
+                assert_eq!(pairs, scalar, "{kind:?} vnni pairs m={m}");
+                // decode batches' 512-bit pairs of row groups
+                let mut wide = vec![0f32; m * n_out];
+                let p = Dest::one(&mut wide, n_out);
+                for g in (0..groups).step_by(2) {
+                    // SAFETY: VNNI was detected above; group g + 1 exists when called.
+                    unsafe {
+                        if g + 1 < groups {
+                            wide_kernel_vnni(w12, &a, g, &p)
+                        } else {
+                            group_kernel_vnni(w12, &a, g, &p)
+                        }
+                    }
+                }
+                assert_eq!(wide, scalar, "{kind:?} vnni wide m={m}");
+            }
+        }
+    }
+
+    #[test]
+    fn stacked_parts_are_written_in_place() {
+        let mut seed = 12;
+        for kind in TYPES {
+            let widths = [16usize, 8, 13];
+            let parts: Vec<PackedMatrix> = widths
+                .iter()
+                .map(|&n| {
+                    let (bytes, _) = random_blocks(kind, n, 96, &mut seed);
+                    PackedMatrix::from_bytes(kind, &bytes, n, 96).unwrap()
+                })
+                .collect();
+            let stacked = PackedMatrix::concat(&parts.iter().collect::<Vec<_>>()).unwrap();
+            for m in [1usize, 5, 40] {
+                let x: Vec<f32> = (0..m * 96).map(|_| lcg(&mut seed)).collect();
+                // stale contents of the wrong length are replaced
+                let (mut a, mut b, mut c) = (vec![9.0; 3], Vec::new(), vec![1.0; 999]);
+                stacked
+                    .matmul_parts(&x, m, &widths, &mut [&mut a, &mut b, &mut c])
+                    .unwrap();
+                for (part, got) in parts.iter().zip([&a, &b, &c]) {
+                    let mut want = vec![0f32; m * part.n_out];
+                    part.matmul(&x, m, &mut want);
+                    assert_eq!(got, &want, "{kind:?} m={m}");
+                }
+            }
+            let x = vec![0.5f32; 96];
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            let odd = PackedMatrix::concat(&[&parts[2], &parts[0]]).unwrap();
+            assert!(odd
+                .matmul_parts(&x, 1, &[13, 16], &mut [&mut a, &mut b])
+                .is_none());
+        }
+    }
+
+    #[test]
+    fn four_bit_extremes_sum_a_whole_block_in_sixteen_bits() {
+        // every value 15 against activations at ±127: each `maddubs` pair is ±2·15·127 and a
+        // block's eight quads ±30480, the most a 16-bit sum of the AVX2 path holds
+        let (n_out, k) = (16, 256);
+        for kind in [PackedType::Q4_0, PackedType::Q4_1] {
+            let mut bytes = Vec::new();
+            for _ in 0..n_out * k / QK4_1 {
+                bytes.extend_from_slice(&f16::from_f32(0.5).to_le_bytes());
+                if kind.has_min() {
+                    bytes.extend_from_slice(&f16::from_f32(-1.0).to_le_bytes());
+                }
+                bytes.extend_from_slice(&[0xFF; PACKED]);
+            }
+            let w = PackedMatrix::from_bytes(kind, &bytes, n_out, k).unwrap();
+            for m in [3usize, 40] {
+                for sign in [1.0f32, -1.0] {
+                    let x = vec![sign; m * k];
+                    let a = Q8Activations::quantize(&x, m, k, kind.folded_offset());
+                    let mut scalar = vec![0f32; m * n_out];
+                    let s = Dest::one(&mut scalar, n_out);
+                    for g in 0..n_out / GROUP {
+                        w.group_scalar(&a, g, &s);
+                    }
+                    // d·(15 - 8)·Σx (Q4_0) or (d·15 - 1)·Σx (Q4_1), up to the activations'
+                    // f16 scale
+                    let want = sign * k as f32 * if kind.has_min() { 6.5 } else { 3.5 };
+                    assert!((scalar[0] - want).abs() < 1e-2 * want.abs(), "{kind:?}");
+                    #[cfg(target_arch = "x86_64")]
+                    if crate::kernels::has_avx2() {
+                        let mut simd = vec![0f32; m * n_out];
+                        let p = Dest::one(&mut simd, n_out);
+                        for g in 0..n_out / GROUP {
+                            // SAFETY: AVX2 was detected above.
+                            unsafe { group_kernel_avx2(&w, &a, g, &p) };
+                        }
+                        assert_eq!(simd, scalar, "{kind:?} m={m} sign={sign}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn scalar_and_simd_paths_agree_and_stack() {
+        let mut seed = 11;
+        for kind in TYPES {
+            let (b1, _) = random_blocks(kind, 8, 128, &mut seed);
+            let (b2, _) = random_blocks(kind, 4, 128, &mut seed);
+            let (b12, _) = random_blocks(kind, 12, 128, &mut seed);
+            let w = PackedMatrix::from_bytes(kind, &b1, 8, 128).unwrap();
+            let w12 = PackedMatrix::from_bytes(kind, &b12, 12, 128).unwrap();
+            assert_paths_agree(&w12, &mut seed);
+            let x: Vec<f32> = (0..3 * 128).map(|_| lcg(&mut seed)).collect();
+            let w2 = PackedMatrix::from_bytes(kind, &b2, 4, 128).unwrap();
+            let both = PackedMatrix::concat(&[&w, &w2]).unwrap();
+            let (mut o1, mut o) = (vec![0f32; 24], vec![0f32; 36]);
+            w.matmul(&x, 3, &mut o1);
+            both.matmul(&x, 3, &mut o);
+            for r in 0..3 {
+                for c in 0..8 {
+                    let (p, q) = (o[r * 12 + c], o1[r * 8 + c]);
+                    assert!((p - q).abs() <= 1e-4 * q.abs().max(1.0));
+                }
+            }
+            assert!(PackedMatrix::from_bytes(kind, &b1[..kind.block_bytes() - 1], 1, 32).is_none());
+        }
+        let (q4, _) = random_blocks(PackedType::Q4_1, 4, 64, &mut seed);
+        let (q5, _) = random_blocks(PackedType::Q5_0, 4, 64, &mut seed);
+        let a = PackedMatrix::from_bytes(PackedType::Q4_1, &q4, 4, 64).unwrap();
+        let b = PackedMatrix::from_bytes(PackedType::Q5_0, &q5, 4, 64).unwrap();
+        assert!(
+            PackedMatrix::concat(&[&a, &b]).is_none(),
+            "types do not mix"
+        );
+    }
+}

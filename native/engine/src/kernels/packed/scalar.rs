@@ -1,0 +1,56 @@
+//! The portable path: one output row at a time, with the SIMD paths' arithmetic in the same
+//! order, so every path gives bitwise the same results.
+
+use super::*;
+use crate::kernels::q8::Q8Activations;
+
+impl PackedMatrix {
+    pub(super) fn group_scalar(&self, a: &Q8Activations, g: usize, out: &Dest) {
+        thread_local! {
+            /// One row's blocks, decoded once for every activation row (reused: no allocation
+            /// per product once grown).
+            static BLOCKS: std::cell::RefCell<Vec<RowBlock>> = const {
+                std::cell::RefCell::new(Vec::new())
+            };
+        }
+        BLOCKS.with(|cell| {
+            let mut blocks = cell.borrow_mut();
+            for o in g * GROUP..self.n_out.min((g + 1) * GROUP) {
+                blocks.clear();
+                blocks.extend((0..self.nb).map(|b| self.row_block(o, b)));
+                self.row_scalar(a, o, &blocks, out);
+            }
+        });
+    }
+    /// Output row `o` (its blocks decoded in `blocks`) for every activation row, with the
+    /// SIMD paths' arithmetic in the same order (integer dots are exact, then the same fused
+    /// multiply-adds), so every path gives bitwise the same results.
+    pub(super) fn row_scalar(&self, a: &Q8Activations, o: usize, blocks: &[RowBlock], out: &Dest) {
+        let (k, nb) = (self.n_in, self.nb);
+        for r in 0..a.m {
+            let mut acc = 0f32;
+            for (b, blk) in blocks.iter().enumerate() {
+                let x = &a.quants[r * k + b * QK4_1..][..QK4_1];
+                let dot = |range: std::ops::Range<usize>, folded: i32| -> f32 {
+                    let d = range.map(|i| blk.vals[i] as i32 * x[i] as i32).sum::<i32>();
+                    (d + folded) as f32
+                };
+                let at = r * nb + b;
+                let dx = a.scales[at];
+                if self.kind.halves() == 2 {
+                    let half = QK4_1 / 2;
+                    let [lo, hi] = [a.folded_halves[2 * at], a.folded_halves[2 * at + 1]];
+                    let lo = dot(0..half, lo) * blk.d[0];
+                    acc = dot(half..QK4_1, hi).mul_add(blk.d[1], lo).mul_add(dx, acc);
+                } else if self.kind.has_min() {
+                    acc = dot(0..QK4_1, 0).mul_add(blk.d[0] * dx, acc);
+                    acc = blk.m[0].mul_add(a.sums[at], acc);
+                } else {
+                    acc = dot(0..QK4_1, a.folded[at]).mul_add(blk.d[0] * dx, acc);
+                }
+            }
+            // SAFETY: (r, o) is in bounds and written by this row group only.
+            unsafe { *out.at(r, o) = acc };
+        }
+    }
+}

@@ -1,0 +1,345 @@
+//! What the x86 paths share: unpacking a row group's blocks into the 8 quads a product
+//! reads, where a row group lives (`GroupRef`), prefetches, the per-thread buffer of
+//! unpacked blocks, and `group_kernel!`, which writes a one-group product for an instruction
+//! set (`avx2.rs`, `vnni.rs`).
+
+use super::*;
+
+/// The 8 quads of one block of a row group: vector `q` holds values `4q..4q + 4` of each row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn unpack_block(
+    qs: *const u8,
+    qh: Option<*const u32>,
+) -> [std::arch::x86_64::__m256i; 8] {
+    use std::arch::x86_64::*;
+    let low = _mm256_set1_epi8(0x0F);
+    let mut v = [_mm256_setzero_si256(); 8];
+    for c in 0..4 {
+        let packed = _mm256_loadu_si256(qs.add(c * 32) as *const __m256i);
+        v[c] = _mm256_and_si256(packed, low);
+        v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    }
+    if let Some(qh) = qh {
+        let w = _mm256_loadu_si256(qh as *const __m256i);
+        let fifth = _mm256_set1_epi8(0x10);
+        v[0] = _mm256_or_si256(v[0], _mm256_and_si256(w, fifth));
+        v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_srli_epi32(w, 1), fifth));
+        v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_srli_epi32(w, 2), fifth));
+        v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_srli_epi32(w, 3), fifth));
+        v[4] = _mm256_or_si256(v[4], _mm256_and_si256(_mm256_slli_epi32(w, 4), fifth));
+        v[5] = _mm256_or_si256(v[5], _mm256_and_si256(_mm256_slli_epi32(w, 3), fifth));
+        v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_slli_epi32(w, 2), fifth));
+        v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_slli_epi32(w, 1), fifth));
+    }
+    v
+}
+
+/// The 8 quads of one Q8_0 block of a row group (stored unpacked).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn load_bytes_block(qs: *const u8) -> [std::arch::x86_64::__m256i; 8] {
+    use std::arch::x86_64::*;
+    let mut v = [_mm256_setzero_si256(); 8];
+    for (q, vq) in v.iter_mut().enumerate() {
+        *vq = _mm256_loadu_si256(qs.add(q * 32) as *const __m256i);
+    }
+    v
+}
+
+/// Batches of at most this many rows prefetch the next row group's weights (see
+/// `group_kernel!`).
+#[cfg(target_arch = "x86_64")]
+pub(super) const PREFETCH_MAX_ROWS: usize = 16;
+
+/// Batches of more rows than this (prompts) fill a buffer with each row group's unpacked
+/// values once per matmul and read it in passes of [`BUFFERED_ROWS`]; smaller ones (decode
+/// batches) unpack again in every register pass (see `group_kernel!`).
+#[cfg(target_arch = "x86_64")]
+pub(super) const UNPACK_MAX_ROWS: usize = 32;
+
+/// Rows per pass over a buffered row group.
+#[cfg(target_arch = "x86_64")]
+pub(super) const BUFFERED_ROWS: usize = 4;
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// The unpacked blocks of the row group a batch's product is computing (see
+    /// `group_kernel!`).
+    pub(super) static BUFFERED: std::cell::RefCell<Vec<[std::arch::x86_64::__m256i; 8]>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Where one row group's blocks live.
+#[cfg(target_arch = "x86_64")]
+pub(super) struct GroupRef {
+    pub(super) q: *const u8,
+    pub(super) h: Option<*const u32>,
+    pub(super) d: ScalePtr,
+    /// `None` for types whose offset is implied by the scale.
+    pub(super) m: Option<ScalePtr>,
+    pub(super) gbb: usize,
+    pub(super) bytes8: bool,
+    /// Byte values are flipped from `q + 128` back to signed `q` when loaded (the AVX2 Q8_0
+    /// path, whose dot product then adds `128·Σx` back).
+    pub(super) signed: bool,
+    pub(super) halves: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl GroupRef {
+    pub(super) fn new(w: &PackedMatrix, g: usize, signed: bool) -> Self {
+        let (nb, gbb, halves) = (w.nb, w.kind.group_block_bytes(), w.kind.halves());
+        // SAFETY: group `g` exists, so these offsets are inside the matrix's buffers.
+        unsafe {
+            GroupRef {
+                q: w.qs.as_ptr().add(g * nb * gbb),
+                h: (!w.qh.is_empty()).then(|| w.qh.as_ptr().add(g * nb * GROUP)),
+                d: w.d.at(g * nb * GROUP * halves),
+                m: w.kind.has_min().then(|| w.m.at(g * nb * GROUP * halves)),
+                gbb,
+                bytes8: w.kind.byte_values(),
+                signed,
+                halves,
+            }
+        }
+    }
+
+    /// Row groups `g` and `g + 1` (which must exist) and how many of their 8 rows are real
+    /// (the second may be a matrix's last, partial group), for the two-group kernels.
+    pub(super) fn pair(w: &PackedMatrix, g: usize) -> ([Self; 2], [usize; 2]) {
+        let refs = [GroupRef::new(w, g, false), GroupRef::new(w, g + 1, false)];
+        (refs, [GROUP, GROUP.min(w.n_out - (g + 1) * GROUP)])
+    }
+
+    /// Starts loading block `b` of the next row group (laid out right after this one's `nb`
+    /// blocks) into L1.
+    #[inline(always)]
+    pub(super) fn prefetch_next(&self, nb: usize, b: usize) {
+        self.prefetch_block::<{ std::arch::x86_64::_MM_HINT_T0 }>(nb + b)
+    }
+
+    /// Starts loading the block `at` blocks after this group's first (the row groups are
+    /// laid out one after the other) into the caches `HINT` names.
+    #[inline(always)]
+    pub(super) fn prefetch_block<const HINT: i32>(&self, at: usize) {
+        let per_block = GROUP * self.halves;
+        prefetch_span::<HINT>(self.q.wrapping_add(at * self.gbb), self.gbb);
+        // a block's scales (and minimums) are 16–64 bytes: the lines of their first and last
+        // byte cover them (a loop over a span whose length is known only at run time cost
+        // more than the prefetches saved)
+        for s in [Some(self.d), self.m].into_iter().flatten() {
+            let from = s.add(at * per_block).at;
+            let last = from.wrapping_add(s.bytes_per() * per_block - 1);
+            // SAFETY: a prefetch is a hint that never faults, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<HINT>(from as *const i8);
+                std::arch::x86_64::_mm_prefetch::<HINT>(last as *const i8);
+            }
+        }
+        if let Some(h) = self.h {
+            prefetch_span::<HINT>(h.wrapping_add(at * GROUP) as *const u8, 4 * GROUP);
+        }
+    }
+}
+
+/// Asks for every cache line of `bytes` bytes from `from` to be loaded into the caches
+/// `HINT` names. The pointer may be past the end of its buffer (the last row group's
+/// "next"): it is never read.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn prefetch_span<const HINT: i32>(from: *const u8, bytes: usize) {
+    use std::arch::x86_64::_mm_prefetch;
+    const LINE: usize = 64;
+    let first = from as usize & !(LINE - 1);
+    let last = (from as usize).wrapping_add(bytes - 1);
+    let mut line = first;
+    while line <= last {
+        // SAFETY: a prefetch is a hint that never faults, whatever the address.
+        unsafe { _mm_prefetch::<HINT>(line as *const i8) };
+        line += LINE;
+    }
+}
+
+/// One activation row's results for a row group: the first `valid` of its 8 lanes (fewer
+/// than 8 only in a matrix's last group) into `dst`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+#[inline]
+pub(super) unsafe fn store_group(acc: std::arch::x86_64::__m256, dst: *mut f32, valid: usize) {
+    use std::arch::x86_64::_mm256_storeu_ps;
+    if valid == GROUP {
+        _mm256_storeu_ps(dst, acc);
+    } else {
+        let mut tmp = [0f32; GROUP];
+        _mm256_storeu_ps(tmp.as_mut_ptr(), acc);
+        std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, valid);
+    }
+}
+
+/// The 8 quads of block `b` of a row group, whatever its storage.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn group_block(p: &GroupRef, b: usize) -> [std::arch::x86_64::__m256i; 8] {
+    if p.bytes8 {
+        let mut v = load_bytes_block(p.q.add(b * p.gbb));
+        if p.signed {
+            use std::arch::x86_64::{_mm256_set1_epi8, _mm256_xor_si256};
+            let flip = _mm256_set1_epi8(-128);
+            for vq in &mut v {
+                *vq = _mm256_xor_si256(*vq, flip);
+            }
+        }
+        v
+    } else {
+        unpack_block(p.q.add(b * p.gbb), p.h.map(|h| h.add(b * GROUP)))
+    }
+}
+
+/// One row group times every activation row. `$rows` activation rows share one pass over
+/// the group's values, with everything they need in registers (AVX2 has 16 of them, the
+/// AVX512VL encodings used by the VNNI path 32). A batch of up to [`UNPACK_MAX_ROWS`] rows
+/// unpacks the values again in each pass, except 5-bit values on the path that sets
+/// `$buffer_5bit` (AVX2), whose fifth bits make the unpack dear enough that reading a buffer
+/// filled once is cheaper; longer batches buffer every type (measurements:
+/// measured on the reference machines). Each row's arithmetic is the same whatever `R`, so a
+/// row's result does not depend on the batch around it.
+macro_rules! group_kernel {
+    ($name:ident, $pass:ident, $features:literal, $dot:ident, $half_dots:ident,
+     $signed:literal, $buffer_5bit:literal, $narrow:literal, $rows:literal, [$($r:literal),*]) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $name(w: &PackedMatrix, a: &Q8Activations, g: usize, out: &Dest) {
+            let p = GroupRef::new(w, g, $signed);
+            let run = |buffered: &mut Vec<[std::arch::x86_64::__m256i; 8]>| {
+                buffered.clear();
+                let mut chunk = $rows;
+                let dear_unpack = $buffer_5bit && p.h.is_some();
+                if a.m > $rows && (a.m > UNPACK_MAX_ROWS || dear_unpack) {
+                    buffered.extend((0..w.nb).map(|b| group_block(&p, b)));
+                    chunk = BUFFERED_ROWS;
+                }
+                let valid = GROUP.min(w.n_out - g * GROUP);
+                let mut r0 = 0;
+                while r0 < a.m {
+                    let rows = (a.m - r0).min(chunk);
+                    // the first pass over a group of a small batch asks for the next
+                    // group's blocks while computing this one's, so the next unpack (or
+                    // buffer fill) reads from cache instead of stalling on memory with no
+                    // products in flight; a long batch computes long enough per group for
+                    // the hardware prefetcher, and the extra loads only cost it
+                    let prefetch = r0 == 0 && a.m <= PREFETCH_MAX_ROWS;
+                    // 4-bit values (no fifth bits, not stored as bytes), on a path whose
+                    // dot products gain from knowing it
+                    let narrow = $narrow && !p.bytes8 && p.h.is_none();
+                    match (rows, prefetch, narrow) {
+                        $(($r, true, true) =>
+                            $pass::<$r, true, true>(w, &p, buffered, a, r0, valid, g, out),
+                          ($r, true, false) =>
+                            $pass::<$r, true, false>(w, &p, buffered, a, r0, valid, g, out),
+                          ($r, false, true) =>
+                            $pass::<$r, false, true>(w, &p, buffered, a, r0, valid, g, out),
+                          ($r, false, false) =>
+                            $pass::<$r, false, false>(w, &p, buffered, a, r0, valid, g, out),)*
+                        _ => unreachable!(),
+                    }
+                    r0 += rows;
+                }
+            };
+            // one buffer per thread, grown once: a batch's products used to allocate and
+            // free one per row group (malloc was ~4% of an 8-stream decode)
+            BUFFERED.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut buffered) => run(&mut buffered),
+                Err(_) => run(&mut Vec::new()),
+            })
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $pass<const R: usize, const PREFETCH: bool, const NARROW: bool>(
+            w: &PackedMatrix,
+            p: &GroupRef,
+            buffered: &[[std::arch::x86_64::__m256i; 8]],
+            a: &Q8Activations,
+            r0: usize,
+            valid: usize,
+            g: usize,
+            out: &Dest,
+        ) {
+            use std::arch::x86_64::*;
+            let (k, nb) = (w.n_in, w.nb);
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                if PREFETCH {
+                    p.prefetch_next(nb, b);
+                }
+                let v = match buffered.get(b) {
+                    Some(v) => *v,
+                    None => group_block(p, b),
+                };
+                let x = |i: usize| a.quants.as_ptr().add((r0 + i) * k + b * QK4_1) as *const i32;
+                let at = |i: usize| (r0 + i) * nb + b;
+                if p.halves == 2 {
+                    // (split types have implied offsets, folded into the integers)
+                    let dv = p.d.add(b * GROUP * 2).load8();
+                    let dv1 = p.d.add(b * GROUP * 2 + GROUP).load8();
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let f = a.folded_halves.as_ptr().add(2 * at(i));
+                        let f = [*f, *f.add(1)];
+                        let [lo, hi] = if R >= 4 {
+                            $half_dots::<1>(&v, x(i), f)
+                        } else {
+                            $half_dots::<2>(&v, x(i), f)
+                        };
+                        let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
+                        let dot_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), dv);
+                        let dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), dv1, dot_lo);
+                        *acc = _mm256_fmadd_ps(dot, dx, *acc);
+                    }
+                    continue;
+                }
+                let dv = p.d.add(b * GROUP).load8();
+                let dot = |i: usize, folded: i32| {
+                    if $signed {
+                        block_dot_avx2_signed(&v, x(i))
+                    } else if R >= 4 {
+                        $dot::<1, NARROW>(&v, x(i), folded)
+                    } else if R >= 2 {
+                        $dot::<2, NARROW>(&v, x(i), folded)
+                    } else {
+                        $dot::<4, NARROW>(&v, x(i), folded)
+                    }
+                };
+                match p.m {
+                    Some(m) => {
+                        let mv = m.add(b * GROUP).load8();
+                        for (i, acc) in acc.iter_mut().enumerate() {
+                            let dot = _mm256_cvtepi32_ps(dot(i, 0));
+                            let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
+                            let sx = _mm256_set1_ps(*a.sums.get_unchecked(at(i)));
+                            *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
+                            *acc = _mm256_fmadd_ps(mv, sx, *acc);
+                        }
+                    }
+                    None => {
+                        for (i, acc) in acc.iter_mut().enumerate() {
+                            let folded = *a.folded.get_unchecked(at(i));
+                            let dot = _mm256_cvtepi32_ps(dot(i, folded));
+                            let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
+                            *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
+                        }
+                    }
+                }
+            }
+            for (i, acc) in acc.iter().enumerate() {
+                store_group(*acc, out.at(r0 + i, g * GROUP), valid);
+            }
+        }
+    };
+}
+
+pub(super) use group_kernel;
