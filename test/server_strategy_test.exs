@@ -1,7 +1,7 @@
 defmodule LlamaCppEx.Server.StrategyTest do
   use ExUnit.Case, async: true
 
-  alias LlamaCppEx.Server.{Placement, Plan, Request, Slot}
+  alias LlamaCppEx.Server.{Placement, Plan, Slot}
 
   alias LlamaCppEx.Server.Strategy.{
     Balanced,
@@ -12,17 +12,7 @@ defmodule LlamaCppEx.Server.StrategyTest do
     ThroughputFirst
   }
 
-  defp request(t_start) do
-    %Request{
-      tokens: [1],
-      max_tokens: 1,
-      t_start: t_start,
-      sampler: %LlamaCppEx.Sampler{ref: make_ref()},
-      pipeline: LlamaCppEx.Pipeline.new(%{stop: nil, logprobs: false}, 1),
-      stream_pid: self(),
-      stream_ref: make_ref()
-    }
-  end
+  defp request(t_start), do: LlamaCppEx.ServerFixtures.request([1], t_start: t_start)
 
   defp prefilling(n, t_start \\ 0) do
     tokens = Enum.to_list(1000..(1000 + n - 1))

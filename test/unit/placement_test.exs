@@ -1,22 +1,8 @@
 defmodule LlamaCppEx.Server.PlacementTest do
   use ExUnit.Case, async: true
 
-  alias LlamaCppEx.{Pipeline, Sampler}
-  alias LlamaCppEx.Server.{Config, Placement, PromptCache, Request, Slot, State, Stats}
-
-  defp request(tokens, opts \\ []) do
-    %Request{
-      tokens: tokens,
-      max_tokens: 4,
-      sampler: %Sampler{ref: make_ref()},
-      pipeline: Pipeline.new(%{stop: nil, logprobs: false}, 4),
-      stream_pid: self(),
-      stream_ref: make_ref(),
-      cache_prompt: Keyword.get(opts, :cache_prompt, true),
-      session: opts[:session],
-      cache_scope: opts[:cache_scope]
-    }
-  end
+  import LlamaCppEx.ServerFixtures, only: [request: 1, request: 2]
+  alias LlamaCppEx.Server.{Config, Placement, PromptCache, Slot, State, Stats}
 
   defp idle(seq, cached, t \\ 0, scope \\ nil),
     do: %Slot{seq: seq, cached: cached, t_last_used: t, cache_scope: scope}

@@ -1,20 +1,12 @@
 defmodule LlamaCppEx.Server.PlanTest do
   use ExUnit.Case, async: true
 
+  import LlamaCppEx.ServerFixtures, only: [request: 2]
   alias LlamaCppEx.Engine.{Spec, Step}
-  alias LlamaCppEx.{Pipeline, Sampler}
-  alias LlamaCppEx.Server.{Plan, Request, Slot}
+  alias LlamaCppEx.Server.{Plan, Slot}
 
   defp speculating(prompt, fed, pending) do
-    request = %Request{
-      tokens: prompt,
-      max_tokens: 64,
-      sampler: %Sampler{ref: make_ref()},
-      pipeline: Pipeline.new(%{stop: nil, logprobs: false}, 64),
-      stream_pid: self(),
-      stream_ref: make_ref(),
-      n_draft: 4
-    }
+    request = request(prompt, n_draft: 4)
 
     %Slot{
       seq: 3,
