@@ -4,7 +4,8 @@
 #     mix run bench/generate.exs
 #
 # Prompt processing evaluates N tokens in one batch; decode evaluates 128 tokens one at a time
-# after a one-token prompt (llama-bench's pp/tg definitions). With LLAMA_CPP_BIN set, runs
+# after a one-token prompt (llama-bench's pp/tg definitions); `generate` is decode through
+# `LlamaCppEx.generate/3` (the model route, sampling included). With LLAMA_CPP_BIN set, runs
 # `llama-bench -t N -p 128,512 -n 128` on the same file and prints our/their ratios.
 # LLAMA_CPP_BIN_AVX2 adds the same columns for a llama.cpp built for AVX2 only
 # (`GGML_NATIVE=OFF GGML_AVX512=OFF`: what llama.cpp runs on an AVX2-only CPU), for runs of
@@ -52,6 +53,30 @@ defmodule Bench.Generate do
       end
 
     n / (median(times) / 1000)
+  end
+
+  # Decode through the model route (`LlamaCppEx.generate/3`: engine steps driven from the
+  # caller, sampling included): 127 tokens after the first, every end-of-generation token
+  # banned so each run generates them all.
+  def generate_tps(model, threads) do
+    vocab = LlamaCppEx.Tokenizer.vocab_size(model)
+    ban = for id <- 0..(vocab - 1), LlamaCppEx.Tokenizer.eog?(model, id), do: {id, :neg_infinity}
+    prompt = "Write a long story about a lighthouse keeper and the sea."
+    opts = [max_tokens: 128, temp: 0.0, n_threads: threads, n_ctx: 512, logit_bias: ban]
+
+    times =
+      for _ <- 1..@reps do
+        full = time_ms(fn -> {:ok, _} = LlamaCppEx.generate(model, prompt, opts) end)
+
+        first =
+          time_ms(fn ->
+            {:ok, _} = LlamaCppEx.generate(model, prompt, Keyword.put(opts, :max_tokens, 1))
+          end)
+
+        full - first
+      end
+
+    127 / (median(times) / 1000)
   end
 
   def llama_bench(bin, path, threads) do
@@ -103,7 +128,8 @@ requantize =
 ours = %{
   "pp128" => Bench.Generate.prompt_tps(model, 128, threads),
   "pp512" => Bench.Generate.prompt_tps(model, 512, threads),
-  "tg128" => Bench.Generate.decode_tps(model, 128, threads)
+  "tg128" => Bench.Generate.decode_tps(model, 128, threads),
+  "generate" => Bench.Generate.generate_tps(model, threads)
 }
 
 IO.puts(
@@ -134,7 +160,7 @@ IO.puts(
     String.duplicate("----------------:|------:|", length(comparisons))
 )
 
-for test <- ["pp128", "pp512", "tg128"] do
+for test <- ["pp128", "pp512", "tg128", "generate"] do
   ours_v = ours[test]
 
   cells =
