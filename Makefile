@@ -55,6 +55,7 @@ test: setup
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) test --release --manifest-path native/Cargo.toml -p llama_cpp_ex_engine
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/test_simd_levels.sh
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/check_aarch64.sh
+	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/test_precompiled.sh
 	mix test
 
 clean:

@@ -49,8 +49,9 @@ defmodule LlamaCppEx do
   @own_keys [:max_tokens, :n_ctx, :timeout, :grammar, :json_schema, :stop, :speculative]
 
   @doc false
+  # the chat keys too: the contract's generate/3 accepts them (a raw prompt ignores them)
   def generation_option_keys,
-    do: @own_keys ++ Sampler.all_keys() ++ Context.tuning_option_keys()
+    do: @own_keys ++ Chat.option_keys() ++ Sampler.all_keys() ++ Context.tuning_option_keys()
 
   @server_chat_keys [
     :max_tokens,
@@ -171,6 +172,9 @@ defmodule LlamaCppEx do
       n_draft: 4]` drafts with a smaller model sharing the vocabulary (a `LlamaCppEx.Model`
       or a GGUF path, loaded per call). Either way the text is the same as without it
       (lossless for every sampler). Off by default.
+    * `:add_assistant`, `:enable_thinking`, `:chat_template_kwargs` - accepted as
+      `llama_cpp_ex` accepts them, and without effect: they shape a chat template, and a raw
+      prompt has none (see `chat/3`).
 
   ## Example
 
@@ -264,7 +268,7 @@ defmodule LlamaCppEx do
   """
   @spec chat(Model.t(), [Chat.message()], keyword()) :: {:ok, String.t()} | {:error, term()}
   def chat(%Model{} = model, messages, opts \\ []) do
-    Options.validate!(opts, generation_option_keys() ++ Chat.option_keys(), "LlamaCppEx.chat/3")
+    Options.validate!(opts, generation_option_keys(), "LlamaCppEx.chat/3")
     {chat_opts, gen_opts} = Keyword.split(opts, Chat.option_keys())
     gen_opts = Generation.options!(gen_opts, :model)
 
@@ -280,7 +284,7 @@ defmodule LlamaCppEx do
   def stream_chat(%Model{} = model, messages, opts \\ []) do
     Options.validate!(
       opts,
-      generation_option_keys() ++ Chat.option_keys(),
+      generation_option_keys(),
       "LlamaCppEx.stream_chat/3"
     )
 
@@ -312,7 +316,8 @@ defmodule LlamaCppEx do
     opts = Keyword.put_new(opts, :enable_thinking, false)
     timeout = Options.timeout(opts, :blocking)
 
-    with {:ok, src, gen} <- open_chat(model_or_server, server?, messages, opts, timeout),
+    with {:ok, src, gen} <-
+           open_chat(model_or_server, server?, messages, opts, timeout, :generate),
          {:ok, result} <- Source.collect(src) do
       {:ok, Completion.completion(gen, result, opts)}
     end
@@ -337,7 +342,7 @@ defmodule LlamaCppEx do
 
     Stream.resource(
       fn ->
-        case open_chat(model_or_server, server?, messages, opts, timeout) do
+        case open_chat(model_or_server, server?, messages, opts, timeout, :stream) do
           {:ok, src, gen} ->
             %{
               src: src,
@@ -361,19 +366,21 @@ defmodule LlamaCppEx do
   end
 
   defp chat_keys(true), do: @server_chat_keys ++ Server.request_option_keys()
-  defp chat_keys(false), do: generation_option_keys() ++ Chat.option_keys()
+  defp chat_keys(false), do: generation_option_keys()
 
   defp route_of(true), do: :server
   defp route_of(false), do: :model
 
   # The chat's request, prepared and opened on its route: `{:ok, source, generation}`.
-  defp open_chat(target, server?, messages, opts, timeout) do
+  # `mode` is the server's telemetry's, as the contract's routes report it (a blocking call
+  # `:generate`, a stream `:stream`).
+  defp open_chat(target, server?, messages, opts, timeout, mode) do
     {chat_opts, gen_opts} = Keyword.split(opts, Chat.option_keys())
     gen_opts = Generation.options!(Keyword.delete(gen_opts, :timeout), route_of(server?))
     render = &Chat.apply_template(&1, messages, chat_opts)
 
     if server? do
-      Server.open(target, render, gen_opts, :chat_completion, timeout)
+      Server.open(target, render, gen_opts, mode, timeout)
     else
       with {:ok, prompt} <- render.(target),
            {:ok, gen} <- Generation.prepare(target, prompt, gen_opts, :model),

@@ -31,6 +31,7 @@ defmodule LlamaCppEx.ModelManagerTest do
     end
 
     def resolve_source({:path, "fail"}, _opts), do: {:error, :disk_on_fire}
+    def resolve_source({:path, "crash"}, _opts), do: raise("disk gone")
     def resolve_source(source, opts), do: ModelIO.resolve_source(source, opts)
 
     @impl true
@@ -39,6 +40,9 @@ defmodule LlamaCppEx.ModelManagerTest do
     def start_server(id, path, opts), do: ModelIO.start_server(id, path, opts)
     @impl true
     def stop_server(pid), do: ModelIO.stop_server(pid)
+    # a backend that lists its options gets them checked in load/3's caller
+    @impl true
+    def option_keys, do: ModelIO.option_keys()
   end
 
   defp start(opts \\ []) do
@@ -209,6 +213,11 @@ defmodule LlamaCppEx.ModelManagerTest do
     assert ModelManager.route("slow") == {:error, {:not_ready, :loading}}
     assert ModelManager.load("slow", {:path, @tiny}) == {:error, :already_loaded}
     assert ModelManager.load("f", {:path, "fail"}) == {:error, :disk_on_fire}
+    # a backend that raises answers its caller (and leaves no entry)
+    assert {:error, {:load_crashed, {%RuntimeError{message: "disk gone"}, _}}} =
+             ModelManager.load("c", {:path, "crash"})
+
+    assert ModelManager.info("c") == {:error, :not_loaded}
     assert {:ok, "slow"} = Task.await(task, 10_000)
     assert ModelManager.loaded?("slow")
 
@@ -222,7 +231,7 @@ defmodule LlamaCppEx.ModelManagerTest do
 
   test "auto-loaded models" do
     start(models: [{"tiny", {:path, @tiny}, mode: :direct, default: true}])
-    wait_until(fn -> ModelManager.loaded?("tiny") end)
+    assert ModelManager.loaded?("tiny")
     assert ModelManager.default() == "tiny"
     assert {:ok, _} = ModelManager.generate(:default, "hello", max_tokens: 4)
   end
@@ -237,10 +246,11 @@ defmodule LlamaCppEx.ModelManagerTest do
              vram: %{}
            }
 
-    assert Budget.distribute(100, [tensor_split: [1, 3]], 2) == %{
-             ram: 0,
-             vram: %{0 => 25, 1 => 75}
-           }
+    assert Budget.distribute(100, [mode: :direct, split_mode: :layer, tensor_split: [1, 3]], 2) ==
+             %{
+               ram: 0,
+               vram: %{0 => 25, 1 => 75}
+             }
 
     assert Budget.check(Budget.resolve(%{ram: 50}), %{ram: 60, vram: %{}}, Budget.empty_usage()) ==
              {:error, {:insufficient_memory, device: :ram, required: 60, available: 50}}

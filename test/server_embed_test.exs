@@ -140,9 +140,12 @@ defmodule LlamaCppEx.ServerEmbedTest do
 
     {:ok, _} = TestModels.wait_model(server)
     many = for i <- 1..40, do: "text #{i}"
+    # paused, the first call's job stays registered until the probe has been answered
+    :ok = Server.pause(server)
     first = Task.async(fn -> Server.embed(server, many) end)
-    Process.sleep(10)
+    wait_until(fn -> Server.get_stats(server).embed_queue_depth == 40 end)
     assert {:error, :queue_full} = Server.embed(server, ["one more"])
+    :ok = Server.resume(server)
     assert {:ok, vectors} = Task.await(first, 60_000)
     assert length(vectors) == 40
     GenServer.stop(server)
@@ -183,5 +186,13 @@ defmodule LlamaCppEx.ServerEmbedTest do
     assert_same_vectors(got, want)
     assert {:error, :not_generative_model} = Server.generate(server, "hello")
     GenServer.stop(server)
+  end
+
+  defp wait_until(check, tries \\ 500) do
+    cond do
+      check.() -> :ok
+      tries == 0 -> flunk("condition not reached")
+      true -> Process.sleep(10) && wait_until(check, tries - 1)
+    end
   end
 end

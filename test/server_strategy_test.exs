@@ -30,10 +30,7 @@ defmodule LlamaCppEx.Server.StrategyTest do
 
   # What the server does with a strategy's plan: check it, then build the step's entries.
   defp build(strategy, slots, budget, chunk_size, opts) do
-    plan =
-      slots
-      |> strategy.build_batch(budget, chunk_size, opts)
-      |> Plan.validate!(slots, budget, chunk_size, strategy)
+    plan = Plan.of(strategy, slots, budget, chunk_size, opts, make_ref())
 
     {step, updated, _counts} = Plan.to_step(plan, slots)
     {step.entries, updated}
@@ -110,7 +107,7 @@ defmodule LlamaCppEx.Server.StrategyTest do
   end
 
   defmodule Broken do
-    def build_batch(_slots, _budget, _chunk, opts), do: Keyword.fetch!(opts, :plan)
+    def plan(_slots, _budget, _chunk, opts), do: Keyword.fetch!(opts, :plan)
   end
 
   test "a malformed plan raises an error naming the strategy and what it returned" do
@@ -130,8 +127,105 @@ defmodule LlamaCppEx.Server.StrategyTest do
           build(Broken, slots, 5, 512, plan: plan)
         end
 
-      assert err.message =~ "LlamaCppEx.Server.StrategyTest.Broken.build_batch/4"
+      assert err.message =~ "LlamaCppEx.Server.StrategyTest.Broken.plan/4"
       assert err.message =~ why
+    end
+  end
+
+  describe "the contract's shape (slot maps in, {entries, slots} out)" do
+    alias LlamaCppEx.Test.ContractStrategies, as: C
+
+    test "built-in strategies answer contract callers: the distinguishing batch orders" do
+      slots = %{
+        0 => C.prefilling(Enum.to_list(1000..1099)),
+        1 => C.generating(11, 5),
+        2 => C.generating(12, 5),
+        3 => C.generating(13, 5),
+        4 => C.generating(14, 5)
+      }
+
+      ids = fn strategy ->
+        {entries, _} = strategy.build_batch(slots, 4, 512, model_ref: nil, queue_depth: 0)
+        Enum.map(entries, &elem(&1, 2))
+      end
+
+      assert ids.(DecodeMaximal) == [1, 2, 3, 4]
+      assert ids.(Balanced) == [1, 2, 0, 0]
+      assert ids.(PrefillPriority) == [0, 0, 0, 0]
+    end
+
+    test "decode-first and prefill-first with one slot each, and the updated slots" do
+      slots = %{0 => C.prefilling([1000, 1001, 1002, 1003, 1004]), 1 => C.generating(12, 2)}
+      {entries, updated} = DecodeMaximal.build_batch(slots, 100, 512, [])
+      assert Enum.map(entries, &elem(&1, 2)) == [1, 0, 0, 0, 0, 0]
+      assert hd(entries) == {12, 2, 1, true}
+      assert updated[1].batch_idx == 0 and updated[1].generated_token_ids == [12]
+      assert updated[0].prefill_pos == 5 and updated[0].batch_idx == 5
+
+      {entries, _} = PrefillPriority.build_batch(slots, 100, 512, [])
+      assert Enum.map(entries, &elem(&1, 2)) == [0, 0, 0, 0, 0, 1]
+      assert List.last(entries) == {12, 2, 1, true}
+    end
+
+    test "the helpers: chunks, logits only on the completing token, no budget adds nothing" do
+      alias LlamaCppEx.Server.Strategy.Batch
+      slots = %{0 => C.prefilling(Enum.to_list(1..10)), 1 => C.generating(7, 3)}
+      {es, 4, s, 0} = Batch.add_prefill_chunks(slots, [], 0, 4, 512)
+
+      assert Enum.reverse(es) == [
+               {1, 0, 0, false},
+               {2, 1, 0, false},
+               {3, 2, 0, false},
+               {4, 3, 0, false}
+             ]
+
+      assert s[0].prefill_pos == 4 and s[0].batch_idx == -1
+      {es, 2, s, _} = Batch.add_prefill_chunks(%{0 => %{s[0] | prefill_pos: 8}}, [], 0, 9, 4)
+      assert Enum.reverse(es) == [{9, 8, 0, false}, {10, 9, 0, true}]
+      assert s[0].batch_idx == 1
+      assert {[], 0, ^slots, 0} = Batch.add_decode_tokens(slots, [], 0, 0)
+    end
+
+    test "strategies written to the contract run here with the built-ins' batches" do
+      slots = %{0 => prefilling(7), 1 => generating(12, 2), 2 => generating(13, 9)}
+
+      for budget <- [1, 3, 100], chunk <- [2, 512] do
+        assert build(C.GreedyDecodeFirst, slots, budget, chunk, []) ==
+                 build(DecodeMaximal, slots, budget, chunk, [])
+
+        assert build(C.PrefillFirst, slots, budget, chunk, []) ==
+                 build(PrefillPriority, slots, budget, chunk, [])
+      end
+
+      # round robin interleaves sequences; each one's tokens stay in order
+      {entries, updated} = build(C.RoundRobin, slots, 5, 512, [])
+      assert Enum.sort(Enum.map(entries, &elem(&1, 2))) == [0, 0, 0, 1, 2]
+      assert updated[0].prefill_pos == 3 and updated[1].pending == nil
+    end
+
+    defmodule Answers do
+      @moduledoc false
+      def build_batch(_slots, _budget, _chunk, opts), do: Keyword.fetch!(opts, :answer)
+    end
+
+    test "a wrong answer raises an error naming the strategy and what it returned" do
+      slots = %{0 => prefilling(5), 1 => generating(12, 2)}
+
+      for {answer, why} <- [
+            {:nope, "expected {entries, slots}"},
+            {{[:x], %{}}, "not {token, pos, seq_id, logits?}"},
+            {{[{1000, 0, 0, false}, {5, 1, 0, false}], %{}}, "not slot 0's next prompt tokens"},
+            {{[{1000, 0, 0, true}], %{}}, "not slot 0's next prompt tokens"},
+            {{[{99, 2, 1, true}], %{}}, "not what slot 1 feeds next"},
+            {{[{12, 2, 1, true}, {12, 2, 1, true}], %{}}, "not what slot 1 feeds next"},
+            {{[{1, 0, 7, true}], %{}}, "no slot 7"},
+            {{Enum.map(0..4, &{1000 + &1, &1, 0, &1 == 4}) ++ [{12, 2, 1, true}], %{}},
+             "exceed the budget"}
+          ] do
+        err = assert_raise ArgumentError, fn -> build(Answers, slots, 5, 512, answer: answer) end
+        assert err.message =~ "LlamaCppEx.Server.StrategyTest.Answers.build_batch/4"
+        assert err.message =~ why
+      end
     end
   end
 

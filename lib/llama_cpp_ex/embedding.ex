@@ -19,10 +19,11 @@ defmodule LlamaCppEx.Embedding do
   all-MiniLM-L6-v2, bge, e5, ...) and embed through the same calls; their attention is
   bidirectional within each text, the pooling is the directory's (`1_Pooling/config.json`,
   mean otherwise), and texts are wrapped in `[CLS] … [SEP]` by the tokenizer's
-  post-processor. all-MiniLM-L6-v2 matches a float64 reference forward pass to cosine
-  1.0000000 with `quantize: :none` and ≥ 0.9992 with the default `:q8_0`.
+  post-processor. An encoder directory loads unquantized by default, and all-MiniLM-L6-v2 then
+  matches a float64 reference forward pass to cosine 1.0000000 (≥ 0.9992 with
+  `quantize: :q8_0`, which halves its memory).
 
-      {:ok, minilm} = LlamaCppEx.load_model("/models/all-MiniLM-L6-v2", quantize: :none)
+      {:ok, minilm} = LlamaCppEx.load_model("/models/all-MiniLM-L6-v2")
       {:ok, vectors} = LlamaCppEx.embed_batch(minilm, ["cats purr", "dogs bark"])
 
   ## Options
@@ -67,6 +68,7 @@ defmodule LlamaCppEx.Embedding do
     truncate: false
   ]
   @keys [:n_ctx | Keyword.keys(@defaults)]
+  @max_batch_sequences 64
 
   @doc """
   The embedding of `text`; see the module documentation for the options.
@@ -78,27 +80,44 @@ defmodule LlamaCppEx.Embedding do
 
   @doc """
   The embeddings of `texts`, in order, from forward passes of up to 4096 tokens; results
-  equal `embed/3` on each text (cosine > 0.99999). Options as `embed/3`.
+  equal `embed/3` on each text (cosine > 0.99999). Options as `embed/3`, plus
+  `:max_batch_sequences` (default 64): the most texts evaluated together, each group's
+  passes finished before the next group's begin.
   """
   @spec embed_batch(Model.t(), [String.t()], keyword()) ::
           {:ok, [t() | [t()]]} | {:error, String.t()}
   def embed_batch(%Model{} = model, texts, opts \\ []) when is_list(texts) do
-    run(model, texts, opts, "LlamaCppEx.Embedding.embed_batch/3")
+    run(model, texts, opts, "LlamaCppEx.Embedding.embed_batch/3", [:max_batch_sequences])
   end
 
-  defp run(model, texts, opts, label) do
-    with {:ok, ids, opts} <- prepare(model, texts, opts, label, [:n_threads]),
-         {:ok, bins} <-
-           NIF.embed(
-             model.ref,
-             ids,
-             pooling_code(opts),
-             opts[:normalize],
-             opts[:n_ctx],
-             opts[:n_threads] || Context.default_threads()
-           ) do
-      {:ok, decode(bins, model, opts)}
+  defp run(model, texts, opts, label, extra \\ []) do
+    with {:ok, ids, opts} <- prepare(model, texts, opts, label, [:n_threads | extra]),
+         :ok <-
+           Options.check_all(opts, max_batch_sequences: {:int, 1, Limits.engine().max_sequences}) do
+      ids
+      |> Enum.chunk_every(opts[:max_batch_sequences] || @max_batch_sequences)
+      |> Enum.reduce_while({:ok, []}, fn group, {:ok, acc} ->
+        case embed_group(model, group, opts) do
+          {:ok, bins} -> {:cont, {:ok, [bins | acc]}}
+          error -> {:halt, error}
+        end
+      end)
+      |> case do
+        {:ok, groups} -> {:ok, groups |> Enum.reverse() |> Enum.concat() |> decode(model, opts)}
+        error -> error
+      end
     end
+  end
+
+  defp embed_group(model, ids, opts) do
+    NIF.embed(
+      model.ref,
+      ids,
+      pooling_code(opts),
+      opts[:normalize],
+      opts[:n_ctx],
+      opts[:n_threads] || Context.default_threads()
+    )
   end
 
   @doc false

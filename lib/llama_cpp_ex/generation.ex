@@ -24,7 +24,7 @@ defmodule LlamaCppEx.Generation do
   `:top_logprobs` 0 to `LlamaCppEx.Limits.engine().max_top_logprobs`.
   """
 
-  alias LlamaCppEx.{Grammar, Limits, Model, Options, Sampler, StopMatcher, Tokenizer}
+  alias LlamaCppEx.{Chat, Grammar, Limits, Model, Options, Sampler, StopMatcher, Tokenizer}
 
   @enforce_keys [:model, :tokens, :max_tokens, :sampler]
   defstruct [:model, :tokens, :max_tokens, :sampler, :stop, :speculative, logprobs: false]
@@ -64,7 +64,8 @@ defmodule LlamaCppEx.Generation do
   """
   @spec options!(keyword(), :model | :server) :: keyword()
   def options!(opts, route) do
-    opts = resolve_json_schema!(opts)
+    # chat keys shape a template; by now the prompt is rendered or raw
+    opts = opts |> Keyword.drop(Chat.option_keys()) |> resolve_json_schema!()
 
     case Keyword.fetch(opts, :speculative) do
       {:ok, spec} -> Keyword.put(opts, :speculative, speculative!(spec, route))

@@ -21,8 +21,10 @@ defmodule LlamaCppEx.Model do
   `generation_config.json` (its `eos_token_id`s end generation). The `llama` (and `mistral`),
   `qwen2`, `qwen3` and `gemma3_text` model types are supported. The checkpoint is converted at
   load exactly as llama.cpp's `convert_hf_to_gguf.py` would convert it (tensor names, Llama's
-  Q/K row order, Gemma's norms, Llama 3.1 rope factors), and its matrices are quantized on the
-  way (`:quantize`, default `:q8_0`), so it runs on the same kernels as a GGUF file.
+  Q/K row order, Gemma's norms, Llama 3.1 rope factors). A decoder's matrices are quantized on
+  the way (`:quantize`, default `:q8_0`), so it runs on the same kernels as a GGUF file; an
+  encoder (BERT) keeps its stored precision by default, so its vectors are the ones
+  sentence-transformers computes.
 
       {:ok, model} = LlamaCppEx.Model.load("/models/Qwen2.5-0.5B-Instruct", quantize: :q4_k)
 
@@ -30,7 +32,8 @@ defmodule LlamaCppEx.Model do
 
   `llama_cpp_ex`'s placement and file-access options are accepted so that code written for it
   runs unchanged, and have no effect on this CPU engine: `:n_gpu_layers`, `:main_gpu`,
-  `:split_mode` (still validated), `:tensor_split`, `:devices` (weights stay in host memory),
+  `:split_mode` (still validated), `:tensor_split`, `:devices` (weights stay in host memory;
+  a name that is not one of `LlamaCppEx.devices/0` is an error, as in `llama_cpp_ex`),
   `:use_mmap`, `:use_mlock`, `:use_direct_io` (the file is always memory-mapped and its pages
   released once copied), `:check_tensors` (every tensor's bounds are always checked) and
   `:load_mtp` (no MTP heads). `:rpc_servers` other than `[]` is an error: remote devices are
@@ -82,8 +85,9 @@ defmodule LlamaCppEx.Model do
       memory); `false` keeps the file's types.
     * `:vocab_only` - load only the tokenizer and the chat template. Default `false`.
     * `:quantize` - for Hugging Face checkpoint directories, the type their matrices are
-      stored in after loading: `:q8_0` (default), `:q4_0`, `:q4_k` (rows whose length is not
-      a multiple of 256 fall back to Q8_0), or `:none` (as stored: f32, f16 or bf16). Q8_0 and
+      stored in after loading: `:q8_0` (the default for decoders), `:q4_0`, `:q4_k` (rows
+      whose length is not a multiple of 256 fall back to Q8_0), or `:none` (as stored: f32,
+      f16 or bf16; the default for BERT encoders). Q8_0 and
       Q4_0 round exactly as llama.cpp's quantizers do. GGUF files keep their own types, so
       for them this option is a documented no-op (see `:requantize`).
     * the options listed under "Options that do nothing here".
@@ -97,6 +101,7 @@ defmodule LlamaCppEx.Model do
     _ = encode_split_mode(Keyword.get(opts, :split_mode, :none))
 
     with :ok <- check_path(path),
+         :ok <- check_devices(Keyword.get(opts, :devices, [])),
          :ok <-
            Options.check_all(opts,
              vocab_only: :boolean,
@@ -110,7 +115,8 @@ defmodule LlamaCppEx.Model do
              path,
              requantize(opts),
              Keyword.get(opts, :vocab_only, false),
-             Atom.to_string(Keyword.get(opts, :quantize, :q8_0))
+             # absent: the architecture's default, which only the loader knows
+             opts |> Keyword.get(:quantize, :default) |> Atom.to_string()
            ) do
       {:ok, %__MODULE__{ref: ref, load_mtp: Keyword.get(opts, :load_mtp, false)}}
     end
@@ -122,11 +128,43 @@ defmodule LlamaCppEx.Model do
       else: {:error, "failed to load model from: #{inspect(path)} (path must be a string)"}
   end
 
+  # placement is host memory whatever is named, but a name that is not a device is a typo the
+  # contract refuses
+  defp check_devices(names) when is_list(names) do
+    available = Enum.map(LlamaCppEx.devices(), & &1.name)
+
+    case Enum.find(names, &(&1 not in available)) do
+      nil -> :ok
+      name -> {:error, "unknown device: #{name} (available: #{Enum.join(available, ", ")})"}
+    end
+  end
+
+  defp check_devices(other),
+    do: {:error, "invalid :devices #{inspect(other)}, expected a list of device names"}
+
+  @doc false
+  # What `path` holds for the loader: a GGUF file, a checkpoint directory (`config.json`
+  # inside), or neither. One answer for `load/2`'s callers that check before loading.
+  @spec source_kind(term()) :: :file | :checkpoint | :missing
+  def source_kind(path) when is_binary(path) do
+    cond do
+      File.regular?(path) -> :file
+      File.regular?(Path.join(path, "config.json")) -> :checkpoint
+      true -> :missing
+    end
+  end
+
+  def source_kind(_), do: :missing
+
   defp check_rpc([]), do: :ok
   defp check_rpc(nil), do: :ok
 
-  defp check_rpc(servers),
-    do: {:error, "RPC endpoints are not supported by this engine: #{inspect(servers)}"}
+  # as llama_cpp_ex without ggml-rpc answers (LlamaCppEx.RPC)
+  defp check_rpc([endpoint | _]),
+    do:
+      {:error, "RPC endpoint #{inspect(endpoint)}: rpc_unsupported (this engine has no ggml-rpc)"}
+
+  defp check_rpc(other), do: {:error, "invalid :rpc_servers #{inspect(other)}"}
 
   defp requantize(opts) do
     case Keyword.get(opts, :requantize, true) do

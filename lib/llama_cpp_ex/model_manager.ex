@@ -18,10 +18,12 @@ defmodule LlamaCppEx.ModelManager do
 
   The manager is a node-wide singleton (registered as `LlamaCppEx.ModelManager`; a second
   instance refuses to start). Routing reads the ETS table `:llama_cpp_ex_models`, so
-  `route/1`, `fetch_model/1` and the facade calls never wait on the manager; loads run in a
-  `Task.Supervisor`, so a long load (or a Hub download) never blocks it either, and
-  `list/0` shows the entry as `:loading` meanwhile. If a model's server crashes, its entry
-  becomes `:error` and calls get `{:error, {:not_ready, :error}}`.
+  `route/1`, `fetch_model/1` and the facade calls never wait on the manager. The `:models`
+  given at start load while it starts: `start_link/1` returns once each is `:ready` (or has
+  failed, which is logged), so the application's next child can use them. Later `load/3`
+  calls run in a `Task.Supervisor`, so a long load (or a Hub download) never blocks the
+  manager, and `list/0` shows the entry as `:loading` meanwhile. If a model's server crashes,
+  its entry becomes `:error` and calls get `{:error, {:not_ready, :error}}`.
 
   ## Memory budget
 
@@ -40,12 +42,14 @@ defmodule LlamaCppEx.ModelManager do
 
   @table :llama_cpp_ex_models
   @lru :llama_cpp_ex_models_lru
+  # the backend, next to the entries, for load/3's option check in the caller
+  @io_key :"$io"
 
   ## lifecycle
 
   @doc """
   Starts the manager. Options: `:memory_budget`, `:models` (`{id, source}` or `{id, source,
-  opts}`, loaded after start), `:io` (a `LlamaCppEx.ModelManager.Backend`), `:name`.
+  opts}`, loaded before this returns), `:io` (a `LlamaCppEx.ModelManager.Backend`), `:name`.
   """
   def start_link(opts \\ []) do
     {name, opts} = Keyword.pop(opts, :name, __MODULE__)
@@ -64,21 +68,32 @@ defmodule LlamaCppEx.ModelManager do
     else
       :ets.new(@table, [:named_table, :set, :public, read_concurrency: true])
       :ets.new(@lru, [:named_table, :set, :public])
+      :ets.insert(@table, {@io_key, opts[:io]})
       {:ok, tasks} = Task.Supervisor.start_link()
-      budget = Budget.resolve(opts[:memory_budget])
+      state = %{io: opts[:io], budget: Budget.resolve(opts[:memory_budget]), tasks: tasks}
+      {:ok, Enum.reduce(opts[:models], Map.put(state, :loads, %{}), &auto_load/2)}
+    end
+  end
 
-      for m <- opts[:models] do
-        {id, source, load_opts} =
-          case m do
-            {id, source} -> {id, source, []}
-            {id, source, o} -> {id, source, o}
-          end
-
-        send(self(), {:auto_load, id, source, load_opts})
+  # one model of `:models`, loaded here in init so that it is ready when start_link returns
+  defp auto_load(model, state) do
+    {id, source, opts} =
+      case model do
+        {id, source} -> {id, source, []}
+        {id, source, o} -> {id, source, o}
       end
 
-      {:ok, %{io: opts[:io], budget: budget, tasks: tasks, pending: %{}}}
+    case begin_load(id, source, opts) do
+      {:ok, mode} ->
+        reserve = fn size -> reserve(state, id, size, Keyword.put(opts, :mode, mode)) end
+        result = load_now(state.io, id, source, opts, mode, reserve)
+        log_auto_load(id, commit(state, id, result, opts))
+
+      {:error, _} = error ->
+        log_auto_load(id, error)
     end
+
+    state
   end
 
   ## API
@@ -90,12 +105,27 @@ defmodule LlamaCppEx.ModelManager do
   Options: `:mode` (`:server` | `:direct`; `:direct` when `:embed` is among the
   capabilities), `:capabilities` (default `[:generate, :chat]`), `:default`, the Hub's
   download options, and any `LlamaCppEx.Model.load/2` or `LlamaCppEx.Server.start_link/1`
-  option. Unknown options raise `ArgumentError`.
+  option. The backend owns the option list: with `ModelIO` (the default) an unknown option
+  raises `ArgumentError`, in the caller; a custom `:io` backend that exports `option_keys/0`
+  is checked the same way, one that does not receives every option as given.
   """
   @spec load(term(), term(), keyword()) :: {:ok, term()} | {:error, term()}
   def load(id, source, opts \\ []) do
-    LlamaCppEx.Options.validate!(opts, ModelIO.option_keys(), "LlamaCppEx.ModelManager.load/3")
-    call({:load, id, source, opts}, :infinity)
+    with {:ok, io} <- backend() do
+      if function_exported?(io, :option_keys, 0),
+        do: LlamaCppEx.Options.validate!(opts, io.option_keys(), "LlamaCppEx.ModelManager.load/3")
+
+      call({:load, id, source, opts}, :infinity)
+    end
+  end
+
+  defp backend do
+    with :ok <- started(), [{_, io}] <- :ets.lookup(@table, @io_key) do
+      Code.ensure_loaded(io)
+      {:ok, io}
+    else
+      _ -> {:error, :not_started}
+    end
   end
 
   @doc "Unloads `id` (stopping its server): `:ok` or `{:error, :not_loaded}`."
@@ -265,68 +295,30 @@ defmodule LlamaCppEx.ModelManager do
 
   @impl true
   def handle_call({:load, id, source, opts}, from, state) do
-    case :ets.lookup(@table, id) do
-      [_] ->
-        {:reply, {:error, :already_loaded}, state}
-
-      [] ->
-        caps = Keyword.get(opts, :capabilities, [:generate, :chat])
-        mode = Keyword.get(opts, :mode, if(:embed in caps, do: :direct, else: :server))
-
-        entry = %Entry{
-          id: id,
-          status: :loading,
-          mode: mode,
-          source: source,
-          capabilities: caps,
-          # what runs on a GPU: nothing, on this CPU engine, whatever `:n_gpu_layers` asked
-          n_gpu_layers: 0
-        }
-
-        :ets.insert(@table, {id, entry})
+    case begin_load(id, source, opts) do
+      {:ok, mode} ->
         io = state.io
         me = self()
 
         # resolve (maybe download), reserve the budget, load: off the manager's process
-        Task.Supervisor.start_child(state.tasks, fn ->
-          result =
-            with {:ok, path, size} <- io.resolve_source(source, opts),
-                 :ok <- GenServer.call(me, {:reserve, id, size, Keyword.put(opts, :mode, mode)}) do
-              case mode do
-                :server ->
-                  with {:ok, pid} <- io.start_server(id, path, opts), do: {:server, pid, size}
-
-                :direct ->
-                  with {:ok, model} <- io.load_model(path, opts), do: {:direct, model, size}
-              end
+        task =
+          Task.Supervisor.async_nolink(state.tasks, fn ->
+            reserve = fn size ->
+              GenServer.call(me, {:reserve, id, size, Keyword.put(opts, :mode, mode)}, :infinity)
             end
 
-          send(me, {:loaded, id, result})
-        end)
+            load_now(io, id, source, opts, mode, reserve)
+          end)
 
-        {:noreply, %{state | pending: Map.put(state.pending, id, {from, opts})}}
-    end
-  end
-
-  def handle_call({:reserve, id, size, opts}, _from, state) do
-    placement = Budget.distribute(size, opts, 0)
-
-    used =
-      for {other, %Entry{est_bytes: b}} <- :ets.tab2list(@table),
-          other != id,
-          reduce: Budget.empty_usage() do
-        acc -> Budget.add_usage(acc, %{ram: b, vram: %{}})
-      end
-
-    case Budget.check(state.budget, placement, used) do
-      :ok ->
-        update(id, &%{&1 | byte_size: size, est_bytes: placement.ram})
-        {:reply, :ok, state}
+        {:noreply, %{state | loads: Map.put(state.loads, task.ref, {id, from, opts})}}
 
       error ->
         {:reply, error, state}
     end
   end
+
+  def handle_call({:reserve, id, size, opts}, _from, state),
+    do: {:reply, reserve(state, id, size, opts), state}
 
   def handle_call({:unload, id}, _from, state) do
     case :ets.lookup(@table, id) do
@@ -358,59 +350,20 @@ defmodule LlamaCppEx.ModelManager do
   end
 
   @impl true
-  def handle_info({:loaded, id, result}, state) do
-    {{from, opts}, pending} = Map.pop(state.pending, id, {nil, []})
-    now = System.system_time(:millisecond)
-
-    reply =
-      case {result, :ets.lookup(@table, id)} do
-        {{:server, pid, _size}, [_]} ->
-          ref = Process.monitor(pid)
-
-          update(
-            id,
-            &%{
-              &1
-              | status: :ready,
-                server_pid: pid,
-                monitor_ref: ref,
-                loaded_at: now,
-                last_used: now
-            }
-          )
-
-          maybe_default(id, opts)
-          {:ok, id}
-
-        {{:direct, model, _size}, [_]} ->
-          update(id, &%{&1 | status: :ready, model: model, loaded_at: now, last_used: now})
-          maybe_default(id, opts)
-          {:ok, id}
-
-        {{:server, pid, _}, []} ->
-          # unloaded while loading
-          state.io.stop_server(pid)
-          {:error, :not_loaded}
-
-        {{:direct, _, _}, []} ->
-          {:error, :not_loaded}
-
-        {{:error, _} = error, _} ->
-          :ets.delete(@table, id)
-          error
-
-        {other, _} ->
-          :ets.delete(@table, id)
-          {:error, other}
-      end
-
-    if from, do: GenServer.reply(from, reply), else: log_auto_load(id, reply)
-    {:noreply, %{state | pending: pending}}
+  def handle_info({ref, result}, state) when is_map_key(state.loads, ref) do
+    Process.demonitor(ref, [:flush])
+    {{id, from, opts}, loads} = Map.pop(state.loads, ref)
+    GenServer.reply(from, commit(state, id, result, opts))
+    {:noreply, %{state | loads: loads}}
   end
 
-  def handle_info({:auto_load, id, source, opts}, state) do
-    {:noreply, state} = handle_call({:load, id, source, opts}, nil, state)
-    {:noreply, state}
+  # a load that raised (a backend's bug, or an option it refused): its caller gets an error
+  def handle_info({:DOWN, ref, :process, _pid, reason}, state)
+      when is_map_key(state.loads, ref) do
+    {{id, from, _opts}, loads} = Map.pop(state.loads, ref)
+    :ets.delete(@table, id)
+    GenServer.reply(from, {:error, {:load_crashed, reason}})
+    {:noreply, %{state | loads: loads}}
   end
 
   def handle_info({:DOWN, ref, :process, _pid, reason}, state) do
@@ -433,6 +386,105 @@ defmodule LlamaCppEx.ModelManager do
   end
 
   ## helpers
+
+  # the entry a load starts with, unless `id` is taken: `{:ok, mode}`
+  defp begin_load(id, source, opts) do
+    if :ets.member(@table, id) do
+      {:error, :already_loaded}
+    else
+      caps = Keyword.get(opts, :capabilities, [:generate, :chat])
+      mode = Keyword.get(opts, :mode, if(:embed in caps, do: :direct, else: :server))
+
+      entry = %Entry{
+        id: id,
+        status: :loading,
+        mode: mode,
+        source: source,
+        capabilities: caps,
+        # what runs on a GPU: nothing, on this CPU engine, whatever `:n_gpu_layers` asked
+        n_gpu_layers: 0
+      }
+
+      :ets.insert(@table, {id, entry})
+      {:ok, mode}
+    end
+  end
+
+  # resolve (maybe download), reserve, then load or start: the backend's answer, or
+  # `{:error, reason}`
+  defp load_now(io, id, source, opts, mode, reserve) do
+    with {:ok, path, size} <- io.resolve_source(source, opts),
+         :ok <- reserve.(size) do
+      case mode do
+        :server -> with {:ok, pid} <- io.start_server(id, path, opts), do: {:server, pid, size}
+        :direct -> with {:ok, model} <- io.load_model(path, opts), do: {:direct, model, size}
+      end
+    end
+  rescue
+    e -> {:error, {:load_crashed, {e, __STACKTRACE__}}}
+  end
+
+  defp reserve(state, id, size, opts) do
+    placement = Budget.distribute(size, opts, 0)
+
+    used =
+      for {other, %Entry{est_bytes: b}} <- :ets.tab2list(@table),
+          other != id,
+          reduce: Budget.empty_usage() do
+        acc -> Budget.add_usage(acc, %{ram: b, vram: %{}})
+      end
+
+    with :ok <- Budget.check(state.budget, placement, used) do
+      update(id, &%{&1 | byte_size: size, est_bytes: placement.ram})
+      :ok
+    end
+  end
+
+  # a finished load into its entry: the caller's answer
+  defp commit(state, id, result, opts) do
+    now = System.system_time(:millisecond)
+
+    case {result, :ets.lookup(@table, id)} do
+      {{:server, pid, _size}, [_]} ->
+        ref = Process.monitor(pid)
+
+        update(
+          id,
+          &%{
+            &1
+            | status: :ready,
+              server_pid: pid,
+              monitor_ref: ref,
+              loaded_at: now,
+              last_used: now
+          }
+        )
+
+        maybe_default(id, opts)
+        {:ok, id}
+
+      {{:direct, model, _size}, [_]} ->
+        update(id, &%{&1 | status: :ready, model: model, loaded_at: now, last_used: now})
+        maybe_default(id, opts)
+        {:ok, id}
+
+      {{:server, pid, _}, []} ->
+        # unloaded while loading
+        state.io.stop_server(pid)
+        {:error, :not_loaded}
+
+      {{:direct, _, _}, []} ->
+        {:error, :not_loaded}
+
+      {{:error, _} = error, _} ->
+        :ets.delete(@table, id)
+        error
+
+      {other, _} ->
+        :ets.delete(@table, id)
+        {:error, other}
+    end
+  end
 
   defp log_auto_load(_id, {:ok, _}), do: :ok
 

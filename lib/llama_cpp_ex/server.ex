@@ -33,6 +33,8 @@ defmodule LlamaCppEx.Server do
   speculative decoding for the request: `[n_draft: 8]` drafts by prompt lookup, `[mode:
   :draft]` with the Server's `:draft_model` (drafts of all such requests in one batched
   draft pass per position); the drafts are extra rows of the tick's forward pass.
+  `:add_assistant`, `:enable_thinking` and `:chat_template_kwargs` are accepted, as
+  `llama_cpp_ex` accepts them, and have no effect on a raw prompt.
 
   Every request streams its events to its caller; blocking calls (`generate/3`,
   `complete_tokens/3`) collect them there. `:timeout` bounds the wait for each event
@@ -83,7 +85,8 @@ defmodule LlamaCppEx.Server do
     * `[:llama_cpp_ex, :server, :tick]` - `batch_size`, `decode_tokens`, `prefill_tokens`,
       `embed_tokens`, `active_slots`, `queue_depth`, `eval_ms`; metadata `server`.
     * `[:llama_cpp_ex, :server, :request, :start]` - `prompt_tokens`, `prefix_cache_tokens`;
-      metadata `server`, `seq_id`, `mode`.
+      metadata `server`, `seq_id`, `mode` (`:generate` for a blocking call, `:stream` for a
+      stream).
     * `[:llama_cpp_ex, :server, :request, :done]` - `prompt_tokens`, `generated_tokens`,
       `duration_ms`, `ttft_ms`, `prompt_eval_rate`, `generation_rate`, `prefix_cache_tokens`,
       `prefix_cache_ratio`; metadata `server`, `seq_id`, `mode`, `stop_reason` (`:eog`,
@@ -102,6 +105,9 @@ defmodule LlamaCppEx.Server do
     * `[:llama_cpp_ex, :server, :ram_cache]` - `bytes`, `tokens` (of the entry saved or
       evicted, restored tokens for a restore), `total_bytes`, `entries` (after the
       operation); metadata `server`, `op` (`:save`, `:restore` or `:evict`).
+    * `[:llama_cpp_ex, :server, :strategy, :exception]` - `count` (1); metadata `server`,
+      `strategy`, `kind`, `reason`: the `:batch_strategy` failed and `DecodeMaximal` planned
+      the tick (see `LlamaCppEx.Server.BatchStrategy`).
   """
 
   use GenServer
@@ -125,7 +131,8 @@ defmodule LlamaCppEx.Server do
   }
 
   @request_keys [:cache_prompt, :session, :cache_scope, :stop, :speculative]
-  @call_keys [:max_tokens, :timeout]
+  # the chat keys as the contract's calls accept them: a raw prompt ignores them
+  @call_keys [:max_tokens, :timeout, :add_assistant, :chat_template_kwargs, :enable_thinking]
 
   @doc "Options `start_link/1` accepts (besides `:name`)."
   @spec start_option_keys() :: [atom()]
@@ -513,10 +520,35 @@ defmodule LlamaCppEx.Server do
   @spec cancel(GenServer.server(), reference()) :: :ok
   def cancel(server, ref), do: GenServer.cast(server, {:cancel, ref})
 
-  @doc "The server's model, once loaded."
+  @doc """
+  The server's model, once loaded: `{:ok, model}` or `{:error, :noproc | :not_ready | reason}`.
+
+  Reads the registry the server publishes its model in; a process that has not published one
+  is asked with the contract's `:get_model` call, whose answer may be the model itself or
+  `{:ok, model}` (so processes written to stand in for a `llama_cpp_ex` server answer too).
+  """
   @spec fetch_model(GenServer.server()) :: {:ok, Model.t()} | {:error, term()}
   def fetch_model(server) do
-    with {:ok, _pid, model, _config} <- fetch_model_and_config(server), do: {:ok, model}
+    with pid when is_pid(pid) <- GenServer.whereis(server),
+         [{_, model}] <- Registry.lookup(LlamaCppEx.Registry, {__MODULE__, pid}) do
+      {:ok, model}
+    else
+      nil -> {:error, :noproc}
+      _ -> ask(server, :get_model)
+    end
+  end
+
+  defp ask(server, message) do
+    case GenServer.call(server, message, 5_000) do
+      %Model{} = model -> {:ok, model}
+      {:ok, %Model{}} = ok -> ok
+      {:ok, %Model{} = model, config} -> {:ok, model, config}
+      {:error, _} = error -> error
+      other -> {:error, {:unexpected_reply, other}}
+    end
+  catch
+    :exit, {:timeout, _} -> {:error, :not_ready}
+    :exit, reason -> {:error, exit_reason(reason)}
   end
 
   # the model and the public config a running server published, else asked of the process
@@ -530,13 +562,8 @@ defmodule LlamaCppEx.Server do
         {:error, :noproc}
 
       _ ->
-        try do
-          with {:ok, model, config} <- GenServer.call(server, :fetch_model, 5_000),
-               do: {:ok, GenServer.whereis(server), model, config}
-        catch
-          :exit, {:timeout, _} -> {:error, :not_ready}
-          :exit, reason -> {:error, exit_reason(reason)}
-        end
+        with {:ok, model, config} <- ask(server, :fetch_model),
+             do: {:ok, GenServer.whereis(server), model, config}
     end
   end
 
@@ -661,6 +688,11 @@ defmodule LlamaCppEx.Server do
 
   def handle_call(:fetch_model, _from, st),
     do: {:reply, {:ok, st.model, Config.public(st.config)}, st}
+
+  def handle_call(:get_model, _from, %State{model: nil} = st),
+    do: {:reply, {:error, :not_ready}, st}
+
+  def handle_call(:get_model, _from, st), do: {:reply, {:ok, st.model}, st}
 
   def handle_call(:get_stats, _from, st) do
     waiting = Embeds.texts_waiting(st)

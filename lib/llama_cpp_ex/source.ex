@@ -32,6 +32,11 @@ defmodule LlamaCppEx.Source do
     end
   end
 
+  @doc "A prepared request on sequence 0 of a context of the caller's (see `Stepper.on_context/2`)."
+  @spec on_context(LlamaCppEx.Context.t(), Generation.t(), timeout()) :: t()
+  def on_context(ctx, %Generation{} = gen, timeout),
+    do: from_stepper(Stepper.on_context(ctx, gen), timeout)
+
   defp from_stepper(stepper, timeout),
     do: %__MODULE__{kind: :stepper, stepper: stepper, timeout: timeout}
 

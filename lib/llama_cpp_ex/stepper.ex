@@ -29,7 +29,13 @@ defmodule LlamaCppEx.Stepper do
     unsent: [],
     spec_reset: true,
     n_drafted: 0,
-    n_accepted: 0
+    n_accepted: 0,
+    # the tokens the last step sampled that the pipeline took, in order (ids for callers
+    # that report them); speculating steps; engine time in steps and, of it, drafting
+    pushed: [],
+    spec_steps: 0,
+    engine_us: 0,
+    draft_us: 0
   ]
 
   @type t :: %__MODULE__{
@@ -45,7 +51,11 @@ defmodule LlamaCppEx.Stepper do
           unsent: [non_neg_integer()],
           spec_reset: boolean(),
           n_drafted: non_neg_integer(),
-          n_accepted: non_neg_integer()
+          n_accepted: non_neg_integer(),
+          pushed: [Sampled.t()],
+          spec_steps: non_neg_integer(),
+          engine_us: non_neg_integer(),
+          draft_us: non_neg_integer()
         }
 
   @doc """
@@ -79,6 +89,19 @@ defmodule LlamaCppEx.Stepper do
     pipeline = Pipeline.new(%{stop: nil, logprobs: false}, max_tokens)
     chunk = min(Context.n_ctx(ctx), Limits.engine().default_ubatch)
     %{new(ctx, sampler, tokens, pipeline, chunk, nil) | ops: [{:clear, 0}]}
+  end
+
+  @doc """
+  A prepared request (`gen`, prepared for a context of `Context.n_ctx(ctx)` tokens) on
+  sequence 0 of `ctx`, cleared first; speculation drafts with the draft model attached to
+  `ctx` (`LlamaCppEx.Context.attach_draft/3`).
+  """
+  @spec on_context(Context.t(), Generation.t()) :: t()
+  def on_context(%Context{} = ctx, %Generation{} = gen) do
+    size = Context.n_ctx(ctx)
+    pipeline = Pipeline.new(gen, min(gen.max_tokens, size - length(gen.tokens)))
+    chunk = min(size, Limits.engine().default_ubatch)
+    %{new(ctx, gen.sampler, gen.tokens, pipeline, chunk, gen.speculative) | ops: [{:clear, 0}]}
   end
 
   defp new(ctx, sampler, tokens, pipeline, chunk, spec) do
@@ -141,13 +164,22 @@ defmodule LlamaCppEx.Stepper do
   end
 
   defp run(s, step) do
+    s = %{s | pushed: []}
+
     case Engine.run(s.ctx.ref, step) do
       {:ok, %Outcome{failed: [_ | _]}} ->
         {:done, Pipeline.fail(s.pipeline, :context_full), s}
 
-      {:ok, %Outcome{sampled: sampled, drafted: drafted}} ->
+      {:ok, %Outcome{sampled: sampled, drafted: drafted} = o} ->
         n_drafted = Enum.reduce(drafted, 0, fn {_, n}, acc -> acc + n end)
-        s = %{s | n_drafted: s.n_drafted + n_drafted}
+
+        s = %{
+          s
+          | n_drafted: s.n_drafted + n_drafted,
+            spec_steps: s.spec_steps + if(step.specs == [], do: 0, else: 1),
+            engine_us: s.engine_us + o.eval_us,
+            draft_us: s.draft_us + o.draft_us
+        }
 
         # a speculating step's first token sits at the position evaluated; the accepted
         # drafts after it are in the cache too
@@ -168,14 +200,22 @@ defmodule LlamaCppEx.Stepper do
   end
 
   # the sampled tokens through the pipeline, in order, until it ends
-  defp push_all(s, [], events), do: {:cont, events, s}
+  defp push_all(s, [], events), do: {:cont, events, %{s | pushed: Enum.reverse(s.pushed)}}
 
   defp push_all(s, [%Sampled{} = t | rest], events) do
-    s = %{s | next_token: t.token, unsent: if(s.spec, do: [t.token | s.unsent], else: [])}
+    s = %{
+      s
+      | next_token: t.token,
+        unsent: if(s.spec, do: [t.token | s.unsent], else: []),
+        pushed: [t | s.pushed]
+    }
 
     case Pipeline.push(s.pipeline, t.piece, t.eog, t.logprobs) do
-      {:cont, more, p} -> push_all(%{s | pipeline: p}, rest, events ++ more)
-      {:done, more, p} -> {:done, events ++ more, %{s | pipeline: p}}
+      {:cont, more, p} ->
+        push_all(%{s | pipeline: p}, rest, events ++ more)
+
+      {:done, more, p} ->
+        {:done, events ++ more, %{s | pipeline: p, pushed: Enum.reverse(s.pushed)}}
     end
   end
 

@@ -83,7 +83,7 @@ defmodule LlamaCppEx.Hub.Cache do
   end
 
   def open_exclusive(path) do
-    case File.open(path, [:write, :exclusive, :binary, :raw]) do
+    case File.open(path, [:read, :write, :exclusive, :binary, :raw]) do
       {:ok, io} ->
         File.chmod(path, 0o600)
         {:ok, io}

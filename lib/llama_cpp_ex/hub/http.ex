@@ -5,7 +5,10 @@ defmodule LlamaCppEx.Hub.HTTP do
   # options or the environment, and the `:http_client` seam (a function `(url, opts)`
   # returning `{:ok, %{status, headers, body}}` or `{:error, reason}`).
 
+  import Bitwise
   require Logger
+
+  alias LlamaCppEx.Hub.Progress
 
   @profile :llama_cpp_ex_hub
 
@@ -102,27 +105,71 @@ defmodule LlamaCppEx.Hub.HTTP do
   def status_error(404, where), do: "not found: #{where}"
   def status_error(status, _where), do: "HuggingFace API returned status #{status}"
 
-  @doc "Streams the body of `url` into `io`, hashing and reporting progress: `{:ok, sha256_hex, headers}`."
+  @doc """
+  Streams the body of `url` into `io`, hashing and reporting progress: `{:ok, sha256_hex,
+  headers}`. An `:http_client` gets the contract's `into:` callback, `fun.({:data, chunk},
+  {req, resp})` returning `{:cont, {req, resp}}`, to call in the calling process as Req does,
+  and may instead return the whole body; only a 200 reply's bytes are written.
+  """
   def receive_into(url, io, where, opts) do
-    progress = progress_fun(Keyword.get(opts, :progress), where)
+    progress = progress(Keyword.get(opts, :progress), where)
 
     case Keyword.get(opts, :http_client) do
-      nil ->
-        stream_httpc(url, io, where, progress, opts)
+      nil -> stream_httpc(url, io, where, progress, opts)
+      client -> receive_from_client(client, url, io, where, progress, opts)
+    end
+  end
 
-      client ->
-        case client.(url, headers: request_headers(opts)) do
-          {:ok, %{status: 200, body: body} = resp} ->
-            :ok = IO.binwrite(io, body)
-            progress.({byte_size(body), byte_size(body)})
-            {:ok, hex(:crypto.hash(:sha256, body)), resp.headers}
+  defp receive_from_client(client, url, io, where, progress, opts) do
+    written = :counters.new(1, [:atomics])
 
-          {:ok, %{status: status}} ->
-            {:error, status_error(status, where)}
+    into = fn {:data, chunk}, {req, resp} ->
+      if Map.get(resp, :status, 200) == 200 do
+        :ok = IO.binwrite(io, chunk)
+        :counters.add(written, 1, byte_size(chunk))
+        Progress.advance(progress, byte_size(chunk), total_of(resp))
+      end
 
-          {:error, reason} ->
-            {:error, "network error: #{inspect(reason)}"}
+      {:cont, {req, resp}}
+    end
+
+    case client.(url, headers: request_headers(opts), into: into) do
+      {:ok, %{status: 200} = resp} ->
+        # a client that ignored `into:` returns the body itself
+        with body when is_binary(body) and body != "" <- Map.get(resp, :body),
+             0 <- :counters.get(written, 1) do
+          :ok = IO.binwrite(io, body)
+          Progress.advance(progress, byte_size(body), byte_size(body))
         end
+
+        Progress.finish(progress)
+        {:ok, hash_written(io), Map.get(resp, :headers, [])}
+
+      {:ok, %{status: status}} ->
+        {:error, status_error(status, where)}
+
+      {:error, reason} ->
+        {:error, "network error: #{inspect(reason)}"}
+    end
+  end
+
+  defp total_of(resp) do
+    case header(Map.get(resp, :headers, []), "content-length") do
+      nil -> nil
+      n -> String.to_integer(n)
+    end
+  end
+
+  # the bytes written, hashed from the file: a client may have written them either way
+  defp hash_written(io) do
+    {:ok, _} = :file.position(io, :bof)
+    hex(hash_from(io, :crypto.hash_init(:sha256)))
+  end
+
+  defp hash_from(io, acc) do
+    case IO.binread(io, 1 <<< 20) do
+      :eof -> :crypto.hash_final(acc)
+      data when is_binary(data) -> hash_from(io, :crypto.hash_update(acc, data))
     end
   end
 
@@ -152,20 +199,20 @@ defmodule LlamaCppEx.Hub.HTTP do
             n -> String.to_integer(n)
           end
 
-        progress.({0, total})
+        Progress.advance(progress, 0, total)
         stream_loop(ref, io, where, progress, %{t | headers: headers, total: total})
 
       {:http, {^ref, :stream, chunk}} ->
         :ok = IO.binwrite(io, chunk)
-        got = t.got + byte_size(chunk)
-        progress.({got, t.total})
-        t = %{t | got: got, hash: :crypto.hash_update(t.hash, chunk)}
+        Progress.advance(progress, byte_size(chunk), t.total)
+        t = %{t | got: t.got + byte_size(chunk), hash: :crypto.hash_update(t.hash, chunk)}
         stream_loop(ref, io, where, progress, t)
 
       {:http, {^ref, :stream_end, _trailers}} ->
         if t.total != nil and t.got != t.total do
           {:error, "download of #{where} truncated: got #{t.got} of #{t.total} bytes"}
         else
+          Progress.finish(progress)
           {:ok, hex(:crypto.hash_final(t.hash)), t.headers}
         end
 
@@ -183,22 +230,22 @@ defmodule LlamaCppEx.Hub.HTTP do
     end
   end
 
-  defp progress_fun(nil, _where), do: fn _ -> :ok end
-  defp progress_fun(false, _where), do: fn _ -> :ok end
-  defp progress_fun(f, _where) when is_function(f, 1), do: f
+  defp progress(nil, _where), do: Progress.new(nil)
+  defp progress(false, _where), do: Progress.new(nil)
+  defp progress(f, _where) when is_function(f, 1), do: Progress.new(f)
 
-  defp progress_fun(true, where) do
-    fn
+  defp progress(true, where) do
+    Progress.new(fn
       {got, total} when is_integer(total) and total > 0 ->
         IO.write(:stderr, "\r#{where}: #{mb(got)} / #{mb(total)} MB (#{div(got * 100, total)}%)")
         if got >= total, do: IO.write(:stderr, "\n")
 
       {got, _} ->
         IO.write(:stderr, "\r#{where}: #{mb(got)} MB")
-    end
+    end)
   end
 
-  defp progress_fun(other, _where),
+  defp progress(other, _where),
     do:
       raise(
         ArgumentError,

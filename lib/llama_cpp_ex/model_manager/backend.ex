@@ -12,4 +12,12 @@ defmodule LlamaCppEx.ModelManager.Backend do
   @callback start_server(id :: term(), path :: Path.t(), opts :: keyword()) ::
               {:ok, pid()} | {:error, term()}
   @callback stop_server(pid()) :: :ok
+
+  @doc """
+  The options `LlamaCppEx.ModelManager.load/3` accepts with this backend; any other raises
+  `ArgumentError` in the caller. A backend without it receives every option as given.
+  """
+  @callback option_keys() :: [atom()]
+
+  @optional_callbacks option_keys: 0
 end

@@ -10,7 +10,7 @@ defmodule LlamaCppEx.ModelManager.Budget do
 
       iex> alias LlamaCppEx.ModelManager.Budget
       iex> budget = Budget.resolve(1_000)
-      iex> placement = Budget.distribute(600, [], 0)
+      iex> placement = Budget.distribute(600, [mode: :direct], 0)
       iex> Budget.check(budget, placement, Budget.empty_usage())
       :ok
       iex> Budget.check(budget, placement, Budget.add_usage(Budget.empty_usage(), placement))
@@ -79,53 +79,45 @@ defmodule LlamaCppEx.ModelManager.Budget do
   end
 
   @doc """
-  Where `file_bytes` of weights (plus, in `mode: :server`, a KV estimate of 2 × 1024 bytes ×
-  `n_ctx` (8192) × `n_parallel` (4)) go. With no GPUs or `n_gpu_layers: 0` everything is RAM;
-  otherwise the weights follow `tensor_split` (or `main_gpu`, or an even split), and the KV
-  estimate goes to the first GPU used unless `offload_kqv: false`.
+  Where `file_bytes` of weights (plus, in `mode: :server`, the default, a KV estimate of
+  2 × 1024 bytes × `n_ctx` (8192) × `n_parallel` (4)) go. With no GPUs or `n_gpu_layers: 0`
+  everything is RAM. Otherwise, as `llama_cpp_ex` places it: `split_mode: :none` (the
+  default) puts the whole footprint on `main_gpu` (0); `:layer` and `:row` spread it by
+  `tensor_split` weights (a zero weight leaves that GPU out), evenly when the split is
+  empty. `offload_kqv: false` keeps the KV estimate in RAM.
   """
   @spec distribute(non_neg_integer(), keyword(), non_neg_integer()) :: usage()
   def distribute(file_bytes, opts, n_gpus) do
     kv =
-      if Keyword.get(opts, :mode) == :server,
+      if Keyword.get(opts, :mode, :server) == :server,
         do:
           @kv_bytes_per_token_layer_default * Keyword.get(opts, :n_ctx, 8192) *
-            Keyword.get(opts, :n_parallel, 4),
+            max(Keyword.get(opts, :n_parallel, 4), 1),
         else: 0
 
     if n_gpus == 0 or Keyword.get(opts, :n_gpu_layers, 99) == 0 do
       %{ram: file_bytes + kv, vram: %{}}
     else
+      {on_gpu, ram} =
+        if Keyword.get(opts, :offload_kqv, true), do: {file_bytes + kv, 0}, else: {file_bytes, kv}
+
       weights = split_weights(opts, n_gpus)
-      total = Enum.sum(weights)
-
-      vram =
-        weights
-        |> Enum.with_index()
-        |> Enum.reject(fn {w, _} -> w == 0 end)
-        |> Map.new(fn {w, i} -> {i, div(file_bytes * w, total)} end)
-
-      {vram, ram} =
-        case {Keyword.get(opts, :offload_kqv, true), Enum.min(Map.keys(vram), fn -> nil end)} do
-          {true, i} when i != nil -> {Map.update!(vram, i, &(&1 + kv)), 0}
-          _ -> {vram, kv}
-        end
-
-      %{ram: ram, vram: vram}
+      total = weights |> Map.values() |> Enum.sum()
+      %{ram: ram, vram: Map.new(weights, fn {i, w} -> {i, round(on_gpu * w / total)} end)}
     end
   end
 
+  # %{gpu => weight}, zero weights left out
   defp split_weights(opts, n_gpus) do
-    case Keyword.get(opts, :tensor_split, []) do
-      split when is_list(split) and split != [] and length(split) <= n_gpus ->
-        split ++ List.duplicate(0, n_gpus - length(split))
+    case {Keyword.get(opts, :split_mode, :none), Keyword.get(opts, :tensor_split, [])} do
+      {:none, _} ->
+        %{Keyword.get(opts, :main_gpu, 0) => 1}
 
-      _ ->
-        case {Keyword.get(opts, :split_mode, :layer), Keyword.get(opts, :main_gpu, 0)} do
-          {:none, main} -> for i <- 0..(n_gpus - 1), do: if(i == main, do: 1, else: 0)
-          {:layer, _} -> List.duplicate(1, n_gpus)
-          {_, main} -> for i <- 0..(n_gpus - 1), do: if(i == main, do: 1, else: 0)
-        end
+      {_, []} ->
+        Map.new(0..(n_gpus - 1), &{&1, 1})
+
+      {_, split} ->
+        for {w, i} <- Enum.with_index(split), w != 0, into: %{}, do: {i, w}
     end
   end
 

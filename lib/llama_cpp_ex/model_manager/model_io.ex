@@ -12,7 +12,8 @@ defmodule LlamaCppEx.ModelManager.ModelIO do
   @manager_keys [:mode, :capabilities, :default]
   @hub_keys [:cache_dir, :token, :revision, :force, :progress, :verify_checksum, :endpoint]
 
-  @doc "Every option `LlamaCppEx.ModelManager.load/3` accepts."
+  @impl true
+  @doc "Every option `LlamaCppEx.ModelManager.load/3` accepts with this backend."
   @spec option_keys() :: [atom()]
   def option_keys,
     do: Enum.uniq(@manager_keys ++ @hub_keys ++ Model.option_keys() ++ Server.start_option_keys())
@@ -54,10 +55,15 @@ defmodule LlamaCppEx.ModelManager.ModelIO do
   end
 
   @impl true
-  def load_model(path, opts), do: Model.load(path, Keyword.take(opts, Model.option_keys()))
+  def load_model(path, opts) do
+    validate!(opts)
+    Model.load(path, Keyword.take(opts, Model.option_keys()))
+  end
 
   @impl true
   def start_server(id, path, opts) do
+    validate!(opts)
+
     server_opts =
       opts
       |> Keyword.take(Server.start_option_keys())
@@ -71,12 +77,16 @@ defmodule LlamaCppEx.ModelManager.ModelIO do
       restart: :temporary
     }
 
+    # the server's own reason, e.g. `{:model_not_found, path}`, as it gave it
     case DynamicSupervisor.start_child(dynamic_supervisor(), spec) do
       {:ok, pid} -> {:ok, pid}
-      {:error, {reason, _child}} -> {:error, reason}
       {:error, reason} -> {:error, reason}
     end
   end
+
+  # every destination takes only its keys, so a typo (`n_paralell`) would otherwise vanish
+  defp validate!(opts),
+    do: LlamaCppEx.Options.validate!(opts, option_keys(), "LlamaCppEx.ModelManager.load/3")
 
   @impl true
   def stop_server(pid) do

@@ -118,11 +118,10 @@ defmodule LlamaCppEx.Server.Config do
   defp path(:error), do: {:error, {:missing_option, :model_path}}
   defp path({:ok, p}) when not is_binary(p), do: {:error, {:invalid_model_path, p}}
 
+  # a GGUF file or a checkpoint directory; anything else (an empty directory too) fails here,
+  # in start_link, rather than in the load after it
   defp path({:ok, p}) do
-    # a GGUF file or a checkpoint directory: which one is the loader's business
-    if File.exists?(p),
-      do: {:ok, p},
-      else: {:error, {:model_not_found, p}}
+    if Model.source_kind(p) == :missing, do: {:error, {:model_not_found, p}}, else: {:ok, p}
   end
 
   defp strategy(mod) when not is_atom(mod) or is_nil(mod),
@@ -133,7 +132,8 @@ defmodule LlamaCppEx.Server.Config do
       not Code.ensure_loaded?(mod) ->
         {:error, {:invalid_batch_strategy, {:module_not_available, mod}}}
 
-      not function_exported?(mod, :build_batch, 4) ->
+      # a plan-shaped module may leave out the contract's callback
+      not function_exported?(mod, :build_batch, 4) and not function_exported?(mod, :plan, 4) ->
         {:error, {:invalid_batch_strategy, {:build_batch_4_not_exported, mod}}}
 
       true ->
@@ -211,7 +211,7 @@ defmodule LlamaCppEx.Server.Config do
   defp draft_model(%Model{}), do: :ok
 
   defp draft_model(path) when is_binary(path) do
-    if File.exists?(path), do: :ok, else: {:error, {:model_not_found, path}}
+    if Model.source_kind(path) == :missing, do: {:error, {:model_not_found, path}}, else: :ok
   end
 
   defp draft_model(other), do: {:error, {:invalid_draft_model, other}}

@@ -6,13 +6,30 @@ defmodule LlamaCppEx.Server.Plan do
 
   alias LlamaCppEx.Engine.{Spec, Step}
   alias LlamaCppEx.Server.Slot
+  alias LlamaCppEx.Server.Strategy.Contract
 
-  @doc "The plan, or an `ArgumentError` naming `strategy` and what it returned."
-  @spec validate!(term(), map(), pos_integer(), pos_integer(), module()) :: list()
-  def validate!(plan, slots, budget, chunk_size, strategy) do
+  @doc """
+  The plan of `strategy` for `slots` this tick (its `plan/4`, or its contract-shaped
+  `build_batch/4` through `LlamaCppEx.Server.Strategy.Contract`), checked: an
+  `ArgumentError` names the strategy and what it returned.
+  """
+  @spec of(module(), map(), pos_integer(), pos_integer(), keyword(), reference()) :: list()
+  def of(strategy, slots, budget, chunk_size, opts, model_ref) do
+    if function_exported?(strategy, :plan, 4) do
+      strategy.plan(slots, budget, chunk_size, opts)
+      |> validate!(slots, budget, chunk_size, "#{inspect(strategy)}.plan/4")
+    else
+      Contract.plan(strategy, slots, budget, chunk_size, opts, model_ref)
+      |> validate!(slots, budget, chunk_size, "#{inspect(strategy)}.build_batch/4")
+    end
+  end
+
+  @doc "The plan, or an `ArgumentError` naming `callback` (the strategy's) and the plan."
+  @spec validate!(term(), map(), pos_integer(), pos_integer(), String.t()) :: list()
+  def validate!(plan, slots, budget, chunk_size, callback) do
     fail = fn why ->
       raise ArgumentError,
-            "#{inspect(strategy)}.build_batch/4 returned an invalid plan (#{why}): #{inspect(plan, limit: 20)}"
+            "#{callback} returned an invalid plan (#{why}): #{inspect(plan, limit: 20)}"
     end
 
     unless is_list(plan), do: fail.("not a list")

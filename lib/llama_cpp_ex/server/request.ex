@@ -6,8 +6,8 @@ defmodule LlamaCppEx.Server.Request do
 
   alias LlamaCppEx.{Generation, Pipeline, Sampler}
 
-  @typedoc "Which client call made the request (telemetry's `mode`)."
-  @type mode :: :generate | :stream | :chat | :chat_completion
+  @typedoc "Whether a blocking call or a stream made the request (telemetry's `mode`)."
+  @type mode :: :generate | :stream
 
   @enforce_keys [:tokens, :max_tokens, :sampler, :pipeline, :stream_pid, :stream_ref]
   defstruct [

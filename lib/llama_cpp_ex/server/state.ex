@@ -32,7 +32,8 @@ defmodule LlamaCppEx.Server.State do
     pause_manual: :none,
     pause_level: :none,
     policy_warned: false,
-    warned_instability: false
+    warned_instability: false,
+    strategy_warned: false
   ]
 
   @typedoc "The step being computed: its reply ref, row counts, save tags and embedding texts."
@@ -81,6 +82,7 @@ defmodule LlamaCppEx.Server.State do
           pause_manual: :none | :prefill | :full,
           pause_level: :none | :prefill | :full,
           policy_warned: boolean(),
-          warned_instability: boolean()
+          warned_instability: boolean(),
+          strategy_warned: boolean()
         }
 end

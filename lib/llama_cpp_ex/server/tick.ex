@@ -11,6 +11,9 @@ defmodule LlamaCppEx.Server.Tick do
   alias LlamaCppEx.Engine.Step
   alias LlamaCppEx.Server.{Embeds, Lifecycle, Outcome, Pause, Placement, Plan, PromptCache}
   alias LlamaCppEx.Server.{Slot, State}
+  alias LlamaCppEx.Server.Strategy.DecodeMaximal
+
+  require Logger
 
   @doc "Sends `:tick` unless one is pending or a step is in flight."
   @spec schedule(State.t()) :: State.t()
@@ -73,8 +76,7 @@ defmodule LlamaCppEx.Server.Tick do
     opts = [queue_depth: :queue.len(st.queue), tick: st.tick]
     share = if level == :prefill, do: 0, else: Embeds.share(st)
     budget = strategy_budget(st, share)
-    plan = cfg.batch_strategy.build_batch(st.slots, budget, cfg.chunk_size, opts)
-    plan = Plan.validate!(plan, st.slots, budget, cfg.chunk_size, cfg.batch_strategy)
+    {st, plan} = plan(st, budget, opts)
     # paused prefill: only the decode rows of requests already generating
     plan = if level == :prefill, do: Enum.filter(plan, &match?({:decode, _}, &1)), else: plan
     {step, slots, counts} = Plan.to_step(plan, st.slots)
@@ -113,6 +115,32 @@ defmodule LlamaCppEx.Server.Tick do
 
       %{st | slots: slots, pending_ops: [], tick: st.tick + 1, in_flight: flight}
     end
+  end
+
+  # The configured strategy's plan; a strategy that fails is replaced by the default for this
+  # tick (logged once, telemetry each time), so one bad module fails no request.
+  defp plan(%State{config: cfg} = st, budget, opts) do
+    {st, Plan.of(cfg.batch_strategy, st.slots, budget, cfg.chunk_size, opts, st.model.ref)}
+  catch
+    kind, reason ->
+      reason = Exception.normalize(kind, reason, __STACKTRACE__)
+      meta = %{server: self(), strategy: cfg.batch_strategy, kind: kind, reason: reason}
+
+      LlamaCppEx.Telemetry.execute(
+        [:llama_cpp_ex, :server, :strategy, :exception],
+        %{count: 1},
+        meta
+      )
+
+      unless st.strategy_warned do
+        Logger.error(
+          "batch strategy #{inspect(cfg.batch_strategy)} failed; ticks use DecodeMaximal " <>
+            "until it succeeds: " <> Exception.format(kind, reason, __STACKTRACE__)
+        )
+      end
+
+      fallback = Plan.of(DecodeMaximal, st.slots, budget, cfg.chunk_size, opts, st.model.ref)
+      {%{st | strategy_warned: true}, fallback}
   end
 
   # The strategy plans what the embedding share leaves; generating slots always keep their

@@ -33,6 +33,17 @@ pub enum Quantize {
 }
 
 impl Quantize {
+    /// The default for a checkpoint of GGUF architecture `arch`: an encoder as stored, so its
+    /// vectors are the ones sentence-transformers computes; a decoder Q8_0, a quarter of the
+    /// bytes of f32 to read per token.
+    pub fn default_for(arch: &str) -> Self {
+        if arch == "bert" {
+            Quantize::None
+        } else {
+            Quantize::Q8_0
+        }
+    }
+
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "none" => Some(Quantize::None),
@@ -70,9 +81,14 @@ const ARCHITECTURES: &[(&str, &str)] = &[
     ("bert", "bert"),
 ];
 
-/// Loads a checkpoint directory as a model.
-pub fn load(dir: &Path, quantize: Quantize, opts: &LoadOptions) -> Result<Model> {
+/// Loads a checkpoint directory as a model, its matrices stored as `quantize` (`None`: the
+/// architecture's default, [`Quantize::default_for`]).
+pub fn load(dir: &Path, quantize: Option<Quantize>, opts: &LoadOptions) -> Result<Model> {
     let checkpoint = HfDir::open(dir)?;
+    let quantize = match quantize {
+        Some(q) => q,
+        None => Quantize::default_for(checkpoint.architecture()?),
+    };
     let gguf = checkpoint.convert(quantize, !opts.vocab_only)?;
     let tokenizer = checkpoint.tokenizer;
     Model::from_parts(gguf, tokenizer, opts).map_err(|e| match e {

@@ -23,7 +23,7 @@ fn opts() -> LoadOptions {
 }
 
 fn load_hf(dir: &Path, q: Quantize) -> Arc<Model> {
-    Arc::new(hf::load(dir, q, &opts()).unwrap_or_else(|e| panic!("{}: {e}", dir.display())))
+    Arc::new(hf::load(dir, Some(q), &opts()).unwrap_or_else(|e| panic!("{}: {e}", dir.display())))
 }
 
 /// Logits of every position of `tokens`.
@@ -166,7 +166,7 @@ fn scratch(name: &str, tag: &str) -> PathBuf {
 }
 
 fn load_err(dir: &Path) -> String {
-    match hf::load(dir, Quantize::Q8_0, &opts()) {
+    match hf::load(dir, Some(Quantize::Q8_0), &opts()) {
         Ok(_) => panic!("{} loaded", dir.display()),
         Err(e) => e.to_string(),
     }
@@ -420,4 +420,13 @@ fn minilm_embeddings_match_the_reference() {
         let e = ctx.decode(&b).unwrap_err().to_string();
         assert!(e.contains("encoder"), "{e}");
     }
+}
+
+#[test]
+fn checkpoints_default_to_stored_encoders_and_q8_0_decoders() {
+    assert_eq!(Quantize::default_for("bert"), Quantize::None);
+    assert_eq!(Quantize::default_for("llama"), Quantize::Q8_0);
+    let dir = hf_dir("llama-f16-256");
+    let default = hf::load(&dir, None, &opts()).unwrap();
+    assert_eq!(default.size_bytes, load_hf(&dir, Quantize::Q8_0).size_bytes);
 }

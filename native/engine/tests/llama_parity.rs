@@ -63,6 +63,14 @@ fn batch_invariance_across_sequences_and_positions() {
     let alone_rows: Vec<Vec<f32>> = (0..target.len())
         .map(|i| alone.logits_ith(i as i64).unwrap().to_vec())
         .collect();
+    // -1 is the last row with logits; no other negative index names a row
+    assert_eq!(
+        alone.logits_ith(-1).unwrap(),
+        &alone_rows[target.len() - 1][..]
+    );
+    for bad in [-2, -7, -9999, target.len() as i64] {
+        assert!(alone.logits_ith(bad).is_err(), "index {bad}");
+    }
 
     // Together: the other sequences first get caches of different lengths, then one forward
     // mixes decode tokens, a chunk of prefill, and the target's whole prompt interleaved.

@@ -58,8 +58,14 @@ fn model_load<'a>(
         };
         let p = Path::new(&path);
         let loaded = if hf::is_checkpoint(p) {
-            let q = hf::Quantize::parse(&quantize)
-                .ok_or_else(|| message(format!("invalid quantize: {quantize}")))?;
+            // "default": the architecture's own (encoders as stored, decoders Q8_0)
+            let q = match quantize.as_str() {
+                "default" => None,
+                other => Some(
+                    hf::Quantize::parse(other)
+                        .ok_or_else(|| message(format!("invalid quantize: {quantize}")))?,
+                ),
+            };
             hf::load(p, q, &opts)
         } else {
             Model::load(p, &opts)

@@ -157,6 +157,7 @@ struct OutcomeTerm<'a> {
     failed: Vec<usize>,
     embeddings: Vec<(usize, Term<'a>)>,
     eval_us: u64,
+    draft_us: u64,
     kv_free_tokens: usize,
     kv_exclusive_tokens: Vec<(usize, usize)>,
     kv_occupancy: f64,
@@ -200,6 +201,7 @@ pub fn encode_outcome<'a>(env: Env<'a>, model: &Model, o: &StepOutcome) -> Term<
             })
             .collect(),
         eval_us: o.eval_us,
+        draft_us: o.draft_us,
         kv_free_tokens: o.kv_free_tokens,
         kv_exclusive_tokens: o.kv_exclusive_tokens.clone(),
         kv_occupancy: o.kv_occupancy,

@@ -1,10 +1,10 @@
 defmodule LlamaCppEx.Server.Strategy.DecodeMaximal do
   @moduledoc "Decode tokens first, then prefill with the remaining budget (the default)."
-  @behaviour LlamaCppEx.Server.BatchStrategy
+  use LlamaCppEx.Server.BatchStrategy
   alias LlamaCppEx.Server.Strategy.Batch
 
   @impl true
-  def build_batch(slots, budget, chunk_size, _opts) do
+  def plan(slots, budget, chunk_size, _opts) do
     Batch.start(budget)
     |> Batch.decode(slots)
     |> Batch.prefill(slots, chunk_size)
@@ -14,11 +14,11 @@ end
 
 defmodule LlamaCppEx.Server.Strategy.PrefillPriority do
   @moduledoc "Prefill first, then decode with the remaining budget."
-  @behaviour LlamaCppEx.Server.BatchStrategy
+  use LlamaCppEx.Server.BatchStrategy
   alias LlamaCppEx.Server.Strategy.Batch
 
   @impl true
-  def build_batch(slots, budget, chunk_size, _opts) do
+  def plan(slots, budget, chunk_size, _opts) do
     Batch.start(budget)
     |> Batch.prefill(slots, chunk_size)
     |> Batch.decode(slots)
@@ -31,11 +31,11 @@ defmodule LlamaCppEx.Server.Strategy.Balanced do
   Decode capped at `min(div(budget, 2), generating slots)`, then prefill with the rest plus
   whatever the decode cap left unused.
   """
-  @behaviour LlamaCppEx.Server.BatchStrategy
+  use LlamaCppEx.Server.BatchStrategy
   alias LlamaCppEx.Server.Strategy.Batch
 
   @impl true
-  def build_batch(slots, budget, chunk_size, _opts) do
+  def plan(slots, budget, chunk_size, _opts) do
     n_generating = Enum.count(slots, fn {_, s} -> s.state == :generating end)
     decode_budget = min(div(budget, 2), n_generating)
     {plan, left} = Batch.decode(Batch.start(decode_budget), slots)
@@ -51,11 +51,11 @@ defmodule LlamaCppEx.Server.Strategy.Fair do
   Round-robin decode: when the budget cannot hold every generating slot, the slot after the
   one that went first last tick goes first now. Then prefill.
   """
-  @behaviour LlamaCppEx.Server.BatchStrategy
+  use LlamaCppEx.Server.BatchStrategy
   alias LlamaCppEx.Server.Strategy.Batch
 
   @impl true
-  def build_batch(slots, budget, chunk_size, opts) do
+  def plan(slots, budget, chunk_size, opts) do
     ids = slots |> Map.keys() |> Enum.sort()
     start = rem(Keyword.get(opts, :tick, 0), max(length(ids), 1))
     {a, b} = Enum.split(ids, start)
@@ -72,11 +72,11 @@ defmodule LlamaCppEx.Server.Strategy.LatencyFirst do
   Prefill first, youngest requests (latest start) first, so new requests reach their first
   token soonest; then decode.
   """
-  @behaviour LlamaCppEx.Server.BatchStrategy
+  use LlamaCppEx.Server.BatchStrategy
   alias LlamaCppEx.Server.Strategy.Batch
 
   @impl true
-  def build_batch(slots, budget, chunk_size, _opts) do
+  def plan(slots, budget, chunk_size, _opts) do
     order = Batch.order(slots, :prefilling, &(-(&1.request.t_start || 0)))
 
     Batch.start(budget)
@@ -91,11 +91,11 @@ defmodule LlamaCppEx.Server.Strategy.ThroughputFirst do
   Longest sequences first (decode slots by position, prefill slots by prompt length), with
   every eligible token batched; maximises tokens per forward pass.
   """
-  @behaviour LlamaCppEx.Server.BatchStrategy
+  use LlamaCppEx.Server.BatchStrategy
   alias LlamaCppEx.Server.Strategy.Batch
 
   @impl true
-  def build_batch(slots, budget, chunk_size, _opts) do
+  def plan(slots, budget, chunk_size, _opts) do
     decode_order = Batch.order(slots, :generating, &(-&1.pos))
     prefill_order = Batch.order(slots, :prefilling, &(-&1.n_prompt))
 

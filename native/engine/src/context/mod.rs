@@ -389,7 +389,8 @@ impl Context {
         }
     }
 
-    /// Logits of entry `i` of the last batch (`-1` = the last entry with logits).
+    /// Logits of entry `i` of the last batch; `-1` is the last entry with logits, and any
+    /// other negative index is invalid (as `llama_cpp_ex`'s `sampler_sample_at` has it).
     pub fn logits_ith(&self, i: i64) -> Result<&[f32]> {
         if self.ws.hidden_only {
             return Err(EngineError::InvalidArgument(
@@ -397,13 +398,14 @@ impl Context {
             ));
         }
         let n_vocab = self.n_vocab();
-        let row = if i < 0 {
-            self.output_rows.iter().rev().find(|&&r| r >= 0).copied()
-        } else {
-            self.output_rows
+        let row = match i {
+            -1 => self.output_rows.iter().rev().find(|&&r| r >= 0).copied(),
+            i if i < 0 => None,
+            i => self
+                .output_rows
                 .get(i as usize)
                 .copied()
-                .filter(|&r| r >= 0)
+                .filter(|&r| r >= 0),
         }
         .ok_or_else(|| EngineError::InvalidArgument(format!("no logits for batch entry {i}")))?;
         let r = row as usize;

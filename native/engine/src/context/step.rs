@@ -101,6 +101,8 @@ pub struct StepOutcome {
     pub embeddings: Vec<(usize, std::result::Result<Vec<f32>, String>)>,
     /// Wall time of the step, in microseconds.
     pub eval_us: u64,
+    /// Of `eval_us`, the time spent drafting (speculating sequences).
+    pub draft_us: u64,
     /// Tokens the cache's free blocks hold after the step.
     pub kv_free_tokens: usize,
     /// Per sequence holding blocks: the tokens its blocks that no other sequence shares
@@ -162,7 +164,9 @@ impl Context {
                 let seqs: Vec<usize> = step.embeds.iter().map(|e| e.seq).collect();
                 let mut b = step_batch.clone();
                 b.mark_embedding_rows(&seqs);
+                let drafting = Instant::now();
                 out.drafted = self.add_drafts(&mut b, &step.specs)?;
+                out.draft_us = drafting.elapsed().as_micros() as u64;
                 extended = b;
                 &extended
             };
