@@ -97,6 +97,45 @@ defmodule LlamaCppEx.PrecompiledTest do
     assert ArtifactServer.requests(direct) == 1 and ArtifactServer.proxied(direct) == []
   end
 
+  @tag capture_log: true
+  test "HTTPS verifies the server: LLAMA_CPP_EX_CACERTFILE adds a CA, an unknown one is refused",
+       %{tmp: tmp, name: name, body: body} do
+    san = {:Extension, {2, 5, 29, 17}, false, [dNSName: ~c"localhost"]}
+
+    %{server_config: server, client_config: client} =
+      :public_key.pkix_test_data(%{
+        server_chain: %{
+          root: [key: {:namedCurve, :secp256r1}],
+          intermediates: [],
+          peer: [key: {:namedCurve, :secp256r1}, extensions: [san]]
+        },
+        client_chain: %{
+          root: [key: {:namedCurve, :secp256r1}],
+          intermediates: [],
+          peer: [key: {:namedCurve, :secp256r1}]
+        }
+      })
+
+    https =
+      ArtifactServer.start(%{("/" <> name) => {200, body}}, Keyword.take(server, [:cert, :key]))
+
+    ca = Path.join(tmp, "ca.pem")
+    pem = for der <- client[:cacerts], do: {:Certificate, der, :not_encrypted}
+    File.write!(ca, :public_key.pem_encode(pem))
+    sha = Precompiled.sha256(body)
+    opts = opts(tmp, https)
+    File.mkdir_p!(opts[:dest])
+
+    # the OS store does not know this CA: nothing is downloaded
+    assert {:error, msg} = Precompiled.install(name, sha, opts)
+    assert msg =~ "cannot download #{name} from https://localhost:" and msg =~ "unknown_ca"
+    refute File.exists?(Path.join(opts[:dest], "llama_cpp_ex_nif.so"))
+
+    opts = Keyword.put(opts, :env, %{"LLAMA_CPP_EX_CACERTFILE" => ca})
+    assert :ok = Precompiled.install(name, sha, opts)
+    assert File.read!(Path.join(opts[:dest], "llama_cpp_ex_nif.so")) == "NIF BYTES"
+  end
+
   test "offline with nothing cached says what to do", %{tmp: tmp, name: name, body: body} do
     server = ArtifactServer.start(%{})
     ArtifactServer.stop(server)
