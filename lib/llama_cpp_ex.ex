@@ -43,7 +43,8 @@ defmodule LlamaCppEx do
     Sampler,
     Server,
     Source,
-    Thinking
+    Thinking,
+    Tools
   }
 
   @own_keys [:max_tokens, :n_ctx, :timeout, :grammar, :json_schema, :stop, :speculative]
@@ -268,12 +269,12 @@ defmodule LlamaCppEx do
   """
   @spec chat(Model.t(), [Chat.message()], keyword()) :: {:ok, String.t()} | {:error, term()}
   def chat(%Model{} = model, messages, opts \\ []) do
-    Options.validate!(opts, generation_option_keys(), "LlamaCppEx.chat/3")
-    {chat_opts, gen_opts} = Keyword.split(opts, Chat.option_keys())
-    gen_opts = Generation.options!(gen_opts, :model)
+    Options.validate!(opts, chat_option_keys(), "LlamaCppEx.chat/3")
+    gen_opts = Generation.options!(Keyword.drop(opts, chat_only_keys()), :model)
 
-    with {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts),
-         {:ok, src} <- open_model(model, prompt, gen_opts, Options.timeout(opts, :blocking)),
+    with {:ok, prompt, extra, _tools} <- render_chat(model, messages, opts),
+         {:ok, src} <-
+           open_model(model, prompt, extra ++ gen_opts, Options.timeout(opts, :blocking)),
          {:ok, %{text: text}} <- Source.collect(src) do
       {:ok, text}
     end
@@ -282,20 +283,32 @@ defmodule LlamaCppEx do
   @doc "Like `chat/3`, streaming text chunks as `stream/3` does."
   @spec stream_chat(Model.t(), [Chat.message()], keyword()) :: Enumerable.t()
   def stream_chat(%Model{} = model, messages, opts \\ []) do
-    Options.validate!(
-      opts,
-      generation_option_keys(),
-      "LlamaCppEx.stream_chat/3"
-    )
-
-    {chat_opts, gen_opts} = Keyword.split(opts, Chat.option_keys())
-    gen_opts = Generation.options!(gen_opts, :model)
+    Options.validate!(opts, chat_option_keys(), "LlamaCppEx.stream_chat/3")
+    gen_opts = Generation.options!(Keyword.drop(opts, chat_only_keys()), :model)
 
     text_stream(fn ->
-      with {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts) do
-        open_model(model, prompt, gen_opts, Options.timeout(opts, :stream))
+      with {:ok, prompt, extra, _tools} <- render_chat(model, messages, opts) do
+        open_model(model, prompt, extra ++ gen_opts, Options.timeout(opts, :stream))
       end
     end)
+  end
+
+  # The keys of the chat routes on a model: generation's, and the tools'.
+  defp chat_option_keys, do: generation_option_keys() ++ Tools.option_keys()
+  # The keys that shape the prompt (or parse the answer), not the generation.
+  defp chat_only_keys, do: Chat.option_keys() ++ Tools.option_keys()
+
+  # The chat prompt of `messages` (tools rendered) with the options tools add to the request
+  # (their constraint): `{:ok, prompt, extra_opts, tools | nil}`.
+  defp render_chat(model, messages, opts) do
+    with {:ok, tools} <- Tools.prepare(model, opts) do
+      {messages, chat_opts} =
+        Tools.render_input(tools, messages, Keyword.take(opts, Chat.option_keys()))
+
+      with {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts) do
+        {:ok, prompt, Tools.request_options(tools), tools}
+      end
+    end
   end
 
   @doc """
@@ -316,10 +329,10 @@ defmodule LlamaCppEx do
     opts = Keyword.put_new(opts, :enable_thinking, false)
     timeout = Options.timeout(opts, :blocking)
 
-    with {:ok, src, gen} <-
+    with {:ok, src, gen, tools} <-
            open_chat(model_or_server, server?, messages, opts, timeout, :generate),
          {:ok, result} <- Source.collect(src) do
-      {:ok, Completion.completion(gen, result, opts)}
+      {:ok, Completion.completion(gen, result, opts, tools)}
     end
   end
 
@@ -338,16 +351,17 @@ defmodule LlamaCppEx do
     opts = Keyword.put_new(opts, :enable_thinking, false)
     timeout = Options.timeout(opts, :stream)
     # what must raise raises now, not when the stream is consumed
-    _ = Generation.options!(Keyword.drop(opts, Chat.option_keys()), route_of(server?))
+    _ = Generation.options!(Keyword.drop(opts, chat_only_keys()), route_of(server?))
 
     Stream.resource(
       fn ->
         case open_chat(model_or_server, server?, messages, opts, timeout, :stream) do
-          {:ok, src, gen} ->
+          {:ok, src, gen, tools} ->
             %{
               src: src,
               base: Completion.chunk_base(gen.model),
               parser: if(opts[:enable_thinking], do: Thinking.stream_parser(thinking: true)),
+              calls: Completion.calls_stream(tools),
               logprobs?: gen.logprobs,
               lps: [],
               phase: :role
@@ -365,8 +379,10 @@ defmodule LlamaCppEx do
     )
   end
 
-  defp chat_keys(true), do: @server_chat_keys ++ Server.request_option_keys()
-  defp chat_keys(false), do: generation_option_keys()
+  defp chat_keys(true),
+    do: @server_chat_keys ++ Tools.option_keys() ++ Server.request_option_keys()
+
+  defp chat_keys(false), do: chat_option_keys()
 
   defp route_of(true), do: :server
   defp route_of(false), do: :model
@@ -375,24 +391,39 @@ defmodule LlamaCppEx do
   # `mode` is the server's telemetry's, as the contract's routes report it (a blocking call
   # `:generate`, a stream `:stream`).
   defp open_chat(target, server?, messages, opts, timeout, mode) do
-    {chat_opts, gen_opts} = Keyword.split(opts, Chat.option_keys())
-    gen_opts = Generation.options!(Keyword.delete(gen_opts, :timeout), route_of(server?))
-    render = &Chat.apply_template(&1, messages, chat_opts)
+    gen_opts =
+      Generation.options!(
+        opts |> Keyword.drop(chat_only_keys()) |> Keyword.delete(:timeout),
+        route_of(server?)
+      )
 
     if server? do
-      Server.open(target, render, gen_opts, mode, timeout)
+      # tools are prepared against the server's model before the request is admitted
+      with {:ok, model} <- tools_model(target, opts),
+           {:ok, tools} <- (model && Tools.prepare(model, opts)) || {:ok, nil},
+           render = fn model ->
+             with {:ok, prompt, extra, _} <- render_chat(model, messages, opts),
+                  do: {:ok, prompt, extra}
+           end,
+           {:ok, src, gen} <- Server.open(target, render, gen_opts, mode, timeout) do
+        {:ok, src, gen, tools}
+      end
     else
-      with {:ok, prompt} <- render.(target),
-           {:ok, gen} <- Generation.prepare(target, prompt, gen_opts, :model),
+      with {:ok, prompt, extra, tools} <- render_chat(target, messages, opts),
+           {:ok, gen} <- Generation.prepare(target, prompt, extra ++ gen_opts, :model),
            {:ok, src} <-
              Source.stepper(
                gen,
                Keyword.take(opts, [:n_ctx | Context.tuning_option_keys()]),
                timeout
              ) do
-        {:ok, src, gen}
+        {:ok, src, gen, tools}
       end
     end
+  end
+
+  defp tools_model(server, opts) do
+    if opts[:tools] in [nil, []], do: {:ok, nil}, else: Server.fetch_model(server)
   end
 
   defp next_chat_chunk({:failed, reason}), do: {[{:error, reason}], :closed}
@@ -419,7 +450,10 @@ defmodule LlamaCppEx do
           {acc, %{st | lps: [lp | st.lps]}}
 
         {:done, reason}, {acc, st} ->
-          {acc ++ [Completion.chunk(st.base, %{}, Completion.finish_reason(reason))], st}
+          {deltas, calls} = Completion.finish_calls(st.calls)
+          {chunks, st} = delta_chunks(%{st | calls: calls}, deltas)
+          finish = Completion.finish_reason(reason, Completion.called?(calls))
+          {acc ++ chunks ++ [Completion.chunk(st.base, %{}, finish)], st}
 
         {:error, reason}, {acc, st} ->
           {acc ++ [{:error, reason}], st}
@@ -444,17 +478,24 @@ defmodule LlamaCppEx do
     end
   end
 
-  defp route(%{parser: nil} = st, text), do: {[%{content: text}], st}
+  defp route(%{parser: nil} = st, text), do: content_deltas(st, text)
 
   defp route(st, text) do
     {events, parser} = Thinking.feed(st.parser, text)
 
-    deltas =
-      Enum.map(events, fn
-        {:thinking, t} -> %{reasoning_content: t}
-        {:content, t} -> %{content: t}
-      end)
+    Enum.reduce(events, {[], %{st | parser: parser}}, fn
+      {:thinking, t}, {acc, st} ->
+        {acc ++ [%{reasoning_content: t}], st}
 
-    {deltas, %{st | parser: parser}}
+      {:content, t}, {acc, st} ->
+        {deltas, st} = content_deltas(st, t)
+        {acc ++ deltas, st}
+    end)
+  end
+
+  # content, through the tool-call parser when the request has tools
+  defp content_deltas(st, text) do
+    {deltas, calls} = Completion.feed_calls(st.calls, text)
+    {deltas, %{st | calls: calls}}
   end
 end

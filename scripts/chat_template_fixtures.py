@@ -27,6 +27,8 @@ TEMPLATES = {
     "gemma2": "google-gemma-2-2b-it.jinja",
     "llama3.1": "meta-llama-Llama-3.1-8B-Instruct.jinja",
     "llama3.2": "meta-llama-Llama-3.2-3B-Instruct.jinja",
+    "hermes2pro": "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+    "mistral-nemo": "mistralai-Mistral-Nemo-Instruct-2407.jinja",
 }
 
 TOOLS = [{
@@ -55,10 +57,22 @@ CONVERSATIONS = {
         ],
         "tools": TOOLS,
     },
+    # Mistral's templates insist on 9-character alphanumeric call ids
+    "tools_id9": {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [{
+                "type": "function", "id": "abcDEF123",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "abcDEF123", "content": "18 C, sunny"},
+        ],
+        "tools": TOOLS,
+    },
 }
 
-# families whose templates take tools
-WITH_TOOLS = {"qwen2.5", "qwen3", "llama3.1", "llama3.2"}
+# the tool conversation each family's template takes
+WITH_TOOLS = {"qwen2.5": "tools", "qwen3": "tools", "llama3.1": "tools", "llama3.2": "tools",
+              "hermes2pro": "tools", "mistral-nemo": "tools_id9"}
 
 
 def free_port():
@@ -92,7 +106,7 @@ def main():
                     time.sleep(0.1)
             cases = {}
             for name, body in CONVERSATIONS.items():
-                if name == "tools" and family not in WITH_TOOLS:
+                if name.startswith("tools") and WITH_TOOLS.get(family) != name:
                     continue
                 req = urllib.request.Request(
                     f"http://127.0.0.1:{port}/apply-template", data=json.dumps(body).encode(),

@@ -3,25 +3,30 @@ defmodule LlamaCppEx.Completion do
   # OpenAI-shaped results (`LlamaCppEx.ChatCompletion`, `LlamaCppEx.ChatCompletionChunk`)
   # built from a request's events, the same for both routes.
 
-  alias LlamaCppEx.{ChatCompletion, ChatCompletionChunk, Generation, Model, Thinking}
+  alias LlamaCppEx.{ChatCompletion, ChatCompletionChunk, Generation, Model, Thinking, Tools}
+  alias LlamaCppEx.Tools.Parser
 
   @doc """
   A whole completion of the prepared request `gen` from `Source.collect/1`'s result
-  (`:enable_thinking` in `opts` splits `<think>` blocks).
+  (`:enable_thinking` in `opts` splits `<think>` blocks; `tools`, when given, parses calls
+  out of the answer).
   """
-  @spec completion(Generation.t(), map(), keyword()) :: ChatCompletion.t()
-  def completion(%Generation{} = gen, %{text: text, reason: reason} = r, opts) do
+  @spec completion(Generation.t(), map(), keyword(), Tools.t() | nil) :: ChatCompletion.t()
+  def completion(%Generation{} = gen, %{text: text, reason: reason} = r, opts, tools \\ nil) do
     {model, n_prompt, n} = {gen.model, length(gen.tokens), r.completion_tokens}
     {reasoning, content} = if opts[:enable_thinking], do: Thinking.parse(text), else: {"", text}
+    {content, calls} = if tools, do: Tools.parse(tools, content), else: {content, []}
+
+    message = %{
+      role: "assistant",
+      content: content,
+      reasoning_content: if(reasoning == "", do: nil, else: reasoning)
+    }
 
     choice = %{
       index: 0,
-      message: %{
-        role: "assistant",
-        content: content,
-        reasoning_content: if(reasoning == "", do: nil, else: reasoning)
-      },
-      finish_reason: finish_reason(reason)
+      message: if(calls == [], do: message, else: Map.put(message, :tool_calls, calls)),
+      finish_reason: finish_reason(reason, calls != [])
     }
 
     choice =
@@ -39,10 +44,67 @@ defmodule LlamaCppEx.Completion do
     }
   end
 
-  @doc "`eog`/`stop` → \"stop\", `max_tokens` → \"length\"."
-  @spec finish_reason(atom()) :: String.t()
-  def finish_reason(reason) when reason in [:eog, :stop], do: "stop"
-  def finish_reason(_), do: "length"
+  @doc """
+  `eog`/`stop` → \"stop\", `max_tokens` → \"length\"; \"tool_calls\" when the answer
+  called tools.
+  """
+  @spec finish_reason(atom(), boolean()) :: String.t()
+  def finish_reason(reason, called? \\ false)
+  def finish_reason(_reason, true), do: "tool_calls"
+  def finish_reason(reason, _) when reason in [:eog, :stop], do: "stop"
+  def finish_reason(_, _), do: "length"
+
+  ## Tool calls in a chunk stream
+
+  @typep calls :: nil | %{parser: map(), sent: non_neg_integer()}
+
+  @doc "The tool-call state of a chunk stream (nil without tools)."
+  @spec calls_stream(Tools.t() | nil) :: calls()
+  def calls_stream(nil), do: nil
+  def calls_stream(%Tools{choice: :none}), do: nil
+  def calls_stream(%Tools{family: f}), do: %{parser: Parser.new(f), sent: 0}
+
+  @doc "Content text in, deltas out: `{deltas, state}`."
+  @spec feed_calls(calls(), String.t()) :: {[map()], calls()}
+  def feed_calls(nil, text), do: {[%{content: text}], nil}
+
+  def feed_calls(st, text) do
+    {events, parser} = Parser.feed(st.parser, text)
+    deltas(events, %{st | parser: parser})
+  end
+
+  @doc "The deltas held back until the answer ended."
+  @spec finish_calls(calls()) :: {[map()], calls()}
+  def finish_calls(nil), do: {[], nil}
+
+  def finish_calls(st) do
+    {events, parser} = Parser.finish(st.parser)
+    deltas(events, %{st | parser: parser})
+  end
+
+  @doc "Whether the stream sent a call."
+  @spec called?(calls()) :: boolean()
+  def called?(nil), do: false
+  def called?(%{sent: n}), do: n > 0
+
+  # a call as OpenAI streams one: its index, id, type and name, then its arguments
+  defp deltas(events, st) do
+    Enum.flat_map_reduce(events, st, fn
+      {:content, t}, st ->
+        {[%{content: t}], st}
+
+      {:call, c}, st ->
+        head = %{
+          index: st.sent,
+          id: c.id,
+          type: "function",
+          function: %{name: c.function.name, arguments: ""}
+        }
+
+        args = %{index: st.sent, function: %{arguments: c.function.arguments}}
+        {[%{tool_calls: [head]}, %{tool_calls: [args]}], %{st | sent: st.sent + 1}}
+    end)
+  end
 
   @doc "A chunk stream's shared fields."
   @spec chunk_base(Model.t()) :: ChatCompletionChunk.t()

@@ -62,6 +62,15 @@ defmodule LlamaCppEx.Grammar do
   @spec json_schema_constraint!(map() | String.t()) :: String.t()
   def json_schema_constraint!(schema), do: bang(convert(schema, :llguidance))
 
+  @doc false
+  # The `%json {...}` term of `json_schema_constraint!/1`, to embed in a larger Lark grammar
+  # (tool calls wrap schema-constrained JSON in the model's markup).
+  @spec json_schema_lark!(map()) :: String.t()
+  def json_schema_lark!(schema) do
+    "%llguidance {}\nstart: " <> rest = json_schema_constraint!(schema)
+    String.trim_trailing(rest)
+  end
+
   @doc """
   Checks a grammar against a model's vocabulary: `:ok` or `{:error, message}` (the reason,
   unlike `LlamaCppEx.Sampler.validate_grammar/2` which answers with the contract's

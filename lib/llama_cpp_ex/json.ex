@@ -16,6 +16,15 @@ defmodule LlamaCppEx.JSON do
   defp enc(v) when is_binary(v), do: string(v)
   defp enc(v) when is_list(v), do: ["[", Enum.map_intersperse(v, ",", &enc/1), "]"]
 
+  # an object whose keys keep the order given (schemas whose property order matters)
+  defp enc({:ordered, pairs}) when is_list(pairs) do
+    [
+      "{",
+      Enum.map_intersperse(pairs, ",", fn {k, x} -> [string(to_string(k)), ":", enc(x)] end),
+      "}"
+    ]
+  end
+
   defp enc(%{} = v) do
     pairs = Enum.map_intersperse(v, ",", fn {k, x} -> [string(to_string(k)), ":", enc(x)] end)
     ["{", pairs, "}"]

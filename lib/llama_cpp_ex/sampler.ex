@@ -56,7 +56,8 @@ defmodule LlamaCppEx.Sampler do
     :mirostat_eta,
     :dynatemp_range,
     :dynatemp_exponent,
-    :logit_bias
+    :logit_bias,
+    :grammar_triggers
   ]
 
   @i32 {:int, -2_147_483_648, 2_147_483_647}
@@ -88,6 +89,7 @@ defmodule LlamaCppEx.Sampler do
     dynatemp_range: @float,
     dynatemp_exponent: @float,
     grammar_root: :string,
+    grammar_triggers: {:list, :string},
     logprobs: :boolean
   ]
 
@@ -191,6 +193,10 @@ defmodule LlamaCppEx.Sampler do
     * `:grammar`, `:grammar_root` - a GBNF grammar (see `LlamaCppEx.Grammar`) and its start
       rule (default `"root"`). A grammar that does not compile returns
       `{:error, :invalid_grammar}`.
+    * `:grammar_triggers` - strings; when given, the grammar waits for the first of them in
+      the output (llama.cpp's lazy grammars): before it the model writes freely, from its
+      first byte on the grammar constrains the rest. Default `[]` (the grammar applies from
+      the first token). Tool calls use it for `tool_choice: "auto"`.
     * `:penalty_last_n` - history the penalties see; 0 disables, -1 = all. Default 64.
     * `:min_keep` - fewest candidates top-p, min-p, typical and XTC may leave. Default 0.
     * `:typical_p` - locally typical sampling; 1.0 disables. Default 1.0.
@@ -248,7 +254,8 @@ defmodule LlamaCppEx.Sampler do
          logit_ban: ban,
          logprobs: if(logprobs?(opts), do: top, else: nil),
          grammar: grammar,
-         grammar_root: Keyword.get(opts, :grammar_root) || "root"
+         grammar_root: Keyword.get(opts, :grammar_root) || "root",
+         grammar_triggers: Keyword.get(opts, :grammar_triggers, [])
        })}
     end
   end

@@ -285,23 +285,31 @@ defmodule LlamaCppEx.Server do
   @doc false
   # Prepares a request (`LlamaCppEx.Generation`) in the caller against the server's model and
   # config, fetched once, and admits it: `{:ok, source, generation}`. `prompt` renders the
-  # prompt from the model (a chat template, or the text or ids as they are); `opts` went
-  # through `Generation.options!/2`; `mode` is the telemetry's.
+  # prompt from the model (a chat template, or the text or ids as they are), perhaps with
+  # options it adds (a tool-call constraint); `opts` went through `Generation.options!/2`;
+  # `mode` is the telemetry's.
   @spec open(
           GenServer.server(),
-          (Model.t() -> {:ok, String.t() | [integer()]} | {:error, term()}),
+          (Model.t() ->
+             {:ok, String.t() | [integer()]}
+             | {:ok, String.t() | [integer()], keyword()}
+             | {:error, term()}),
           keyword(),
           Request.mode(),
           timeout()
         ) :: {:ok, Source.t(), Generation.t()} | {:error, term()}
   def open(server, prompt, opts, mode, timeout) do
     with {:ok, pid, model, config} <- fetch_model_and_config(server),
-         {:ok, prompt} <- prompt.(model),
+         {:ok, prompt, extra} <- rendered(prompt.(model)),
+         opts = extra ++ opts,
          {:ok, gen} <- Generation.prepare(model, prompt, opts, {:server, config}),
          {:ok, src} <- Source.server(pid, gen, Keyword.put(opts, :mode, mode), timeout) do
       {:ok, src, gen}
     end
   end
+
+  defp rendered({:ok, prompt}), do: {:ok, prompt, []}
+  defp rendered(other), do: other
 
   @doc false
   # The contract's raw subscription: the request's events (`LlamaCppEx.Pipeline.event/0`,

@@ -206,6 +206,9 @@ pub struct SamplerSpec {
     /// `None`: a seed drawn from the OS's randomness.
     pub seed: Option<u64>,
     pub grammar: Option<crate::grammar::GrammarSpec>,
+    /// When not empty, the grammar applies from the first of these strings in the output on
+    /// (a lazy grammar); before it, output is free.
+    pub grammar_triggers: Vec<String>,
     /// Strings whose tokens end a DRY repetition.
     pub dry_sequence_breakers: Vec<String>,
 }

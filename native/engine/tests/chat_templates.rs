@@ -115,5 +115,5 @@ fn family_templates_render_like_llama_cpp() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 16);
+    assert_eq!(checked, 22);
 }

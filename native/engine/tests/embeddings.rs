@@ -157,6 +157,7 @@ fn embedding_rows_ride_in_a_generation_step() {
         params: SamplerParams::greedy(),
         seed: Some(1),
         grammar: None,
+        grammar_triggers: Vec::new(),
         dry_sequence_breakers: Vec::new(),
     };
     let sampler = Arc::new(Mutex::new(model.sampler(&spec).unwrap()));

@@ -422,3 +422,59 @@ fn invalid_grammars_are_errors() {
     let lark = "%llguidance {}\nstart: \"a\" | \"b\"";
     assert!(model.compile_grammar(&gbnf(lark)).is_ok());
 }
+
+/// A triggered (lazy) grammar lets anything through until its trigger appears in the output,
+/// even split across tokens, then constrains the rest, fed from the trigger's first byte.
+fn triggered_grammar(file: &str) {
+    let model = load_vocab(file);
+    let factory = model.grammar_factory().unwrap();
+    let spec = GrammarSpec::Gbnf {
+        text: "%llguidance {}\nstart: \"<call>\" /[0-9]+/ \"</call>\"\n".into(),
+        root: "root".into(),
+    };
+    let triggers = vec!["<call>".to_string()];
+    let tok = |s: &str| model.tokenizer.encode(s, false, false).unwrap();
+    let letter = tok("z")[0];
+    let digit = tok("7")[0];
+
+    let mut c = factory.compile_lazy(&spec, &triggers).unwrap();
+    // before the trigger: free text, no mask, never stopped
+    for &t in &tok("Let me think about it <ca") {
+        assert!(c.allows(t));
+        c.accept(t);
+    }
+    let mut row = vec![1.0f32; model.config.n_vocab];
+    c.mask(&mut row);
+    assert!(
+        row.iter().all(|&l| l == 1.0),
+        "a waiting grammar masks nothing"
+    );
+    assert!(!c.is_stopped());
+    // the trigger completes inside the next tokens, with a digit after it
+    for &t in &tok("ll>4") {
+        c.accept(t);
+    }
+    assert!(c.allows(digit));
+    assert!(!c.allows(letter), "after the trigger the grammar decides");
+    for &t in &tok("2</call>") {
+        assert!(c.allows(t));
+        c.accept(t);
+    }
+    assert!(c.is_stopped());
+
+    // reset waits again; no triggers is an ordinary grammar
+    c.reset();
+    assert!(c.allows(letter));
+    let mut plain = factory.compile_lazy(&spec, &[]).unwrap();
+    assert!(!plain.allows(letter));
+}
+
+#[test]
+fn triggered_grammar_smollm2() {
+    triggered_grammar(SMOLLM2);
+}
+
+#[test]
+fn triggered_grammar_gemma3() {
+    triggered_grammar(GEMMA3);
+}

@@ -15,6 +15,7 @@ fn greedy(model: &llama_cpp_ex_engine::Model) -> SharedSampler {
         params: SamplerParams::greedy(),
         seed: Some(1),
         grammar: None,
+        grammar_triggers: Vec::new(),
         dry_sequence_breakers: Vec::new(),
     };
     Arc::new(Mutex::new(model.sampler(&spec).unwrap()))

@@ -82,6 +82,7 @@ fuzz_target!(|input: Input| {
         params,
         seed: input.seed,
         grammar: None,
+        grammar_triggers: Vec::new(),
         dry_sequence_breakers: input.breakers.into_iter().take(16).collect(),
     };
     let Ok(mut sampler) = model.sampler(&spec) else {

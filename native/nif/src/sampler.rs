@@ -51,6 +51,7 @@ struct SamplerOpts {
     logprobs: Option<usize>,
     grammar: Option<String>,
     grammar_root: String,
+    grammar_triggers: Vec<String>,
 }
 
 fn i32_of(v: i64, name: &str) -> Out<i32> {
@@ -91,6 +92,7 @@ impl SamplerOpts {
             logprobs: None,
             grammar: None,
             grammar_root: "root".into(),
+            grammar_triggers: Vec::new(),
         }
     }
 
@@ -132,6 +134,7 @@ impl SamplerOpts {
             params,
             seed: self.seed,
             grammar: self.grammar.map(|g| grammar_spec(g, self.grammar_root)),
+            grammar_triggers: self.grammar_triggers,
             dry_sequence_breakers: self.dry_sequence_breakers,
         })
     }

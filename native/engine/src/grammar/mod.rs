@@ -230,6 +230,7 @@ impl TokenizerEnv for Env {
 /// Compiles grammars for one model's vocabulary.
 pub struct GrammarFactory {
     factory: ParserFactory,
+    env: TokEnv,
     eog: Arc<[TokenId]>,
     eos: TokenId,
     n_vocab: usize,
@@ -287,6 +288,7 @@ impl GrammarFactory {
         factory.quiet();
         Ok(GrammarFactory {
             factory,
+            env,
             eog,
             eos,
             n_vocab,
@@ -315,8 +317,86 @@ impl GrammarFactory {
             eog: self.eog.clone(),
             eos: self.eos,
             n_vocab: self.n_vocab,
+            lazy: None,
         })
     }
+
+    /// Like [`compile`](Self::compile), the constraint applying only from the first of
+    /// `triggers` in the output on (llama.cpp's lazy grammars; see [`Lazy`]). No triggers:
+    /// an ordinary constraint.
+    pub fn compile_lazy(
+        &self,
+        spec: &GrammarSpec,
+        triggers: &[String],
+    ) -> Result<Constraint, GrammarError> {
+        let mut c = self.compile(spec)?;
+        let triggers: Vec<Vec<u8>> = triggers
+            .iter()
+            .filter(|t| !t.is_empty())
+            .map(|t| t.as_bytes().to_vec())
+            .collect();
+        if !triggers.is_empty() {
+            c.lazy = Some(Box::new(Lazy {
+                triggers,
+                seen: Vec::new(),
+                active: false,
+                env: self.env.clone(),
+            }));
+        }
+        Ok(c)
+    }
+}
+
+/// A grammar that waits for a trigger: until one of `triggers` appears in the output, tokens
+/// are free (masks and checks pass everything); then the grammar is fed the output from the
+/// trigger's first byte on (retokenized: llguidance follows bytes, not token boundaries) and
+/// constrains the rest. Tool calls use it so that a model may talk before it calls.
+#[derive(Clone)]
+struct Lazy {
+    triggers: Vec<Vec<u8>>,
+    /// The output's last bytes, as many as a trigger split across tokens needs.
+    seen: Vec<u8>,
+    active: bool,
+    env: TokEnv,
+}
+
+impl Lazy {
+    fn longest(&self) -> usize {
+        self.triggers.iter().map(|t| t.len()).max().unwrap_or(0)
+    }
+
+    /// Appends a token's text; `Some(bytes from the trigger on)` when a trigger has appeared.
+    fn push(&mut self, token: TokenId) -> Option<Vec<u8>> {
+        let bytes = self.env.tok_trie().token(token);
+        // a special token's text follows its marker byte
+        let bytes = match bytes.first() {
+            Some(&TokTrie::SPECIAL_TOKEN_MARKER) => &bytes[1..],
+            _ => bytes,
+        };
+        self.seen.extend_from_slice(bytes);
+        let start = self
+            .triggers
+            .iter()
+            .filter_map(|t| find(&self.seen, t))
+            .min();
+        match start {
+            Some(p) => {
+                self.active = true;
+                Some(self.seen.split_off(p))
+            }
+            None => {
+                let keep = self.longest().saturating_sub(1);
+                if self.seen.len() > keep {
+                    self.seen.drain(..self.seen.len() - keep);
+                }
+                None
+            }
+        }
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
 }
 
 fn first_line(s: &str) -> String {
@@ -330,6 +410,7 @@ pub struct Constraint {
     eog: Arc<[TokenId]>,
     eos: TokenId,
     n_vocab: usize,
+    lazy: Option<Box<Lazy>>,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -345,6 +426,9 @@ impl Constraint {
     /// allowed exactly when the grammar can end here. A matcher in an error state allows only
     /// end-of-generation, so the request finishes instead of producing unconstrained text.
     pub fn mask(&mut self, logits: &mut [f32]) {
+        if self.waiting() {
+            return;
+        }
         let Ok(set) = self.matcher.compute_mask_or_eos() else {
             return self.only_eog(logits);
         };
@@ -390,6 +474,9 @@ impl Constraint {
 
     /// Whether the grammar allows `token` next, without computing a mask.
     pub fn allows(&mut self, token: TokenId) -> bool {
+        if self.waiting() {
+            return true;
+        }
         if self.eog.contains(&token) {
             return self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false);
         }
@@ -398,6 +485,18 @@ impl Constraint {
 
     /// Advances the grammar past a sampled token (end-of-generation tokens count as EOS).
     pub fn accept(&mut self, token: TokenId) {
+        if let Some(lazy) = self.lazy.as_mut().filter(|l| !l.active) {
+            if self.eog.contains(&token) {
+                return;
+            }
+            if let Some(from_trigger) = lazy.push(token) {
+                let tokens = lazy.env.tokenize_bytes(&from_trigger);
+                // output the grammar rejects leaves the matcher in its error state: only
+                // end-of-generation may follow
+                let _ = self.matcher.consume_tokens(&tokens);
+            }
+            return;
+        }
         let t = if self.eog.contains(&token) {
             self.eos
         } else {
@@ -410,11 +509,20 @@ impl Constraint {
 
     /// Whether the grammar is complete (only end-of-generation may follow).
     pub fn is_stopped(&self) -> bool {
-        self.matcher.is_stopped()
+        !self.waiting() && self.matcher.is_stopped()
+    }
+
+    /// Whether a lazy grammar still waits for its trigger.
+    fn waiting(&self) -> bool {
+        self.lazy.as_ref().is_some_and(|l| !l.active)
     }
 
     pub fn reset(&mut self) {
         let _ = self.matcher.reset();
+        if let Some(l) = self.lazy.as_mut() {
+            l.active = false;
+            l.seen.clear();
+        }
     }
 }
 

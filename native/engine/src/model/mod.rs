@@ -659,7 +659,8 @@ impl Model {
         }
         if let Some(grammar) = &spec.grammar {
             let constraint = self
-                .compile_grammar(grammar)
+                .grammar_factory()
+                .and_then(|f| f.compile_lazy(grammar, &spec.grammar_triggers))
                 .map_err(SamplerError::Grammar)?;
             sampler = sampler.with_grammar(constraint);
         }
