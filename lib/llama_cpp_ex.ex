@@ -296,7 +296,7 @@ defmodule LlamaCppEx do
   # The keys of the chat routes on a model: generation's, and the tools'.
   defp chat_option_keys, do: generation_option_keys() ++ Tools.option_keys()
   # The keys that shape the prompt (or parse the answer), not the generation.
-  defp chat_only_keys, do: Chat.option_keys() ++ Tools.option_keys()
+  defp chat_only_keys, do: [:include_usage | Chat.option_keys() ++ Tools.option_keys()]
 
   # The chat prompt of `messages` (tools rendered) with the options tools add to the request
   # (their constraint): `{:ok, prompt, extra_opts, tools | nil}`.
@@ -339,7 +339,8 @@ defmodule LlamaCppEx do
   @doc """
   Streams `%LlamaCppEx.ChatCompletionChunk{}`s from a model or a server: a role chunk, one
   chunk per text piece (`delta: %{content: piece}`, or `%{reasoning_content: piece}` inside a
-  `<think>` block with `enable_thinking: true`), and a final chunk with `finish_reason`. Setup
+  `<think>` block with `enable_thinking: true`), and a final chunk with `finish_reason`;
+  with `include_usage: true` (default false) a last chunk with no choices carries `usage`. Setup
   failures and errors are a single `{:error, reason}` element; `:timeout` (default 30_000 ms)
   bounds the wait for each chunk. Halting the stream or timing out cancels a server request.
   """
@@ -347,7 +348,13 @@ defmodule LlamaCppEx do
           Enumerable.t()
   def stream_chat_completion(model_or_server, messages, opts \\ []) do
     server? = not match?(%Model{}, model_or_server)
-    Options.validate!(opts, chat_keys(server?), "LlamaCppEx.stream_chat_completion/3")
+
+    Options.validate!(
+      opts,
+      [:include_usage | chat_keys(server?)],
+      "LlamaCppEx.stream_chat_completion/3"
+    )
+
     opts = Keyword.put_new(opts, :enable_thinking, false)
     timeout = Options.timeout(opts, :stream)
     # what must raise raises now, not when the stream is consumed
@@ -362,6 +369,7 @@ defmodule LlamaCppEx do
               base: Completion.chunk_base(gen.model),
               parser: if(opts[:enable_thinking], do: Thinking.stream_parser(thinking: true)),
               calls: Completion.calls_stream(tools),
+              usage: if(opts[:include_usage], do: %{prompt_tokens: length(gen.tokens)}),
               logprobs?: gen.logprobs,
               lps: [],
               phase: :role
@@ -426,6 +434,24 @@ defmodule LlamaCppEx do
     if opts[:tools] in [nil, []], do: {:ok, nil}, else: Server.fetch_model(server)
   end
 
+  # `include_usage: true`: after the last chunk, one with `usage` and no choices (OpenAI's
+  # `stream_options.include_usage`)
+  defp with_usage_chunk(
+         {chunks, %{usage: %{completion_tokens: n, prompt_tokens: p}} = st},
+         :done
+       ),
+       do:
+         {chunks ++
+            [
+              %{
+                st.base
+                | choices: [],
+                  usage: %{prompt_tokens: p, completion_tokens: n, total_tokens: p + n}
+              }
+            ], st}
+
+  defp with_usage_chunk(result, _status), do: result
+
   defp next_chat_chunk({:failed, reason}), do: {[{:error, reason}], :closed}
   defp next_chat_chunk(:closed), do: {:halt, :closed}
   defp next_chat_chunk(%{phase: :done} = st), do: {:halt, st}
@@ -458,11 +484,15 @@ defmodule LlamaCppEx do
         {:error, reason}, {acc, st} ->
           {acc ++ [{:error, reason}], st}
 
+        {:usage, %{completion_tokens: n}}, {acc, %{usage: %{} = u} = st} ->
+          {acc, %{st | usage: Map.put(u, :completion_tokens, n)}}
+
         _, acc_st ->
           acc_st
       end)
 
     {chunks, if(status == :done, do: %{st | phase: :done}, else: st)}
+    |> with_usage_chunk(status)
   end
 
   # Content chunks; the log-probabilities of the tokens behind them ride on the first one.

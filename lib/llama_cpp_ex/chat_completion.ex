@@ -25,15 +25,17 @@ end
 defmodule LlamaCppEx.ChatCompletionChunk do
   @moduledoc """
   One element of `LlamaCppEx.stream_chat_completion/3`: `choices: [%{index: 0, delta: map,
-  finish_reason: nil | "stop" | "length"}]`.
+  finish_reason: nil | "stop" | "length" | "tool_calls"}]`, and `usage` on the last chunk of a
+  stream asked for it (`include_usage: true`).
   """
-  defstruct [:id, :object, :created, :model, :choices]
+  defstruct [:id, :object, :created, :model, :choices, :usage]
 
   @type t :: %__MODULE__{
           id: String.t() | nil,
           object: String.t() | nil,
           created: integer() | nil,
           model: String.t() | nil,
-          choices: [map()] | nil
+          choices: [map()] | nil,
+          usage: map() | nil
         }
 end

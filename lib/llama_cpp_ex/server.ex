@@ -593,7 +593,9 @@ defmodule LlamaCppEx.Server do
   Slot and queue counters plus throughput: `active_slots`, `idle_slots`, `prefilling_slots`,
   `queue_depth`, `n_parallel`, `n_batch`, `ram_cache_entries`, `ram_cache_bytes` (and
   `ram_cache_budget_bytes`, `ram_cache_hits`, `ram_cache_saves`, `ram_cache_evictions`),
-  `tokens_generated` (since start), `requests_completed`, `embed_queue_depth` (texts of
+  `tokens_generated`, `prompt_tokens` and `prefix_cache_tokens` (prompt tokens served from
+  cached KV; all since start, finished requests), `kv_free_tokens` (KV the engine reported free
+  after the last pass), `requests_completed`, `embed_queue_depth` (texts of
   `embed/3` calls not yet evaluated), `embeddings_completed` (texts), `paused` and
   `pause_level` (see `pause/2`), `paused_ms` (time in a full pause within the window), and
   `window_tokens`, `window_ms`, `tokens_per_second` over the window since start or the last
@@ -710,7 +712,11 @@ defmodule LlamaCppEx.Server do
       stats
       |> Map.merge(PromptCache.stats(st.prompt_cache))
       |> Map.merge(KvPolicy.stats(st.kv_policy))
-      |> Map.merge(%{paused: st.pause_level != :none, pause_level: st.pause_level})
+      |> Map.merge(%{
+        paused: st.pause_level != :none,
+        pause_level: st.pause_level,
+        kv_free_tokens: st.kv_free
+      })
 
     {:reply, stats, st}
   end

@@ -6,6 +6,8 @@ defmodule LlamaCppEx.Server.Stats do
   alias LlamaCppEx.Server.{Request, Slot}
 
   defstruct tokens_generated: 0,
+            prompt_tokens: 0,
+            prefix_cache_tokens: 0,
             requests_completed: 0,
             embeddings_completed: 0,
             drafted_tokens: 0,
@@ -18,6 +20,8 @@ defmodule LlamaCppEx.Server.Stats do
 
   @type t :: %__MODULE__{
           tokens_generated: non_neg_integer(),
+          prompt_tokens: non_neg_integer(),
+          prefix_cache_tokens: non_neg_integer(),
           requests_completed: non_neg_integer(),
           embeddings_completed: non_neg_integer(),
           drafted_tokens: non_neg_integer(),
@@ -55,6 +59,8 @@ defmodule LlamaCppEx.Server.Stats do
     %{
       stats
       | tokens_generated: stats.tokens_generated + n,
+        prompt_tokens: stats.prompt_tokens + length(request.tokens),
+        prefix_cache_tokens: stats.prefix_cache_tokens + request.n_prefix_cache,
         requests_completed: stats.requests_completed + 1,
         window_tokens: stats.window_tokens + n,
         drafted_tokens: stats.drafted_tokens + request.n_drafted,
@@ -91,6 +97,8 @@ defmodule LlamaCppEx.Server.Stats do
       n_batch: config.n_batch,
       n_ctx: config.n_ctx,
       tokens_generated: stats.tokens_generated + running,
+      prompt_tokens: stats.prompt_tokens,
+      prefix_cache_tokens: stats.prefix_cache_tokens,
       requests_completed: stats.requests_completed,
       embed_queue_depth: embed_waiting,
       embeddings_completed: stats.embeddings_completed,
