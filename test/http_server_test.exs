@@ -2,6 +2,7 @@ defmodule LlamaCppEx.HTTPServerTest do
   # The OpenAI API: its core without HTTP, the HTTP layer on raw sockets, and the official
   # `openai` Python client (installed by scripts/setup.sh) against a live server.
   use ExUnit.Case, async: false
+  import LlamaCppEx.Eventually, only: [wait_until: 1]
 
   alias LlamaCppEx.{HTTPServer, OpenAI, Server, TestModels}
 
@@ -314,13 +315,5 @@ defmodule LlamaCppEx.HTTPServerTest do
   defp more(s, acc) do
     {:ok, data} = :gen_tcp.recv(s, 0, 30_000)
     recv_all(s, acc <> data)
-  end
-
-  defp wait_until(check, tries \\ 1000) do
-    cond do
-      check.() -> :ok
-      tries == 0 -> flunk("condition not reached")
-      true -> Process.sleep(10) && wait_until(check, tries - 1)
-    end
   end
 end

@@ -6,6 +6,7 @@ defmodule LlamaCppEx.ModelManagerTest do
   """
   # the manager is a node-wide singleton
   use ExUnit.Case, async: false
+  import LlamaCppEx.Eventually, only: [wait_until: 1]
 
   alias LlamaCppEx.{ModelManager, ModelSupervisor, TestModels}
   alias LlamaCppEx.ModelManager.{Budget, ModelIO}
@@ -257,19 +258,5 @@ defmodule LlamaCppEx.ModelManagerTest do
 
     assert_raise ArgumentError, ~r/memory_budget/, fn -> Budget.resolve(:lots) end
     assert ModelIO.option_keys() |> Enum.member?(:n_parallel)
-  end
-
-  defp wait_until(fun, tries \\ 200) do
-    cond do
-      fun.() ->
-        :ok
-
-      tries == 0 ->
-        flunk("condition not reached")
-
-      true ->
-        Process.sleep(25)
-        wait_until(fun, tries - 1)
-    end
   end
 end

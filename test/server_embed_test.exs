@@ -1,6 +1,7 @@
 defmodule LlamaCppEx.ServerEmbedTest do
   # Server.embed/3: embedding texts riding in the generation forward passes.
   use ExUnit.Case, async: false
+  import LlamaCppEx.Eventually, only: [wait_until: 1]
 
   alias LlamaCppEx.{Server, TestModels}
 
@@ -186,13 +187,5 @@ defmodule LlamaCppEx.ServerEmbedTest do
     assert_same_vectors(got, want)
     assert {:error, :not_generative_model} = Server.generate(server, "hello")
     GenServer.stop(server)
-  end
-
-  defp wait_until(check, tries \\ 500) do
-    cond do
-      check.() -> :ok
-      tries == 0 -> flunk("condition not reached")
-      true -> Process.sleep(10) && wait_until(check, tries - 1)
-    end
   end
 end
