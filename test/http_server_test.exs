@@ -52,9 +52,6 @@ defmodule LlamaCppEx.HTTPServerTest do
            "messages" => [%{"role" => "user", "content" => "x"}],
            "response_format" => %{"type" => "yaml"}
          }, "unsupported response_format"},
-        {"/v1/chat/completions",
-         %{"messages" => [%{"role" => "user", "content" => "x"}], "stream" => true, "n" => 2},
-         "n > 1 is not supported with stream"},
         {"/v1/completions", %{"prompt" => %{}}, "prompt must be"},
         {"/v1/completions", %{"prompt" => ""}, "the prompt is empty"},
         {"/v1/embeddings", %{"input" => 3}, "input must be"},

@@ -30,6 +30,7 @@ r = client.chat.completions.create(model="local", messages=MSG, max_tokens=16, t
 check("chat", r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length"))
 check("chat usage", r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0)
 want = r.choices[0].message.content
+r0_tokens = r.usage.completion_tokens
 
 # chat, streamed with usage: same text as blocking (greedy)
 parts, usage, finish = [], None, None
@@ -51,6 +52,21 @@ check("chat stream finish", finish in ("stop", "length"))
 r = client.chat.completions.create(model="local", messages=MSG, max_tokens=8, temperature=0.9,
                                    seed=1, n=3)
 check("n choices", [c.index for c in r.choices] == [0, 1, 2])
+
+# n choices, streamed: chunks interleave, each with its index; greedy, all equal the one
+texts, finishes, usage = {}, {}, None
+for chunk in client.chat.completions.create(model="local", messages=MSG, max_tokens=16,
+                                            temperature=0, n=3, stream=True,
+                                            stream_options={"include_usage": True}):
+    if chunk.usage:
+        usage = chunk.usage
+    for c in chunk.choices:
+        texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+        if c.finish_reason:
+            finishes[c.index] = c.finish_reason
+check("n streamed", sorted(texts) == [0, 1, 2] and all(t == want for t in texts.values())
+      and len(finishes) == 3, texts)
+check("n streamed usage", usage.completion_tokens == 3 * r0_tokens, usage)
 
 # logprobs
 r = client.chat.completions.create(model="local", messages=MSG, max_tokens=4, temperature=0,

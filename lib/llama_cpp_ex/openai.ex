@@ -40,8 +40,9 @@ defmodule LlamaCppEx.OpenAI do
       `seed`, `stop`, `logprobs` / `top_logprobs`, `response_format` (`json_object`,
       `json_schema`, and llama-server's `{"type": "json_object", "schema": …}`),
       `presence_penalty`, `frequency_penalty`, `logit_bias`, `tools`, `tool_choice`,
-      `parallel_tool_calls`, `n` (blocking only: several choices from one prompt, which share
-      its KV prefix through the server's cache).
+      `parallel_tool_calls`, `n` (several choices from one prompt, generated side by side and
+      sharing its KV prefix through the server's cache; streamed, their chunks interleave,
+      each with its choice's `index`).
     * `POST /v1/completions` — `prompt` (a string, a list of strings, token ids), `echo`,
       `logprobs` (a count), `stream`, and the sampling fields above.
     * `POST /v1/embeddings` — `input` (a string, a list, token ids), `encoding_format`
@@ -127,9 +128,7 @@ defmodule LlamaCppEx.OpenAI do
          {:ok, opts} <- chat_options(body, opts),
          {:ok, n} <- n_choices(body) do
       if body["stream"] == true do
-        if n > 1,
-          do: bad("n > 1 is not supported with stream", "n"),
-          else: chat_stream(api, messages, body, opts)
+        chat_stream(api, messages, body, opts, n)
       else
         chat_blocking(api, messages, opts, n)
       end
@@ -178,21 +177,73 @@ defmodule LlamaCppEx.OpenAI do
     end
   end
 
-  defp chat_stream(api, messages, body, opts) do
+  defp chat_stream(api, messages, body, opts, n) do
     include_usage = get_in(body, ["stream_options", "include_usage"]) == true
-
-    stream =
-      LlamaCppEx.stream_chat_completion(
-        api.server,
-        messages,
-        [include_usage: include_usage] ++ opts
-      )
+    opts = [include_usage: include_usage] ++ opts
+    open = fn -> LlamaCppEx.stream_chat_completion(api.server, messages, opts) end
+    chunks = if n == 1, do: open.(), else: interleave(for(_ <- 1..n, do: open), include_usage)
 
     {:sse,
-     Stream.map(stream, fn
+     Stream.map(chunks, fn
        {:error, reason} -> {:error, error_body(engine_error(reason))}
        chunk -> {:data, completion_json(api, chunk)}
      end)}
+  end
+
+  # `n` streamed choices: each runs in a process of its own (the server generates them
+  # side by side) and its chunks arrive here as they come, their choice renumbered; usage
+  # chunks are summed into one at the end. Halting the result kills the producers, which
+  # cancels their requests.
+  defp interleave(opens, include_usage) do
+    Stream.resource(
+      fn ->
+        parent = self()
+        ref = make_ref()
+
+        pids =
+          for {open, i} <- Enum.with_index(opens) do
+            spawn_link(fn ->
+              Enum.each(open.(), &send(parent, {ref, i, &1}))
+              send(parent, {ref, i, :end})
+            end)
+          end
+
+        %{ref: ref, pids: pids, open: length(pids), usage: nil, base: nil}
+      end,
+      fn
+        %{open: 0} = st ->
+          {:halt, st}
+
+        st ->
+          receive do
+            {ref, _i, :end} when ref == st.ref ->
+              st = %{st | open: st.open - 1}
+
+              if st.open == 0 and include_usage and st.usage,
+                do: {[%{st.base | choices: [], usage: st.usage}], st},
+                else: {[], st}
+
+            {ref, _i, {:error, _} = e} when ref == st.ref ->
+              {[e], %{st | open: 0}}
+
+            {ref, _i, %{choices: [], usage: u} = c} when ref == st.ref ->
+              {[], %{st | usage: add_usage(st.usage, u), base: st.base || c}}
+
+            {ref, i, %{choices: [choice]} = c} when ref == st.ref ->
+              base = st.base || c
+              {[%{c | id: base.id, choices: [%{choice | index: i}]}], %{st | base: base}}
+          end
+      end,
+      fn st -> Enum.each(st.pids, &(Process.unlink(&1) && Process.exit(&1, :kill))) end
+    )
+  end
+
+  # the prompt is shared: counted once
+  defp add_usage(nil, u), do: u
+
+  defp add_usage(acc, u) do
+    n = acc.completion_tokens + u.completion_tokens
+    %{acc | completion_tokens: n, total_tokens: acc.prompt_tokens + n}
   end
 
   defp completion_json(api, c) do
