@@ -45,14 +45,14 @@ defmodule LlamaCppEx.Completion do
   end
 
   @doc """
-  `eog`/`stop` → \"stop\", `max_tokens` → \"length\"; \"tool_calls\" when the answer
-  called tools.
+  `max_tokens` → \"length\" (a call it cut off included); else \"tool_calls\" when the answer
+  called tools, \"stop\" when not.
   """
   @spec finish_reason(atom(), boolean()) :: String.t()
   def finish_reason(reason, called? \\ false)
+  def finish_reason(reason, _) when reason not in [:eog, :stop], do: "length"
   def finish_reason(_reason, true), do: "tool_calls"
-  def finish_reason(reason, _) when reason in [:eog, :stop], do: "stop"
-  def finish_reason(_, _), do: "length"
+  def finish_reason(_reason, false), do: "stop"
 
   ## Tool calls in a chunk stream
 
@@ -87,22 +87,21 @@ defmodule LlamaCppEx.Completion do
   def called?(nil), do: false
   def called?(%{sent: n}), do: n > 0
 
-  # a call as OpenAI streams one: its index, id, type and name, then its arguments
+  # a call as OpenAI streams one: its index, id, type and name, then its arguments in pieces
   defp deltas(events, st) do
     Enum.flat_map_reduce(events, st, fn
       {:content, t}, st ->
         {[%{content: t}], st}
 
-      {:call, c}, st ->
-        head = %{
-          index: st.sent,
-          id: c.id,
-          type: "function",
-          function: %{name: c.function.name, arguments: ""}
-        }
+      {:call_start, %{id: id, name: name}}, st ->
+        head = %{index: st.sent, id: id, type: "function", function: %{name: name, arguments: ""}}
+        {[%{tool_calls: [head]}], %{st | sent: st.sent + 1}}
 
-        args = %{index: st.sent, function: %{arguments: c.function.arguments}}
-        {[%{tool_calls: [head]}, %{tool_calls: [args]}], %{st | sent: st.sent + 1}}
+      {:call_args, t}, st ->
+        {[%{tool_calls: [%{index: st.sent - 1, function: %{arguments: t}}]}], st}
+
+      :call_end, st ->
+        {[], st}
     end)
   end
 

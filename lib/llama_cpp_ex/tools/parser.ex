@@ -2,10 +2,19 @@ defmodule LlamaCppEx.Tools.Parser do
   @moduledoc false
   # Tool calls out of a model's answer, per family (see LlamaCppEx.Tools), whole or streamed.
   #
-  # A streamed answer is split into content deltas and complete calls: content streams as it
-  # arrives (holding back what may open a call, and whitespace until text follows it); a call
-  # is sent once it has closed and parsed, so a stream never announces a call it must take
-  # back. Reassembled, a stream gives what parse/2 gives for the whole text.
+  # Calls live in a region of the answer: a `<tool_call>…</tool_call>` body (Hermes/Qwen),
+  # what follows `[TOOL_CALLS]` (Mistral), the whole answer when it opens with `{` or
+  # `<|python_tag|>` (Llama 3.x) or always (generic). In a region each call is a JSON object
+  # `{"name": n, "arguments" | "parameters": value, …}`; once its name and the key of its
+  # arguments have been read the call is announced, and the value's bytes stream as they
+  # arrive until the value closes. Content outside regions streams as it arrives, holding
+  # back what may open a region and whitespace until text follows it. A region in which no
+  # call starts is content after all (generic: its `{"response": text}`).
+  #
+  # Events: `{:content, text}`, `{:call_start, %{id, name}}`, `{:call_args, text}`,
+  # `:call_end`. parse/2 is the stream run on the whole text, so a streamed answer
+  # reassembles into what parse/2 gives, wherever the chunks split it. A call cut off by the
+  # end of the answer (max_tokens) keeps the arguments it has.
 
   alias LlamaCppEx.{JSON, StopMatcher, Tools}
 
@@ -13,6 +22,13 @@ defmodule LlamaCppEx.Tools.Parser do
   @hermes_close "</tool_call>"
   @mistral_open "[TOOL_CALLS]"
   @python_tag "<|python_tag|>"
+  @header ~r/\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*/
+
+  @type event ::
+          {:content, String.t()}
+          | {:call_start, %{id: String.t(), name: String.t()}}
+          | {:call_args, String.t()}
+          | :call_end
 
   @doc "`{content | nil, calls}` for the whole answer `text`."
   @spec parse(Tools.family(), String.t()) :: {String.t() | nil, [Tools.call()]}
@@ -22,29 +38,57 @@ defmodule LlamaCppEx.Tools.Parser do
     collect(events ++ more)
   end
 
-  defp collect(events) do
-    content = for {:content, t} <- events, into: "", do: t
-    calls = for {:call, c} <- events, do: c
-    {Tools.blank_nil(content), calls}
+  @doc "Assembles events into `{content | nil, calls}`."
+  @spec collect([event()]) :: {String.t() | nil, [Tools.call()]}
+  def collect(events) do
+    {content, calls} =
+      Enum.reduce(events, {"", []}, fn
+        {:content, t}, {c, calls} ->
+          {c <> t, calls}
+
+        {:call_start, %{id: id, name: name}}, {c, calls} ->
+          {c, [%{id: id, type: "function", function: %{name: name, arguments: ""}} | calls]}
+
+        {:call_args, t}, {c, [call | rest]} ->
+          {c, [put_in(call.function.arguments, call.function.arguments <> t) | rest]}
+
+        :call_end, acc ->
+          acc
+      end)
+
+    {Tools.blank_nil(content), Enum.reverse(calls)}
   end
 
   ## Streaming
 
-  @type state :: %{
-          family: Tools.family(),
-          mode: :content | :call | :whole,
-          buf: binary(),
-          ws: binary(),
-          started: boolean()
-        }
-
   @doc "A streaming parser for `family`."
-  def new(family), do: %{family: family, mode: :content, buf: "", ws: "", started: false}
+  def new(family) do
+    mode = if family == :generic, do: :region, else: :content
+    %{family: family, mode: mode, buf: "", ws: "", started: false, region: region()}
+  end
 
-  @doc "Feeds a chunk: `{events, state}`, events `{:content, text}` and `{:call, call}`."
-  def feed(%{family: :generic} = st, chunk), do: {[], %{st | buf: st.buf <> chunk}}
+  @doc "Feeds a chunk: `{events, state}`."
+  def feed(%{mode: :region, family: :hermes} = st, chunk) do
+    data = st.buf <> chunk
 
-  def feed(%{family: :llama3, mode: :content, started: false} = st, chunk) do
+    case :binary.split(data, @hermes_close) do
+      [body, rest] ->
+        {events, st} = region_feed(%{st | buf: ""}, body)
+        {closed, st} = close_region(st, @hermes_close)
+        {more, st} = feed(%{st | mode: :content}, rest)
+        {events ++ closed ++ more, st}
+
+      [_] ->
+        # what may be the start of the closer waits for the next chunk
+        keep = StopMatcher.longest_partial(data, [@hermes_close])
+        {events, st} = region_feed(%{st | buf: ""}, binary_part(data, 0, byte_size(data) - keep))
+        {events, %{st | buf: binary_part(data, byte_size(data) - keep, keep)}}
+    end
+  end
+
+  def feed(%{mode: :region} = st, chunk), do: region_feed(st, chunk)
+
+  def feed(%{family: :llama3, started: false} = st, chunk) do
     data = st.buf <> chunk
     lead = String.trim_leading(data)
 
@@ -53,7 +97,7 @@ defmodule LlamaCppEx.Tools.Parser do
         {[], %{st | buf: data}}
 
       String.starts_with?(lead, "{") or String.starts_with?(lead, @python_tag) ->
-        {[], %{st | mode: :whole, buf: data, started: true}}
+        region_feed(%{st | mode: :region, buf: "", started: true}, lead)
 
       String.starts_with?(@python_tag, lead) ->
         {[], %{st | buf: data}}
@@ -63,7 +107,6 @@ defmodule LlamaCppEx.Tools.Parser do
     end
   end
 
-  def feed(%{mode: :whole} = st, chunk), do: {[], %{st | buf: st.buf <> chunk}}
   def feed(%{family: :llama3} = st, chunk), do: content(st, chunk)
 
   def feed(%{mode: :content} = st, chunk) do
@@ -73,8 +116,8 @@ defmodule LlamaCppEx.Tools.Parser do
     case :binary.split(data, open) do
       [before, rest] ->
         {events, st} = content(%{st | buf: ""}, before)
-        mode = if st.family == :mistral, do: :whole, else: :call
-        {more, st} = feed(%{st | mode: mode, buf: ""}, rest)
+        st = %{st | mode: :region, region: region(open)}
+        {more, st} = feed(st, rest)
         {events ++ more, st}
 
       [_] ->
@@ -84,48 +127,16 @@ defmodule LlamaCppEx.Tools.Parser do
     end
   end
 
-  def feed(%{mode: :call} = st, chunk) do
-    data = st.buf <> chunk
-
-    case :binary.split(data, @hermes_close) do
-      [body, rest] ->
-        st = %{st | mode: :content, buf: ""}
-
-        {events, st} =
-          case hermes_call(body) do
-            {:ok, call} -> {[{:call, call}], st}
-            :error -> content(st, @hermes_open <> body <> @hermes_close)
-          end
-
-        {more, st} = feed(st, rest)
-        {events ++ more, st}
-
-      [_] ->
-        {[], %{st | buf: data}}
-    end
-  end
-
   @doc "Ends the answer: `{events, state}` for what was held back."
-  def finish(%{family: :generic, buf: buf} = st), do: {generic(buf), %{st | buf: ""}}
-
-  def finish(%{family: :llama3, mode: :whole, buf: buf} = st),
-    do: {llama3(buf), %{st | buf: ""}}
-
-  def finish(%{family: :mistral, mode: :whole, buf: buf} = st),
-    do: {mistral(buf), %{st | buf: ""}}
-
-  # an unclosed call: a complete one still counts (models stop at the closer's first token)
-  def finish(%{mode: :call, buf: buf} = st) do
-    case hermes_call(buf) do
-      {:ok, call} -> {[{:call, call}], %{st | buf: "", mode: :content}}
-      :error -> content(%{st | buf: "", mode: :content}, @hermes_open <> buf)
-    end
+  def finish(%{mode: :region, family: :hermes} = st) do
+    {events, st} = region_feed(%{st | buf: ""}, st.buf)
+    {closed, st} = close_region(st, "")
+    {events ++ closed, st}
   end
 
-  def finish(%{buf: buf} = st) do
-    {events, st} = content(%{st | buf: ""}, buf)
-    {events, st}
-  end
+  def finish(%{mode: :region} = st), do: close_region(st, "")
+
+  def finish(%{buf: buf} = st), do: content(%{st | buf: ""}, buf)
 
   defp opener(:hermes), do: @hermes_open
   defp opener(:mistral), do: @mistral_open
@@ -150,117 +161,155 @@ defmodule LlamaCppEx.Tools.Parser do
     end
   end
 
-  ## Families
+  ## Regions
 
-  defp hermes_call(body) do
-    with {:ok, %{"name" => name} = obj} when is_binary(name) <- JSON.decode(String.trim(body)),
-         {:ok, args} <- arguments(Map.get(obj, "arguments", %{})) do
-      {:ok, call(name, args, nil)}
-    else
-      _ -> :error
+  # `opener`: the markup that opened the region, given back as content if no call starts
+  defp region(opener \\ ""),
+    do: %{opener: opener, raw: "", pending: "", phase: :seek, calls: 0}
+
+  defp region_feed(st, text) do
+    r = st.region
+    r = %{r | raw: r.raw <> text, pending: r.pending <> text}
+    {events, r} = scan(r, st.family, [])
+    {events, %{st | region: r}}
+  end
+
+  defp scan(%{phase: :seek, pending: p} = r, family, acc) do
+    case Regex.run(@header, p, return: :index) do
+      [{start, len}, {ns, nl}] ->
+        {:ok, name} = JSON.decode(~s(") <> binary_part(p, ns, nl) <> ~s("))
+        rest = binary_part(p, start + len, byte_size(p) - start - len)
+        call = {:call_start, %{id: call_id(family), name: name}}
+
+        scan(%{r | pending: rest, phase: {:value, value_scanner()}, calls: r.calls + 1}, family, [
+          call | acc
+        ])
+
+      nil ->
+        {Enum.reverse(acc), r}
     end
   end
 
-  defp llama3(buf) do
-    text = buf |> String.trim() |> String.replace_prefix(@python_tag, "") |> String.trim()
+  defp scan(%{phase: {:value, sc}, pending: p} = r, family, acc) do
+    case value_step(sc, p, 0) do
+      {:more, sc, emit} ->
+        {Enum.reverse(emit_args(acc, emit)), %{r | pending: "", phase: {:value, sc}}}
 
-    calls =
-      text
-      |> String.split(~r/;\s*(?=\{)/)
-      |> Enum.map(fn part ->
-        with {:ok, %{"name" => name} = obj} when is_binary(name) <- JSON.decode(part),
-             {:ok, args} <- arguments(Map.get(obj, "parameters", Map.get(obj, "arguments", %{}))) do
-          {:ok, call(name, args, nil)}
-        else
-          _ -> :error
-        end
-      end)
-
-    if calls != [] and Enum.all?(calls, &match?({:ok, _}, &1)),
-      do: for({:ok, c} <- calls, do: {:call, c}),
-      else: raw(buf)
-  end
-
-  defp mistral(buf) do
-    with {:ok, list} when is_list(list) and list != [] <- JSON.decode(String.trim(buf)),
-         calls when is_list(calls) <- mistral_calls(list) do
-      for c <- calls, do: {:call, c}
-    else
-      _ -> raw(@mistral_open <> buf)
+      {:done, emit, rest} ->
+        acc = [:call_end | emit_args(acc, emit)]
+        scan(%{r | pending: rest, phase: :seek}, family, acc)
     end
   end
 
-  defp mistral_calls(list) do
-    Enum.reduce_while(list, [], fn
-      %{"name" => name} = obj, acc when is_binary(name) ->
-        case arguments(Map.get(obj, "arguments", %{})) do
-          {:ok, args} ->
-            # Mistral's templates take back only 9-character alphanumeric ids
-            id = if is_binary(obj["id"]) and obj["id"] != "", do: obj["id"], else: alnum9()
-            {:cont, acc ++ [call(name, args, id)]}
+  defp emit_args(acc, ""), do: acc
+  defp emit_args(acc, text), do: [{:call_args, text} | acc]
 
-          :error ->
-            {:halt, :error}
-        end
+  # The end of a region (`closer`: the markup that closed it): a call cut off ends where the
+  # text did; no call at all is content.
+  defp close_region(%{region: r} = st, closer) do
+    st = %{st | mode: :content, region: region(), buf: ""}
 
-      _, _ ->
-        {:halt, :error}
-    end)
+    cond do
+      r.calls > 0 and r.phase != :seek -> {[:call_end], st}
+      r.calls > 0 -> {[], st}
+      st.family == :generic -> content(st, response(r.raw))
+      true -> content(st, r.opener <> r.raw <> closer)
+    end
   end
 
-  defp generic(buf) do
-    case JSON.decode(String.trim(buf)) do
-      {:ok, %{"tool_calls" => [_ | _] = calls}} ->
-        parsed =
-          Enum.map(calls, fn
-            %{"name" => n} = c when is_binary(n) ->
-              with {:ok, a} <- arguments(Map.get(c, "arguments", %{})), do: {:ok, call(n, a, nil)}
+  defp response(raw) do
+    case JSON.decode(String.trim(raw)) do
+      {:ok, %{"response" => text}} when is_binary(text) -> text
+      _ -> raw
+    end
+  end
 
-            _ ->
-              :error
-          end)
+  ## The arguments' value, byte by byte: an object or array streams as it arrives until its
+  ## brackets balance (strings and escapes followed); a string streams nothing until it
+  ## closes, then gives its decoded text (arguments sent as a JSON string).
 
-        if Enum.all?(parsed, &match?({:ok, _}, &1)),
-          do: for({:ok, c} <- parsed, do: {:call, c}),
-          else: raw(buf)
+  defp value_scanner, do: %{kind: nil, depth: 0, in_str: false, esc: false, str: ""}
 
-      {:ok, %{"response" => text}} when is_binary(text) ->
-        raw(text)
+  defp value_step(sc, p, i) when i >= byte_size(p) do
+    case sc.kind do
+      :string -> {:more, %{sc | str: sc.str <> p}, ""}
+      _ -> {:more, sc, binary_part(p, 0, i)}
+    end
+  end
+
+  defp value_step(%{kind: nil} = sc, p, i) do
+    case :binary.at(p, i) do
+      c when c in [?\s, ?\n, ?\r, ?\t] ->
+        value_step(sc, binary_part(p, i + 1, byte_size(p) - i - 1), 0)
+
+      c when c in [?{, ?[] ->
+        value_step(%{sc | kind: :container, depth: 1}, p, i + 1)
+
+      ?" ->
+        string_step(%{sc | kind: :string}, binary_part(p, i + 1, byte_size(p) - i - 1))
 
       _ ->
-        raw(buf)
+        # a scalar where an object belongs: taken whole up to its delimiter
+        case Regex.run(~r/^[^,}\]\s]*/, binary_part(p, i, byte_size(p) - i)) do
+          [lit] when byte_size(lit) < byte_size(p) - i ->
+            rest = binary_part(p, i + byte_size(lit), byte_size(p) - i - byte_size(lit))
+            {:done, lit, rest}
+
+          _ ->
+            {:more, sc, ""}
+        end
     end
   end
 
-  defp raw(text) do
-    case String.trim(text) do
-      "" -> []
-      t -> [{:content, t}]
+  defp value_step(%{kind: :string} = sc, p, _i), do: string_step(sc, p)
+
+  defp value_step(%{kind: :container} = sc, p, i) do
+    c = :binary.at(p, i)
+
+    sc =
+      cond do
+        sc.esc -> %{sc | esc: false}
+        sc.in_str and c == ?\\ -> %{sc | esc: true}
+        c == ?" -> %{sc | in_str: not sc.in_str}
+        sc.in_str -> sc
+        c in [?{, ?[] -> %{sc | depth: sc.depth + 1}
+        c in [?}, ?]] -> %{sc | depth: sc.depth - 1}
+        true -> sc
+      end
+
+    if sc.depth == 0 do
+      {:done, binary_part(p, 0, i + 1), binary_part(p, i + 1, byte_size(p) - i - 1)}
+    else
+      value_step(sc, p, i + 1)
     end
   end
 
-  # arguments as OpenAI sends them: a JSON object, encoded
-  defp arguments(%{} = args), do: {:ok, JSON.encode!(args)}
+  defp string_step(sc, p) do
+    data = sc.str <> p
 
-  defp arguments(args) when is_binary(args) do
-    case JSON.decode(args) do
-      {:ok, %{} = m} -> {:ok, JSON.encode!(m)}
-      _ -> :error
+    case Regex.run(~r/^((?:[^"\\]|\\.)*)"/s, data, return: :index) do
+      [{0, len}, _] ->
+        literal = binary_part(data, 0, len)
+        rest = binary_part(data, len, byte_size(data) - len)
+
+        text =
+          case JSON.decode(~s(") <> literal) do
+            {:ok, s} -> s
+            _ -> binary_part(literal, 0, len - 1)
+          end
+
+        {:done, text, rest}
+
+      nil ->
+        {:more, %{sc | str: data}, ""}
     end
   end
 
-  defp arguments(_), do: :error
-
-  defp alnum9 do
+  # Mistral's templates take back only 9-character alphanumeric ids
+  defp call_id(:mistral) do
     chars = ~c"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
     for <<b <- :crypto.strong_rand_bytes(9)>>, into: "", do: <<Enum.at(chars, rem(b, 62))>>
   end
 
-  defp call(name, args, id) do
-    %{
-      id: id || "call_" <> Base.encode16(:crypto.strong_rand_bytes(12), case: :lower),
-      type: "function",
-      function: %{name: name, arguments: args}
-    }
-  end
+  defp call_id(_), do: "call_" <> Base.encode16(:crypto.strong_rand_bytes(12), case: :lower)
 end
