@@ -270,6 +270,53 @@ defmodule LlamaCppEx.HTTPServerTest do
     end
   end
 
+  describe "mix llama_cpp_ex.server --hf-repo" do
+    test "downloads the file through the Hub, then serves it" do
+      body = File.read!(TestModels.smollm2_path())
+
+      sha = Base.encode16(:crypto.hash(:sha256, body), case: :lower)
+
+      info =
+        LlamaCppEx.JSON.encode!(%{
+          "siblings" => [%{"rfilename" => "smol.gguf", "lfs" => %{"sha256" => sha}}]
+        })
+
+      # the Hub's file and the metadata it verifies the download against
+      hub =
+        LlamaCppEx.Test.ArtifactServer.start(%{
+          "/org/smol/resolve/main/smol.gguf" => {200, body},
+          "/api/models/org/smol/revision/main" => {200, info}
+        })
+
+      cache =
+        Path.join(System.tmp_dir!(), "llama_cpp_ex_hfrepo_#{System.unique_integer([:positive])}")
+
+      on_exit(fn -> File.rm_rf!(cache) end)
+
+      port =
+        Port.open({:spawn_executable, System.find_executable("mix")}, [
+          :binary,
+          :exit_status,
+          :stderr_to_stdout,
+          args: ~w(llama_cpp_ex.server --hf-repo org/smol --hf-file smol.gguf --port 0),
+          env: [
+            {~c"MIX_ENV", ~c"test"},
+            {~c"LLAMA_CPP_EX_SKIP_NATIVE", ~c"1"},
+            {~c"HF_ENDPOINT", String.to_charlist(hub.url)},
+            {~c"LLAMA_CACHE_DIR", String.to_charlist(cache)}
+          ]
+        ])
+
+      url = await_url(port, "")
+      assert File.read!(Path.join(cache, "org/smol/main/smol.gguf")) == body
+      {models, 0} = System.cmd("curl", ["-sf", url <> "/models"])
+      assert models =~ ~s("id":"smol.gguf")
+      {:os_pid, os_pid} = Port.info(port, :os_pid)
+      {_, 0} = System.cmd("kill", ["-TERM", "#{os_pid}"])
+      assert_receive {^port, {:exit_status, 0}}, 30_000
+    end
+  end
+
   defp await_url(port, acc) do
     receive do
       {^port, {:data, data}} ->
