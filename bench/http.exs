@@ -4,6 +4,7 @@
 # on the same file (`-np 8 -c 8192`, the same client). Prints TTFT p50/p99, ITL p50/p99 and
 # aggregate tokens per second for each.
 #
+#   ELIXIR_ERL_OPTIONS="+sbwt none +sbwtdcpu none +sbwtdio none" \
 #   LLAMA_MODEL_PATH=path/to/model.gguf [LLAMA_THREADS=2] [LLAMA_SERVER=/path/to/llama-server] \
 #     mix run bench/http.exs
 
@@ -137,13 +138,18 @@ for n <- [1, 8] do
 end
 
 if bin = System.get_env("LLAMA_SERVER") do
+  # llama-server gets the cores to itself: our servers stop first (run this script with
+  # ELIXIR_ERL_OPTIONS="+sbwt none +sbwtdcpu none +sbwtdio none" so that idle schedulers
+  # sleep instead of spinning next to it)
+  GenServer.stop(http)
+  GenServer.stop(server)
   lport = 18_000 + :rand.uniform(1000)
 
   os =
     Port.open({:spawn_executable, bin}, [
       :binary,
       :exit_status,
-      args: ~w(-m #{path} --port #{lport} -np 8 -c 8192 -t #{threads} --jinja),
+      args: ~w(-m #{path} --port #{lport} -np 8 -c 8192 -t #{threads} --jinja --log-disable),
       env: [{~c"LD_LIBRARY_PATH", String.to_charlist(Path.dirname(bin))}]
     ])
 
