@@ -41,6 +41,17 @@ defmodule LlamaCppEx.HTTPServerTest do
       assert Enum.map_join(deltas, &Map.get(&1, :content, "")) == text
     end
 
+    test "completions: one choice per prompt, strings or token ids", %{api: api, server: server} do
+      {:ok, model} = Server.fetch_model(server)
+      {:ok, ids} = LlamaCppEx.Tokenizer.encode(model, "The sky is", add_special: false)
+      body = %{"prompt" => ["The sky is", ids], "max_tokens" => 6, "temperature" => 0}
+      assert {:json, 200, r} = OpenAI.handle(api, "POST", "/v1/completions", body)
+      assert [%{index: 0, text: a}, %{index: 1, text: b}] = r.choices
+      # the same prompt as text and as ids: the same greedy text
+      assert a == b and a != ""
+      assert r.usage.completion_tokens in 2..12
+    end
+
     test "bad input: one OpenAI-shaped 400 per condition", %{api: api} do
       cases = [
         {"/v1/chat/completions", %{"messages" => "x"}, "messages must be a list of messages"},
@@ -53,6 +64,9 @@ defmodule LlamaCppEx.HTTPServerTest do
            "response_format" => %{"type" => "yaml"}
          }, "unsupported response_format"},
         {"/v1/completions", %{"prompt" => %{}}, "prompt must be"},
+        {"/v1/completions", %{"prompt" => ["a", 1]}, "prompt must be strings or lists"},
+        {"/v1/completions", %{"prompt" => ["a", "b"], "stream" => true},
+         "a streamed completion takes one prompt"},
         {"/v1/completions", %{"prompt" => ""}, "the prompt is empty"},
         {"/v1/embeddings", %{"input" => 3}, "input must be"},
         {"/v1/embeddings", %{"input" => "x", "dimensions" => 4}, "dimensions is not supported"},
@@ -227,6 +241,7 @@ defmodule LlamaCppEx.HTTPServerTest do
 
       assert metrics =~ ~s(llamacppex_requests_total{route="/v1/chat/completions",status="200"})
       assert metrics =~ "llamacppex_time_to_first_token_seconds_count"
+      assert metrics =~ "llamacppex_kv_capacity_tokens 8192"
       assert metrics =~ ~r/llamacppex_generation_tokens_total [1-9]/
 
       {health, 0} = System.cmd("curl", ["-sf", url <> "/health"])

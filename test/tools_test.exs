@@ -110,6 +110,46 @@ defmodule LlamaCppEx.ToolsTest do
     end
   end
 
+  test "with enable_thinking, reasoning is split off before calls are parsed" do
+    {:ok, model} = LlamaCppEx.load_model(TestModels.smollm2_path())
+    {:ok, t} = Tools.prepare(model, tools: [@weather])
+    t = %{t | family: :hermes}
+
+    gen = %LlamaCppEx.Generation{
+      model: model,
+      tokens: [1, 2, 3],
+      logprobs: false,
+      max_tokens: 20,
+      sampler: nil
+    }
+
+    text =
+      "<think>The user wants weather.</think>\n<tool_call>\n" <>
+        ~s({"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}) <>
+        "\n</tool_call>"
+
+    result = %{text: text, reason: :eog, completion_tokens: 20, logprobs: []}
+    c = LlamaCppEx.Completion.completion(gen, result, [enable_thinking: true], t)
+    [%{message: m, finish_reason: "tool_calls"}] = c.choices
+    assert m.reasoning_content == "The user wants weather."
+    assert m.content == nil
+
+    assert [%{function: %{name: "get_weather", arguments: ~s({"city": "Paris", "unit": "c"})}}] =
+             m.tool_calls
+
+    # cut off by max_tokens: the call keeps what it has, and the reason is "length"
+    cut = %{
+      result
+      | text: "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"ci",
+        reason: :max_tokens
+    }
+
+    [%{message: %{tool_calls: [partial]}, finish_reason: "length"}] =
+      LlamaCppEx.Completion.completion(gen, cut, [], t).choices
+
+    assert partial.function.arguments == ~s({"ci)
+  end
+
   describe "options" do
     setup do
       {:ok, model} = LlamaCppEx.load_model(TestModels.smollm2_path())

@@ -43,8 +43,9 @@ defmodule LlamaCppEx.OpenAI do
       `parallel_tool_calls`, `n` (several choices from one prompt, generated side by side and
       sharing its KV prefix through the server's cache; streamed, their chunks interleave,
       each with its choice's `index`).
-    * `POST /v1/completions` — `prompt` (a string, a list of strings, token ids), `echo`,
-      `logprobs` (a count), `stream`, and the sampling fields above.
+    * `POST /v1/completions` — `prompt` (a string, token ids, or a list of either: one choice
+      each; a stream takes one), `echo`, `logprobs` (a count), `stream`, and the sampling
+      fields above.
     * `POST /v1/embeddings` — `input` (a string, a list, token ids), `encoding_format`
       (`float` or `base64`); L2-normalised; `dimensions` is refused.
     * `POST /v1/rerank` (also `/rerank`, `/v1/reranking`) — `query`, `documents` (strings
@@ -297,7 +298,7 @@ defmodule LlamaCppEx.OpenAI do
 
   defp completions(api, body) do
     with :ok <- model_name(api, body),
-         {:ok, prompt} <- prompt(body["prompt"]),
+         {:ok, prompts} <- prompts(body["prompt"]),
          {:ok, opts} <- sampling(body) do
       opts =
         case body["logprobs"] do
@@ -307,57 +308,89 @@ defmodule LlamaCppEx.OpenAI do
 
       echo? = body["echo"] == true
 
-      if body["stream"] == true,
-        do: completion_stream(api, prompt, opts, echo?),
-        else: completion_blocking(api, prompt, opts, echo?)
+      case {body["stream"] == true, prompts} do
+        {true, [prompt]} -> completion_stream(api, prompt, opts, echo?)
+        {true, _} -> bad("a streamed completion takes one prompt", "prompt")
+        {false, _} -> completion_blocking(api, prompts, opts, echo?)
+      end
     end
   end
 
-  defp prompt(p) when is_binary(p), do: {:ok, p}
-  defp prompt([p]) when is_binary(p), do: {:ok, p}
+  # a string, token ids, or a list of either (one choice each)
+  defp prompts(p) when is_binary(p), do: {:ok, [p]}
 
-  defp prompt([i | _] = ids) when is_integer(i) do
+  defp prompts([i | _] = ids) when is_integer(i) do
     if Enum.all?(ids, &is_integer/1),
-      do: {:ok, ids},
+      do: {:ok, [ids]},
       else: bad("prompt: mixed token ids", "prompt")
   end
 
-  defp prompt(other),
-    do: bad("prompt must be a string or a list of token ids, got #{short(other)}", "prompt")
+  defp prompts([_ | _] = list) do
+    if Enum.all?(
+         list,
+         &(is_binary(&1) or
+             (is_list(&1) and &1 != [] and Enum.all?(&1, fn i -> is_integer(i) end)))
+       ),
+       do: {:ok, list},
+       else: bad("prompt must be strings or lists of token ids", "prompt")
+  end
+
+  defp prompts(other),
+    do:
+      bad(
+        "prompt must be a string, token ids, or a list of either, got #{short(other)}",
+        "prompt"
+      )
 
   defp open_completion(api, prompt, opts, mode) do
     opts = Generation.options!(opts, :server)
     Server.open(api.server, fn _ -> {:ok, prompt} end, opts, mode, 60_000)
   end
 
-  defp completion_blocking(api, prompt, opts, echo?) do
+  defp completion_blocking(api, prompts, opts, echo?) do
+    results =
+      prompts
+      |> Task.async_stream(&completion_one(api, &1, opts, echo?), timeout: :infinity)
+      |> Enum.map(fn {:ok, r} -> r end)
+
+    case Enum.find(results, &match?({:error, _}, &1)) do
+      {:error, reason} ->
+        engine_error(reason)
+
+      nil ->
+        choices =
+          for {{:ok, choice, _, _}, i} <- Enum.with_index(results), do: %{choice | index: i}
+
+        n_prompt = Enum.sum(for {:ok, _, p, _} <- results, do: p)
+        n_out = Enum.sum(for {:ok, _, _, n} <- results, do: n)
+
+        {:json, 200,
+         %{
+           id: "cmpl-" <> rand_id(),
+           object: "text_completion",
+           created: System.os_time(:second),
+           model: api.model_name,
+           choices: choices,
+           usage: %{
+             prompt_tokens: n_prompt,
+             completion_tokens: n_out,
+             total_tokens: n_prompt + n_out
+           }
+         }}
+    end
+  end
+
+  defp completion_one(api, prompt, opts, echo?) do
     with {:ok, src, gen} <- open_completion(api, prompt, opts, :generate),
          {:ok, r} <- Source.collect(src) do
-      text = if echo?, do: prompt_text(gen) <> r.text, else: r.text
-      n_prompt = length(gen.tokens)
-
       choice = %{
         index: 0,
-        text: text,
+        text: if(echo?, do: prompt_text(gen) <> r.text, else: r.text),
         finish_reason: finish(r.reason),
         logprobs: if(gen.logprobs, do: legacy_logprobs(r.logprobs))
       }
 
-      {:json, 200,
-       %{
-         id: "cmpl-" <> rand_id(),
-         object: "text_completion",
-         created: System.os_time(:second),
-         model: api.model_name,
-         choices: [choice],
-         usage: %{
-           prompt_tokens: n_prompt,
-           completion_tokens: r.completion_tokens,
-           total_tokens: n_prompt + r.completion_tokens
-         }
-       }}
-    else
-      {:error, reason} -> engine_error(reason)
+      {:ok, choice, length(gen.tokens), r.completion_tokens}
     end
   end
 

@@ -11,7 +11,8 @@ defmodule LlamaCppEx.HTTPServer.Metrics do
     * `llamacppex_time_to_first_token_seconds`, `llamacppex_inter_token_latency_seconds` -
       histograms over streamed responses (first content event, then the gaps between them);
     * `llamacppex_queue_depth`, `llamacppex_busy_slots`, `llamacppex_slots`,
-      `llamacppex_kv_free_tokens` - gauges read at scrape time;
+      `llamacppex_kv_capacity_tokens`, `llamacppex_kv_free_tokens` - gauges read at scrape
+      time (KV in use is capacity minus free);
     * `llamacppex_speculative_drafted_tokens_total`,
       `llamacppex_speculative_accepted_tokens_total`.
   """
@@ -86,6 +87,11 @@ defmodule LlamaCppEx.HTTPServer.Metrics do
       gauge("llamacppex_queue_depth", "Requests waiting for a slot", stats[:queue_depth] || 0),
       gauge("llamacppex_busy_slots", "Slots prefilling or generating", stats[:active_slots] || 0),
       gauge("llamacppex_slots", "Slots", stats[:n_parallel] || 0),
+      gauge(
+        "llamacppex_kv_capacity_tokens",
+        "KV cache tokens the server's context holds",
+        stats[:n_ctx] || 0
+      ),
       gauge(
         "llamacppex_kv_free_tokens",
         "KV cache tokens free after the last pass",
