@@ -301,13 +301,19 @@ defmodule LlamaCppEx do
   # The chat prompt of `messages` (tools rendered) with the options tools add to the request
   # (their constraint): `{:ok, prompt, extra_opts, tools | nil}`.
   defp render_chat(model, messages, opts) do
-    with {:ok, tools} <- Tools.prepare(model, opts) do
-      {messages, chat_opts} =
-        Tools.render_input(tools, messages, Keyword.take(opts, Chat.option_keys()))
+    with {:ok, tools} <- Tools.prepare(model, opts),
+         {:ok, prompt, extra} <- render_with(model, messages, opts, tools) do
+      {:ok, prompt, extra, tools}
+    end
+  end
 
-      with {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts) do
-        {:ok, prompt, Tools.request_options(tools), tools}
-      end
+  # ... with the tools already prepared: `{:ok, prompt, extra_opts}`
+  defp render_with(model, messages, opts, tools) do
+    {messages, chat_opts} =
+      Tools.render_input(tools, messages, Keyword.take(opts, Chat.option_keys()))
+
+    with {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts) do
+      {:ok, prompt, Tools.request_options(tools)}
     end
   end
 
@@ -406,13 +412,10 @@ defmodule LlamaCppEx do
       )
 
     if server? do
-      # tools are prepared against the server's model before the request is admitted
-      with {:ok, model} <- tools_model(target, opts),
-           {:ok, tools} <- (model && Tools.prepare(model, opts)) || {:ok, nil},
-           render = fn model ->
-             with {:ok, prompt, extra, _} <- render_chat(model, messages, opts),
-                  do: {:ok, prompt, extra}
-           end,
+      # tools are prepared once, against the server's model, before the request is admitted
+      with {:ok, model} <- Server.fetch_model(target),
+           {:ok, tools} <- Tools.prepare(model, opts),
+           render = &render_with(&1, messages, opts, tools),
            {:ok, src, gen} <- Server.open(target, render, gen_opts, mode, timeout) do
         {:ok, src, gen, tools}
       end
@@ -428,10 +431,6 @@ defmodule LlamaCppEx do
         {:ok, src, gen, tools}
       end
     end
-  end
-
-  defp tools_model(server, opts) do
-    if opts[:tools] in [nil, []], do: {:ok, nil}, else: Server.fetch_model(server)
   end
 
   # `include_usage: true`: after the last chunk, one with `usage` and no choices (OpenAI's

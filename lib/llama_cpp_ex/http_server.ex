@@ -118,9 +118,8 @@ defmodule LlamaCppEx.HTTPServer do
   defp serve(socket, conf) do
     case read_request(socket, conf) do
       {:ok, req} ->
-        started = System.monotonic_time()
         {status, keep?} = respond(socket, req, conf)
-        Metrics.request(conf.metrics, req.path, status, System.monotonic_time() - started)
+        Metrics.request(conf.metrics, req.path, status)
         if keep? and req.keep_alive, do: serve(socket, conf), else: :gen_tcp.close(socket)
 
       {:error, {:status, status, message}} ->

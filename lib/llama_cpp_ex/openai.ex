@@ -56,13 +56,14 @@ defmodule LlamaCppEx.OpenAI do
       answer within a second), `POST /tokenize`,
       `POST /detokenize`.
 
-  Fields this API does not know are ignored, as llama-server and OpenAI do. Errors are
+  Fields this API does not know are ignored, as llama-server and OpenAI do; so is `model`
+  (one API serves one model, as llama-server does). Errors are
   OpenAI's `{"error": {"message", "type", "param", "code"}}`: 400 for bad input, 404 for an
   unknown route or model, 503 when the server's queue is full or the model is loading, 500
   (with no internal detail) otherwise.
   """
 
-  alias LlamaCppEx.{Generation, JSON, Model, Server, Source, Tokenizer}
+  alias LlamaCppEx.{Completion, Generation, JSON, Model, Server, Source, Tokenizer}
 
   defstruct [:server, :model_name, :embeddings, created: 0]
 
@@ -124,7 +125,6 @@ defmodule LlamaCppEx.OpenAI do
 
   defp chat(api, body) do
     with {:ok, messages} <- field(body, "messages", &is_list/1, "a list of messages"),
-         :ok <- model_name(api, body),
          {:ok, opts} <- sampling(body),
          {:ok, opts} <- chat_options(body, opts),
          {:ok, n} <- n_choices(body) do
@@ -297,8 +297,7 @@ defmodule LlamaCppEx.OpenAI do
   ## Completions
 
   defp completions(api, body) do
-    with :ok <- model_name(api, body),
-         {:ok, prompts} <- prompts(body["prompt"]),
+    with {:ok, prompts} <- prompts(body["prompt"]),
          {:ok, opts} <- sampling(body) do
       opts =
         case body["logprobs"] do
@@ -386,7 +385,7 @@ defmodule LlamaCppEx.OpenAI do
       choice = %{
         index: 0,
         text: if(echo?, do: prompt_text(gen) <> r.text, else: r.text),
-        finish_reason: finish(r.reason),
+        finish_reason: Completion.finish_reason(r.reason),
         logprobs: if(gen.logprobs, do: legacy_logprobs(r.logprobs))
       }
 
@@ -425,7 +424,7 @@ defmodule LlamaCppEx.OpenAI do
                 out =
                   Enum.flat_map(events, fn
                     {:token, t} -> [chunk.(t, nil)]
-                    {:done, reason} -> [chunk.("", finish(reason))]
+                    {:done, reason} -> [chunk.("", Completion.finish_reason(reason))]
                     {:error, reason} -> [{:error, error_body(engine_error(reason))}]
                     _ -> []
                   end)
@@ -465,8 +464,7 @@ defmodule LlamaCppEx.OpenAI do
   defp embeddings(api, body) do
     server = api.embeddings || api.server
 
-    with :ok <- model_name(api, body),
-         :ok <- no_dimensions(body),
+    with :ok <- no_dimensions(body),
          {:ok, inputs} <- inputs(body["input"]),
          {:ok, format} <- encoding_format(body["encoding_format"]) do
       case Server.embed(server, inputs, normalize: 2) do
@@ -733,11 +731,6 @@ defmodule LlamaCppEx.OpenAI do
     v = body[key]
     if v != nil and ok?.(v), do: {:ok, v}, else: bad("#{key} must be #{what}", key)
   end
-
-  defp model_name(_api, _body), do: :ok
-
-  defp finish(reason) when reason in [:eog, :stop], do: "stop"
-  defp finish(_), do: "length"
 
   ## Errors and events
 

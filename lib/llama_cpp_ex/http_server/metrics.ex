@@ -25,7 +25,7 @@ defmodule LlamaCppEx.HTTPServer.Metrics do
   end
 
   @doc false
-  def request(table, path, status, _duration) do
+  def request(table, path, status) do
     :ets.update_counter(table, {:requests, path_label(path), status}, 1, {nil, 0})
   end
 
