@@ -2,9 +2,9 @@ defmodule LlamaCppEx.HTTPServerTest do
   # The OpenAI API: its core without HTTP, the HTTP layer on raw sockets, and the official
   # `openai` Python client (installed by scripts/setup.sh) against a live server.
   use ExUnit.Case, async: false
-  import LlamaCppEx.Eventually, only: [wait_until: 1]
+  import LlamaCppEx.Eventually, only: [wait_until: 1, wait_until: 2]
 
-  alias LlamaCppEx.{HTTPServer, OpenAI, Server, TestModels}
+  alias LlamaCppEx.{HTTPServer, JSON, OpenAI, Server, TestModels}
 
   @moduletag timeout: 600_000
 
@@ -227,6 +227,49 @@ defmodule LlamaCppEx.HTTPServerTest do
       :gen_tcp.close(s)
       wait_until(fn -> Server.get_stats(server).active_slots == 0 end)
       assert Server.get_stats(server).tokens_generated - before < 2000
+    end
+
+    test "a client that stops reading is dropped after :write_timeout" do
+      # Its own Server so one sequence may grow past what the stall needs to show.
+      {:ok, server} =
+        Server.start_link(model_path: TestModels.smollm2_path(), n_parallel: 1, n_ctx: 4096)
+
+      {:ok, _} = TestModels.wait_model(server)
+      {:ok, http} = HTTPServer.start_link(server: server, port: 0, write_timeout: 300)
+
+      # End-of-generation tokens banned and 20 logprobs per token (~2 KB a chunk), so the answer
+      # outgrows the socket buffers long before it could finish on its own.
+      body =
+        JSON.encode!(%{
+          "messages" => [%{"role" => "user", "content" => "Tell a long story."}],
+          "max_tokens" => 3500,
+          "stream" => true,
+          "logprobs" => true,
+          "top_logprobs" => 20,
+          "logit_bias" => %{"0" => -100, "2" => -100}
+        })
+
+      {:ok, s} =
+        :gen_tcp.connect({127, 0, 0, 1}, HTTPServer.port(http), [
+          :binary,
+          active: false,
+          recbuf: 1024
+        ])
+
+      :ok =
+        :gen_tcp.send(
+          s,
+          "POST /v1/chat/completions HTTP/1.1\r\ncontent-length: #{byte_size(body)}\r\n\r\n" <>
+            body
+        )
+
+      # never read: the server's write blocks, times out, and the request is cancelled
+      wait_until(fn -> Server.get_stats(server).active_slots == 1 end)
+      wait_until(fn -> Server.get_stats(server).active_slots == 0 end, 12_000)
+      assert Server.get_stats(server).tokens_generated < 3500
+      :gen_tcp.close(s)
+      GenServer.stop(http)
+      GenServer.stop(server)
     end
 
     test "the official openai client, and curl for /metrics, /health, /tokenize", %{port: port} do
