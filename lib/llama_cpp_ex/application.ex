@@ -8,7 +8,10 @@ defmodule LlamaCppEx.Application do
 
     children = [
       {Registry, keys: :unique, name: LlamaCppEx.Registry},
-      LlamaCppEx.Chat.Renderer
+      LlamaCppEx.Chat.Renderer,
+      # the `:pg` scope of `LlamaCppEx.Cluster`'s groups, and this node's copy of their loads
+      %{id: :pg, start: {:pg, :start_link, [LlamaCppEx.Cluster.scope()]}},
+      LlamaCppEx.Cluster.Directory
     ]
 
     Supervisor.start_link(children, strategy: :one_for_one, name: LlamaCppEx.Supervisor)

@@ -12,7 +12,9 @@ defmodule LlamaCppEx.HTTPServer do
 
   ## Options
 
-    * `:server` (required), `:model_name`, `:embeddings` - as `LlamaCppEx.OpenAI.new/1`.
+    * `:server` or `:cluster` (one is required), `:model_name`, `:embeddings` - as
+      `LlamaCppEx.OpenAI.new/1`; with `:cluster` every request is routed to a replica of
+      that `LlamaCppEx.Cluster` group, and `/metrics` sums the replicas' gauges and counters.
     * `:port` - default 8080; 0 picks a free one (`port/1` tells which).
     * `:ip` - the address to listen on. Default `{127, 0, 0, 1}`.
     * `:api_key` - when set, every request but `GET /health` needs
@@ -57,7 +59,7 @@ defmodule LlamaCppEx.HTTPServer do
   @impl true
   def init(opts) do
     opts = Keyword.merge(@defaults, opts)
-    api = OpenAI.new(Keyword.take(opts, [:server, :model_name, :embeddings]))
+    api = OpenAI.new(Keyword.take(opts, [:server, :cluster, :model_name, :embeddings]))
 
     listen_opts = [
       :binary,
@@ -222,7 +224,7 @@ defmodule LlamaCppEx.HTTPServer do
         send_json(socket, 401, error_body(401, "invalid or missing API key"), req.keep_alive)
 
       req.method == "GET" and req.path == "/metrics" ->
-        text = Metrics.render(conf.metrics, conf.api.server)
+        text = Metrics.render(conf.metrics, OpenAI.servers(conf.api))
         send_raw(socket, 200, "text/plain; version=0.0.4", text, req.keep_alive)
 
       true ->

@@ -38,7 +38,7 @@ defmodule LlamaCppEx.ModelManager do
   require Logger
 
   alias LlamaCppEx.ModelManager.{Budget, Entry, ModelIO}
-  alias LlamaCppEx.{Chat, Server}
+  alias LlamaCppEx.Server
 
   @table :llama_cpp_ex_models
   @lru :llama_cpp_ex_models_lru
@@ -233,12 +233,7 @@ defmodule LlamaCppEx.ModelManager do
   def chat(id, messages, opts \\ []) do
     case route(id) do
       {:ok, {:server, pid, _}} ->
-        {chat_opts, gen_opts} = Keyword.split(opts, Chat.option_keys())
-
-        with {:ok, model} <- Server.fetch_model(pid),
-             {:ok, prompt} <- Chat.apply_template(model, messages, chat_opts) do
-          Server.generate(pid, prompt, gen_opts)
-        end
+        Server.chat(pid, messages, opts)
 
       {:ok, {:direct, model, _}} ->
         LlamaCppEx.chat(model, messages, opts)

@@ -65,10 +65,11 @@ defmodule LlamaCppEx.OpenAI do
 
   alias LlamaCppEx.{Completion, Generation, JSON, Model, Server, Source, Tokenizer}
 
-  defstruct [:server, :model_name, :embeddings, created: 0]
+  defstruct [:server, :cluster, :model_name, :embeddings, created: 0]
 
   @type t :: %__MODULE__{
-          server: GenServer.server(),
+          server: GenServer.server() | nil,
+          cluster: term(),
           model_name: String.t(),
           embeddings: GenServer.server() | nil,
           created: integer()
@@ -77,14 +78,20 @@ defmodule LlamaCppEx.OpenAI do
   @type result :: {:json, pos_integer(), map()} | {:sse, Enumerable.t()}
 
   @doc """
-  The API over `:server`. Options: `:server` (required), `:model_name` (what `/v1/models`
-  lists and responses name; default `"local"`), `:embeddings` (another server for
-  `/v1/embeddings`; default the main one).
+  The API over `:server`, or over `:cluster` (a `LlamaCppEx.Cluster` group: each request
+  runs on the replica the group's routing picks for its messages or prompt). Options:
+  `:server` or `:cluster` (one is required), `:model_name` (what `/v1/models` lists and
+  responses name; default `"local"`), `:embeddings` (another server for `/v1/embeddings`;
+  default the main one).
   """
   @spec new(keyword()) :: t()
   def new(opts) do
+    unless Keyword.has_key?(opts, :server) != Keyword.has_key?(opts, :cluster),
+      do: raise(ArgumentError, "LlamaCppEx.OpenAI.new/1 needs one of :server and :cluster")
+
     %__MODULE__{
-      server: Keyword.fetch!(opts, :server),
+      server: opts[:server],
+      cluster: opts[:cluster],
       model_name: Keyword.get(opts, :model_name, "local"),
       embeddings: Keyword.get(opts, :embeddings),
       created: System.os_time(:second)
@@ -93,6 +100,9 @@ defmodule LlamaCppEx.OpenAI do
 
   @doc "Handles one request: `method` (\"GET\", \"POST\"), `path`, the decoded JSON body."
   @spec handle(t(), String.t(), String.t(), map() | nil) :: result()
+  def handle(%__MODULE__{cluster: group} = api, method, path, body) when group != nil,
+    do: LlamaCppEx.Cluster.handle_openai(api, method, path, body || %{})
+
   def handle(api, method, path, body) do
     route(api, method, path, body || %{})
   rescue
@@ -772,6 +782,14 @@ defmodule LlamaCppEx.OpenAI do
   defp engine_error(:not_generative_model), do: error(400, "this model only embeds")
   defp engine_error(reason) when is_binary(reason), do: error(400, reason)
   defp engine_error(_reason), do: error(500, "internal error", "server_error")
+
+  @doc false
+  # the servers behind the API, for metrics
+  @spec servers(t()) :: [GenServer.server()]
+  def servers(%__MODULE__{cluster: nil, server: server}), do: [server]
+
+  def servers(%__MODULE__{cluster: group}),
+    do: Enum.map(LlamaCppEx.Cluster.replicas(group), & &1.pid)
 
   @doc "One SSE event's bytes: `{:data, map}`, `{:error, body}` or `:done`."
   @spec sse({:data, map()} | {:error, map()} | :done) :: iodata()

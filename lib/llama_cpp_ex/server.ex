@@ -36,6 +36,10 @@ defmodule LlamaCppEx.Server do
   `:add_assistant`, `:enable_thinking` and `:chat_template_kwargs` are accepted, as
   `llama_cpp_ex` accepts them, and have no effect on a raw prompt.
 
+  A request is prepared against the server's model, whose memory lives on the server's node:
+  a server on another node is reached through `LlamaCppEx.Cluster` (called directly, its
+  requests answer `{:error, {:remote_server, node}}`).
+
   Every request streams its events to its caller; blocking calls (`generate/3`,
   `complete_tokens/3`) collect them there. `:timeout` bounds the wait for each event
   (default 60_000 ms for blocking calls, 30_000 ms for streams): past it a stream ends with
@@ -113,7 +117,9 @@ defmodule LlamaCppEx.Server do
   use GenServer
   require Logger
 
-  alias LlamaCppEx.{Context, Embedding, Generation, Model, NIF, Options, Sampler, Source}
+  alias LlamaCppEx.{Chat, Context, Embedding, Generation, Model, NIF, Options, Sampler, Source}
+
+  alias LlamaCppEx.Cluster.Member
 
   alias LlamaCppEx.Server.{
     Config,
@@ -185,6 +191,9 @@ defmodule LlamaCppEx.Server do
       requests with `speculative: [mode: :draft]`. Its context mirrors the server's (`n_ctx`,
       sequences, KV types), so it adds its own KV bytes on top of `:kv_budget_mb`. A draft
       model with another vocabulary fails the start. Default `nil`.
+    * `:cluster` - a `:pg` group (any term, usually an atom per model) the server joins once
+      its model is loaded, as a replica `LlamaCppEx.Cluster` routes requests to. Default
+      `nil`.
     * `:kv_policy` - `[]` (or `true`) or options: new KV blocks are written in f16 while the
       cache has room and in `q8_0`, then `q4_0`, as it fills (an EWMA of occupancy with
       hysteresis), within the same byte budget; see `LlamaCppEx.Server.KvPolicy`. Invalid
@@ -236,14 +245,38 @@ defmodule LlamaCppEx.Server do
     end
   end
 
+  @doc """
+  Applies the model's chat template to `messages` (see `LlamaCppEx.Chat.apply_template/3`
+  for messages and its options) and generates the reply as `generate/3` does.
+  """
+  @spec chat(GenServer.server(), [LlamaCppEx.Chat.message()], keyword()) ::
+          {:ok, String.t()} | {:error, term()}
+  def chat(server, messages, opts \\ []) do
+    {chat_opts, opts} = Keyword.split(opts, Chat.option_keys())
+    validate_call!(opts, "chat/3")
+
+    with {:ok, %{text: text}} <- run(server, &Chat.apply_template(&1, messages, chat_opts), opts),
+         do: {:ok, text}
+  end
+
+  @doc "Like `chat/3`, streaming text chunks as `stream/3` does."
+  @spec stream_chat(GenServer.server(), [LlamaCppEx.Chat.message()], keyword()) ::
+          Enumerable.t()
+  def stream_chat(server, messages, opts \\ []) do
+    {chat_opts, opts} = Keyword.split(opts, Chat.option_keys())
+    validate_call!(opts, "stream_chat/3")
+    stream_of(server, &Chat.apply_template(&1, messages, chat_opts), opts)
+  end
+
   # A blocking call that times out exits like the GenServer call it replaces (the contract's
-  # behaviour), after cancelling its request.
+  # behaviour), after cancelling its request. `prompt` is the text or ids, or a function
+  # rendering them from the model.
   defp run(server, prompt, opts) do
     timeout = Options.timeout(opts, :blocking)
     opts = Generation.options!(Keyword.delete(opts, :timeout), :server)
 
     result =
-      with {:ok, src, _gen} <- open(server, fn _ -> {:ok, prompt} end, opts, :generate, timeout) do
+      with {:ok, src, _gen} <- open(server, renderer(prompt), opts, :generate, timeout) do
         Source.collect(src)
       end
 
@@ -276,11 +309,14 @@ defmodule LlamaCppEx.Server do
     opts = Generation.options!(Keyword.delete(opts, :timeout), :server)
 
     LlamaCppEx.text_stream(fn ->
-      with {:ok, src, _gen} <- open(server, fn _ -> {:ok, prompt} end, opts, :stream, timeout) do
+      with {:ok, src, _gen} <- open(server, renderer(prompt), opts, :stream, timeout) do
         {:ok, src}
       end
     end)
   end
+
+  defp renderer(render) when is_function(render, 1), do: render
+  defp renderer(prompt), do: fn _model -> {:ok, prompt} end
 
   @doc false
   # Prepares a request (`LlamaCppEx.Generation`) in the caller against the server's model and
@@ -559,9 +595,11 @@ defmodule LlamaCppEx.Server do
     :exit, reason -> {:error, exit_reason(reason)}
   end
 
-  # the model and the public config a running server published, else asked of the process
+  # the model and the public config a running server published, else asked of the process;
+  # a request is prepared against the model's resources, which live on the server's node
   defp fetch_model_and_config(server) do
     with pid when is_pid(pid) <- GenServer.whereis(server),
+         :ok <- local(pid),
          [{_, model}] <- Registry.lookup(LlamaCppEx.Registry, {__MODULE__, pid}),
          [{_, config}] <- Registry.lookup(LlamaCppEx.Registry, {Config, pid}) do
       {:ok, pid, model, config}
@@ -569,11 +607,17 @@ defmodule LlamaCppEx.Server do
       nil ->
         {:error, :noproc}
 
+      {:error, _} = remote ->
+        remote
+
       _ ->
         with {:ok, model, config} <- ask(server, :fetch_model),
              do: {:ok, GenServer.whereis(server), model, config}
     end
   end
+
+  defp local(pid) when node(pid) == node(), do: :ok
+  defp local(pid), do: {:error, {:remote_server, node(pid)}}
 
   @doc "Like `fetch_model/1`, raising `ArgumentError` when no model is available."
   @spec get_model(GenServer.server()) :: Model.t()
@@ -657,19 +701,21 @@ defmodule LlamaCppEx.Server do
       slots = Map.new(0..(cfg.n_parallel - 1), &{&1, Slot.idle(&1)})
       embed_seqs = Enum.to_list(cfg.n_parallel..(cfg.n_parallel + cfg.embed_parallel - 1))
 
-      {:noreply,
-       %{
-         st
-         | config: cfg,
-           model: model,
-           ctx: ctx,
-           engine: engine,
-           slots: slots,
-           embed_free: embed_seqs,
-           kv_free: cfg.n_ctx,
-           kv_policy: cfg.kv_policy,
-           swa_window: Model.info(model).swa_window
-       }}
+      st = %{
+        st
+        | config: cfg,
+          model: model,
+          ctx: ctx,
+          engine: engine,
+          slots: slots,
+          embed_free: embed_seqs,
+          kv_free: cfg.n_ctx,
+          kv_policy: cfg.kv_policy,
+          swa_window: Model.info(model).swa_window
+      }
+
+      # a replica joins its group once it can serve
+      {:noreply, if(cfg.cluster == nil, do: st, else: Member.join(st, cfg.cluster))}
     else
       {:error, reason} -> {:stop, {:load_failed, reason}, st}
     end
@@ -788,6 +834,12 @@ defmodule LlamaCppEx.Server do
     end
   end
 
+  def handle_call({:cluster, :join, group}, _from, st),
+    do: {:reply, :ok, Member.join(st, group)}
+
+  def handle_call({:cluster, :leave, group}, _from, st),
+    do: {:reply, :ok, Member.leave(st, group)}
+
   def handle_call({:subscribe, %Request{} = request}, _from, st) do
     case admit(st, request) do
       {:ok, st} -> {:reply, :ok, st}
@@ -826,6 +878,8 @@ defmodule LlamaCppEx.Server do
 
   def handle_info({:DOWN, mref, :process, _pid, _reason}, st),
     do: {:noreply, st |> Tick.consumer_down(mref) |> answer_audits()}
+
+  def handle_info(:cluster_publish, st), do: {:noreply, Member.tick(st)}
 
   def handle_info({:EXIT, _pid, reason}, st), do: {:stop, reason, st}
 

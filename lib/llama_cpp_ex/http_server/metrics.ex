@@ -47,13 +47,20 @@ defmodule LlamaCppEx.HTTPServer.Metrics do
   defp path_label(_), do: "other"
 
   @doc false
-  def render(table, server) do
+  def render(table, servers) do
+    # summed over the servers (one, or a cluster group's replicas)
     stats =
-      try do
-        LlamaCppEx.Server.get_stats(server)
-      catch
-        :exit, _ -> %{}
-      end
+      servers
+      |> Enum.map(fn server ->
+        try do
+          LlamaCppEx.Server.get_stats(server)
+        catch
+          :exit, _ -> %{}
+        end
+      end)
+      |> Enum.reduce(%{}, fn s, acc ->
+        Map.merge(acc, s, fn _, a, b -> if is_number(a) and is_number(b), do: a + b, else: a end)
+      end)
 
     rows = :ets.tab2list(table)
 

@@ -29,6 +29,7 @@ defmodule LlamaCppEx.Server.Config do
     prompt_cache_ram_mb: 0,
     draft_model: nil,
     kv_policy: nil,
+    cluster: nil,
     batch_strategy: LlamaCppEx.Server.Strategy.DecodeMaximal
   ]
 
@@ -56,6 +57,7 @@ defmodule LlamaCppEx.Server.Config do
           prompt_cache_ram_mb: non_neg_integer(),
           draft_model: LlamaCppEx.Model.t() | Path.t() | nil,
           kv_policy: KvPolicy.t() | nil,
+          cluster: term(),
           batch_strategy: module(),
           sampler_defaults: keyword(),
           model_opts: keyword(),

@@ -33,7 +33,8 @@ defmodule LlamaCppEx.Server.State do
     pause_level: :none,
     policy_warned: false,
     warned_instability: false,
-    strategy_warned: false
+    strategy_warned: false,
+    cluster: %LlamaCppEx.Cluster.Member{}
   ]
 
   @typedoc "The step being computed: its reply ref, row counts, save tags and embedding texts."
@@ -83,6 +84,8 @@ defmodule LlamaCppEx.Server.State do
           pause_level: :none | :prefill | :full,
           policy_warned: boolean(),
           warned_instability: boolean(),
-          strategy_warned: boolean()
+          strategy_warned: boolean(),
+          # the cluster groups it is in and its last published load
+          cluster: LlamaCppEx.Cluster.Member.t()
         }
 end
