@@ -103,7 +103,7 @@ defmodule LlamaCppEx.Cluster do
     pid = GenServer.whereis(server)
 
     if is_pid(pid) and server?(pid),
-      do: GenServer.call(pid, message),
+      do: GenServer.call(pid, message, 60_000),
       else: {:error, :not_a_server}
   end
 
