@@ -17,10 +17,12 @@ defmodule LlamaCppEx.Cluster do
 
   ## Routing
 
-  Every replica publishes a load signal (free slots, queue depth, free KV tokens) to a
+  Every replica publishes a load signal (free slots, queue depth, and the KV tokens a new
+  request can have: free blocks plus the idle caches it may evict) to a
   directory on every node when it changes, at most every `:publish_ms` and at least every
-  `:heartbeat_ms`; a caller reads its own node's copy, so routing sends no message. Each
-  request has an affinity key:
+  `:heartbeat_ms`; a caller's own node decides from its copy (its directory takes one
+  request at a time, so that simultaneous callers see each other's choices), so routing sends
+  nothing across nodes. Each request has an affinity key:
 
     * `:session` when given;
     * otherwise the `:cache_scope` with a hash of the prompt's first `:prefix_tokens` tokens'

@@ -1,7 +1,7 @@
 defmodule LlamaCppEx.Cluster.Directory do
   @moduledoc false
   # One per node, under the application: a table of the load every replica of every group
-  # last published, read by callers on this node without a message. Rows are
+  # last published, from which it picks the replica of each request from this node. Rows are
   # `{pid, load, pending}`: `pending` counts requests this node sent the replica since that
   # load was published, so a burst of requests does not all pick the replica that looked
   # idlest a moment ago.

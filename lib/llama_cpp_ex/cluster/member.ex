@@ -5,7 +5,7 @@ defmodule LlamaCppEx.Cluster.Member do
   # `publish_ms`, and at least every `heartbeat_ms` so that nodes joining later learn it).
 
   alias LlamaCppEx.Cluster
-  alias LlamaCppEx.Server.State
+  alias LlamaCppEx.Server.{Placement, State}
 
   @type t :: %__MODULE__{
           groups: [term()],
@@ -78,7 +78,8 @@ defmodule LlamaCppEx.Cluster.Member do
       free_slots: st.config.n_parallel - busy,
       n_parallel: st.config.n_parallel,
       queue_depth: :queue.len(st.queue),
-      kv_free_tokens: st.kv_free,
+      # what a new request can have: free blocks and the idle caches it may evict
+      kv_free_tokens: st.kv_free + Placement.evictable_tokens(st),
       n_ctx: st.config.n_ctx,
       model: Path.basename(st.config.model_path)
     }

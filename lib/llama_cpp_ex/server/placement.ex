@@ -45,10 +45,7 @@ defmodule LlamaCppEx.Server.Placement do
     if active == [] do
       true
     else
-      evictable =
-        for {seq, s} <- st.slots, s.state == :idle, reduce: 0 do
-          n -> n + Map.get(st.kv_exclusive, seq, 0)
-        end
+      evictable = evictable_tokens(st)
 
       pending =
         Enum.reduce(active, 0, fn
@@ -57,6 +54,14 @@ defmodule LlamaCppEx.Server.Placement do
         end)
 
       length(request.tokens) + 1 <= st.kv_free + evictable - pending
+    end
+  end
+
+  @doc "KV tokens that dropping the idle slots' caches would free (the blocks they alone hold)."
+  @spec evictable_tokens(State.t()) :: non_neg_integer()
+  def evictable_tokens(st) do
+    for {seq, s} <- st.slots, s.state == :idle, reduce: 0 do
+      n -> n + Map.get(st.kv_exclusive, seq, 0)
     end
   end
 
