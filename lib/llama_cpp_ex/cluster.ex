@@ -259,14 +259,23 @@ defmodule LlamaCppEx.Cluster do
     {ref, mon, proxy}
   end
 
-  defp await_result(%{ref: ref, mon: mon} = flight, accepted?) do
+  # `wait`: :infinity while the proxy is up; after its normal exit, how long its worker's
+  # last message may still be on the way
+  defp await_result(%{ref: ref, mon: mon} = flight, accepted?, wait \\ :infinity) do
     receive do
       {^ref, :accepted} ->
-        await_result(flight, true)
+        await_result(flight, true, wait)
 
       {^ref, :sse} ->
         # an OpenAI stream: its events follow as a stream's elements
-        st = Map.merge(flight, %{rest: [], accepted?: true, down: {:error, down_body()}})
+        st =
+          Map.merge(flight, %{
+            rest: [],
+            accepted?: true,
+            down: {:error, down_body()},
+            wait: :infinity
+          })
+
         {:sse, Stream.resource(fn -> st end, &next/1, &close/1)}
 
       {^ref, :unavailable} ->
@@ -285,23 +294,16 @@ defmodule LlamaCppEx.Cluster do
         Process.demonitor(mon, [:flush])
         exit(reason)
 
-      {:DOWN, ^mon, :process, _, reason} ->
-        down(ref, reason, accepted?)
-    end
-  end
+      {:DOWN, ^mon, :process, _, :normal} ->
+        # finished: its worker's answer (another sender) may still be on the way
+        await_result(flight, accepted?, @last_message_ms)
 
-  # the proxy ended before its answer reached us: gone with its node, or finished and its
-  # worker's message still on the way
-  defp down(ref, :normal, _accepted?) do
-    receive do
-      {^ref, {:result, result}} -> replica_error(result)
+      {:DOWN, ^mon, :process, _, _reason} ->
+        if accepted?, do: {:error, :replica_down}, else: :retry
     after
-      @last_message_ms -> {:error, :replica_down}
+      wait -> {:error, :replica_down}
     end
   end
-
-  defp down(_ref, _reason, false), do: :retry
-  defp down(_ref, _reason, true), do: {:error, :replica_down}
 
   # a replica that died under the request answers as the Server would for a dead server
   defp replica_error({:error, reason}) when reason in [:server_down, :noproc],
@@ -364,7 +366,8 @@ defmodule LlamaCppEx.Cluster do
               fun: fun,
               args: [input, opts],
               accepted?: false,
-              down: {:error, :replica_down}
+              down: {:error, :replica_down},
+              wait: :infinity
             }
 
           {:error, reason} ->
@@ -407,15 +410,13 @@ defmodule LlamaCppEx.Cluster do
         exit(reason)
 
       {:DOWN, ^mon, :process, _, :normal} ->
-        # the worker's `:done` may still be on its way
-        receive do
-          {^ref, :done} -> {:halt, :halted}
-        after
-          @last_message_ms -> {[st.down], :halted}
-        end
+        # finished: its worker's last elements (another sender) may still be on the way
+        next(%{st | wait: @last_message_ms})
 
       {:DOWN, ^mon, :process, _, _reason} ->
         if st.accepted?, do: {[st.down], :halted}, else: retry(st)
+    after
+      st.wait -> {[st.down], :halted}
     end
   end
 
@@ -425,7 +426,17 @@ defmodule LlamaCppEx.Cluster do
     case st.rest do
       [pid | _] ->
         {ref, mon, proxy} = dispatch(pid, st.fun, st.args)
-        next(%{st | ref: ref, mon: mon, proxy: proxy, replica: pid, rest: [], accepted?: false})
+
+        next(%{
+          st
+          | ref: ref,
+            mon: mon,
+            proxy: proxy,
+            replica: pid,
+            rest: [],
+            accepted?: false,
+            wait: :infinity
+        })
 
       [] ->
         {[st.down], :halted}
