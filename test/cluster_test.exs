@@ -242,6 +242,52 @@ defmodule LlamaCppEx.ClusterTest do
     map
   end
 
+  test "mix llama_cpp_ex.server --cluster: a replica on its own VM, reached over the group" do
+    name = "cli_#{System.unique_integer([:positive])}@127.0.0.1"
+
+    port =
+      Port.open({:spawn_executable, System.find_executable("elixir")}, [
+        :binary,
+        :exit_status,
+        :stderr_to_stdout,
+        args: ~w(--name #{name} --cookie #{Node.get_cookie()} -S mix llama_cpp_ex.server
+             --model #{TestModels.smollm2_path()} --cluster cli_group --port 0 --n-parallel 1
+             --connect #{node()}),
+        env: [{~c"MIX_ENV", ~c"test"}, {~c"LLAMA_CPP_EX_SKIP_NATIVE", ~c"1"}]
+      ])
+
+    url = await_url(port, "")
+    {:os_pid, os_pid} = Port.info(port, :os_pid)
+    wait_until(fn -> Cluster.replicas(:cli_group) != [] end)
+    assert [%{node: remote}] = Cluster.replicas(:cli_group)
+    assert Atom.to_string(remote) == name
+    assert {:ok, _} = Cluster.generate(:cli_group, "Hello", max_tokens: 4)
+
+    chat = ~s({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    {out, 0} = System.cmd("curl", ["-s", "-d", chat, url <> "/chat/completions"])
+    assert %{"choices" => [_]} = decode(out)
+
+    {_, 0} = System.cmd("kill", ["-TERM", "#{os_pid}"])
+    assert_receive {^port, {:exit_status, 0}}, 30_000
+  end
+
+  defp await_url(port, acc) do
+    receive do
+      {^port, {:data, data}} ->
+        acc = acc <> data
+
+        case Regex.run(~r{at (http://\S+/v1)}, acc) do
+          [_, url] -> url
+          nil -> await_url(port, acc)
+        end
+
+      {^port, {:exit_status, s}} ->
+        flunk("the server exited (#{s}): #{acc}")
+    after
+      120_000 -> flunk("no URL printed: #{acc}")
+    end
+  end
+
   test "bad input", %{local: local} do
     assert Cluster.generate(:no_such_group, "x") == {:error, :no_replicas}
     assert Enum.to_list(Cluster.stream(:no_such_group, "x")) == [{:error, :no_replicas}]

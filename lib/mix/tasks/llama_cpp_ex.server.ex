@@ -12,6 +12,15 @@ defmodule Mix.Tasks.LlamaCppEx.Server do
   (4), `--ctx-size` (the Server's default), `--alias` (the model name clients see; default the
   file's name), `--embeddings-model` (another model for `/v1/embeddings`).
 
+  Several machines (`LlamaCppEx.Cluster`): `--cluster NAME` makes the model's server a replica
+  of the group `NAME` and routes every HTTP request over the whole group; without a model the
+  node only routes. `--connect NODE` (repeatable) connects to other nodes first. Start the VM
+  distributed:
+
+      elixir --name a@10.0.0.5 --cookie $COOKIE -S mix llama_cpp_ex.server --model PATH --cluster smollm2
+      elixir --name r@10.0.0.7 --cookie $COOKIE -S mix llama_cpp_ex.server --cluster smollm2 \\
+        --connect a@10.0.0.5 --host 0.0.0.0
+
   Prints the URL once the model is loaded; stops cleanly on SIGTERM or Ctrl-C.
   """
   use Mix.Task
@@ -26,21 +35,36 @@ defmodule Mix.Tasks.LlamaCppEx.Server do
     n_parallel: :integer,
     ctx_size: :integer,
     alias: :string,
-    embeddings_model: :string
+    embeddings_model: :string,
+    cluster: :string,
+    connect: :keep
   ]
 
   @impl true
   def run(args) do
     {opts, _} = OptionParser.parse!(args, strict: @switches)
     Mix.Task.run("app.start")
-    path = model_path(opts)
+    group = if name = opts[:cluster], do: String.to_atom(name)
 
-    server_opts =
-      [model_path: path, n_parallel: opts[:n_parallel] || 4] ++
-        if(opts[:ctx_size], do: [n_ctx: opts[:ctx_size]], else: [])
+    for node <- Keyword.get_values(opts, :connect),
+        not Node.connect(String.to_atom(node)),
+        do: Mix.raise("cannot connect to #{node} (is this VM started with --name or --sname?)")
 
-    {:ok, server} = LlamaCppEx.Server.start_link(server_opts)
-    {:ok, _model} = wait(server)
+    if group && opts[:embeddings_model],
+      do: Mix.raise("--embeddings-model cannot be combined with --cluster")
+
+    path = model_path(opts, group)
+
+    server =
+      if path do
+        server_opts =
+          [model_path: path, n_parallel: opts[:n_parallel] || 4, cluster: group] ++
+            if(opts[:ctx_size], do: [n_ctx: opts[:ctx_size]], else: [])
+
+        {:ok, server} = LlamaCppEx.Server.start_link(server_opts)
+        {:ok, _model} = wait(server)
+        server
+      end
 
     embeddings =
       if e = opts[:embeddings_model] do
@@ -53,18 +77,20 @@ defmodule Mix.Tasks.LlamaCppEx.Server do
 
     {:ok, http} =
       LlamaCppEx.HTTPServer.start_link(
-        server: server,
-        embeddings: embeddings,
-        port: opts[:port] || 8080,
-        ip: ip,
-        api_key: opts[:api_key],
-        model_name: opts[:alias] || Path.basename(path)
+        [
+          embeddings: embeddings,
+          port: opts[:port] || 8080,
+          ip: ip,
+          api_key: opts[:api_key],
+          model_name: opts[:alias] || Path.basename(path || to_string(group))
+        ] ++ if(group, do: [cluster: group], else: [server: server])
       )
 
     host = opts[:host] || "127.0.0.1"
+    what = if group, do: "the group #{group}#{if path, do: " (with #{path})"}", else: path
 
     Mix.shell().info(
-      "LlamaCppEx: serving #{path} at http://#{host}:#{LlamaCppEx.HTTPServer.port(http)}/v1"
+      "LlamaCppEx: serving #{what} at http://#{host}:#{LlamaCppEx.HTTPServer.port(http)}/v1"
     )
 
     me = self()
@@ -75,13 +101,13 @@ defmodule Mix.Tasks.LlamaCppEx.Server do
         # no new connections, then the model's server; requests in flight end with it
         GenServer.stop(http)
         if embeddings, do: GenServer.stop(embeddings)
-        GenServer.stop(server)
+        if server, do: GenServer.stop(server)
         Mix.shell().info("LlamaCppEx: stopped")
         System.halt(0)
     end
   end
 
-  defp model_path(opts) do
+  defp model_path(opts, group) do
     cond do
       opts[:model] ->
         opts[:model]
@@ -91,6 +117,9 @@ defmodule Mix.Tasks.LlamaCppEx.Server do
           {:ok, path} -> path
           {:error, reason} -> Mix.raise("cannot download the model: #{reason}")
         end
+
+      group != nil ->
+        nil
 
       true ->
         Mix.raise("give --model PATH, or --hf-repo REPO --hf-file FILE")
