@@ -4,7 +4,7 @@ defmodule LlamaCppEx.ClusterTest do
   use ExUnit.Case, async: false
   import LlamaCppEx.Eventually, only: [wait_until: 1]
 
-  alias LlamaCppEx.{Cluster, HTTPServer, JSON, Peers, Server, TestModels}
+  alias LlamaCppEx.{CLI, Cluster, HTTPServer, JSON, Peers, Server, TestModels}
   alias LlamaCppEx.Cluster.Router
 
   @moduletag timeout: 600_000
@@ -256,7 +256,7 @@ defmodule LlamaCppEx.ClusterTest do
         env: [{~c"MIX_ENV", ~c"test"}, {~c"LLAMA_CPP_EX_SKIP_NATIVE", ~c"1"}]
       ])
 
-    url = await_url(port, "")
+    url = CLI.await_url(port)
     {:os_pid, os_pid} = Port.info(port, :os_pid)
     wait_until(fn -> Cluster.replicas(:cli_group) != [] end)
     assert [%{node: remote}] = Cluster.replicas(:cli_group)
@@ -269,23 +269,6 @@ defmodule LlamaCppEx.ClusterTest do
 
     {_, 0} = System.cmd("kill", ["-TERM", "#{os_pid}"])
     assert_receive {^port, {:exit_status, 0}}, 30_000
-  end
-
-  defp await_url(port, acc) do
-    receive do
-      {^port, {:data, data}} ->
-        acc = acc <> data
-
-        case Regex.run(~r{at (http://\S+/v1)}, acc) do
-          [_, url] -> url
-          nil -> await_url(port, acc)
-        end
-
-      {^port, {:exit_status, s}} ->
-        flunk("the server exited (#{s}): #{acc}")
-    after
-      120_000 -> flunk("no URL printed: #{acc}")
-    end
   end
 
   test "bad input", %{local: local} do

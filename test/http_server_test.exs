@@ -4,7 +4,7 @@ defmodule LlamaCppEx.HTTPServerTest do
   use ExUnit.Case, async: false
   import LlamaCppEx.Eventually, only: [wait_until: 1, wait_until: 2]
 
-  alias LlamaCppEx.{HTTPServer, JSON, OpenAI, Server, TestModels}
+  alias LlamaCppEx.{CLI, HTTPServer, JSON, OpenAI, Server, TestModels}
 
   @moduletag timeout: 600_000
 
@@ -318,7 +318,7 @@ defmodule LlamaCppEx.HTTPServerTest do
           env: [{~c"MIX_ENV", ~c"test"}, {~c"LLAMA_CPP_EX_SKIP_NATIVE", ~c"1"}]
         ])
 
-      url = await_url(port, "")
+      url = CLI.await_url(port)
       {:os_pid, os_pid} = Port.info(port, :os_pid)
       {models, 0} = System.cmd("curl", ["-sf", url <> "/models"])
       assert models =~ ~s("id":"tiny")
@@ -365,30 +365,13 @@ defmodule LlamaCppEx.HTTPServerTest do
           ]
         ])
 
-      url = await_url(port, "")
+      url = CLI.await_url(port)
       assert File.read!(Path.join(cache, "org/smol/main/smol.gguf")) == body
       {models, 0} = System.cmd("curl", ["-sf", url <> "/models"])
       assert models =~ ~s("id":"smol.gguf")
       {:os_pid, os_pid} = Port.info(port, :os_pid)
       {_, 0} = System.cmd("kill", ["-TERM", "#{os_pid}"])
       assert_receive {^port, {:exit_status, 0}}, 30_000
-    end
-  end
-
-  defp await_url(port, acc) do
-    receive do
-      {^port, {:data, data}} ->
-        acc = acc <> data
-
-        case Regex.run(~r{at (http://\S+/v1)}, acc) do
-          [_, url] -> url
-          nil -> await_url(port, acc)
-        end
-
-      {^port, {:exit_status, s}} ->
-        flunk("the server exited (#{s}): #{acc}")
-    after
-      120_000 -> flunk("no URL printed: #{acc}")
     end
   end
 

@@ -169,28 +169,17 @@ defmodule LlamaCppEx.Cluster do
 
   @doc "`LlamaCppEx.Server.stream/3` on a replica of `group`."
   @spec stream(term(), String.t(), keyword()) :: Enumerable.t()
-  def stream(group, prompt, opts \\ []) do
-    {routing, opts} = routing!(opts)
-    # the Server's own checks, in the caller (a stream contacts no server until consumed)
-    _ = Server.stream(self(), prompt, opts)
-    open_stream(group, :stream, :text, prompt, opts, routing)
-  end
+  def stream(group, prompt, opts \\ []), do: open_stream(group, :stream, :text, prompt, opts)
 
   @doc "`LlamaCppEx.Server.stream_chat/3` on a replica of `group`."
   @spec stream_chat(term(), [LlamaCppEx.Chat.message()], keyword()) :: Enumerable.t()
-  def stream_chat(group, messages, opts \\ []) do
-    {routing, opts} = routing!(opts)
-    _ = Server.stream_chat(self(), messages, opts)
-    open_stream(group, :stream_chat, :chat, messages, opts, routing)
-  end
+  def stream_chat(group, messages, opts \\ []),
+    do: open_stream(group, :stream_chat, :chat, messages, opts)
 
   @doc "`LlamaCppEx.stream_chat_completion/3` on a replica of `group`."
   @spec stream_chat_completion(term(), [LlamaCppEx.Chat.message()], keyword()) :: Enumerable.t()
-  def stream_chat_completion(group, messages, opts \\ []) do
-    {routing, opts} = routing!(opts)
-    _ = LlamaCppEx.stream_chat_completion(self(), messages, opts)
-    open_stream(group, :stream_chat_completion, :chat, messages, opts, routing)
-  end
+  def stream_chat_completion(group, messages, opts \\ []),
+    do: open_stream(group, :stream_chat_completion, :chat, messages, opts)
 
   defp routing!(opts) do
     {routing, opts} = Keyword.split(opts, [:route, :replica])
@@ -350,7 +339,11 @@ defmodule LlamaCppEx.Cluster do
 
   # ------------------------------------------------------------------ streams
 
-  defp open_stream(group, fun, kind, input, opts, routing) do
+  defp open_stream(group, fun, kind, input, opts) do
+    {routing, opts} = routing!(opts)
+    # the call's own checks raise here, in the caller, as the Server's stream functions do
+    _ = Proxy.run(self(), fun, [input, opts])
+
     Stream.resource(
       fn ->
         case route(group, kind, input, opts, routing) do

@@ -75,14 +75,20 @@ defmodule LlamaCppEx.Cluster.Proxy do
     send(caller, {ref, :done})
   end
 
-  defp run(server, :openai, [api | args]),
-    do: apply(OpenAI, :handle, [%{api | server: server} | args])
+  @doc """
+  The call `fun` names, on `server`: what the worker runs on the replica's node, and what a
+  caller runs against itself to apply a stream's checks before any routing (a stream
+  contacts no server until it is consumed).
+  """
+  @spec run(GenServer.server(), atom(), [term()]) :: term()
+  def run(server, :openai, [api, method, path, body]),
+    do: OpenAI.handle(%{api | server: server}, method, path, body)
 
-  defp run(server, :chat_completion, args),
-    do: apply(LlamaCppEx, :chat_completion, [server | args])
+  def run(server, :chat_completion, [messages, opts]),
+    do: LlamaCppEx.chat_completion(server, messages, opts)
 
-  defp run(server, :stream_chat_completion, args),
-    do: apply(LlamaCppEx, :stream_chat_completion, [server | args])
+  def run(server, :stream_chat_completion, [messages, opts]),
+    do: LlamaCppEx.stream_chat_completion(server, messages, opts)
 
-  defp run(server, fun, args), do: apply(Server, fun, [server | args])
+  def run(server, fun, args), do: apply(Server, fun, [server | args])
 end
