@@ -1,6 +1,6 @@
 # Builds the Rust NIF in release mode and installs it under priv/native.
-#   LLAMA_BACKEND=cpu|cuda   cargo features (cpu, the default; cuda only compiles candle's
-#                            CUDA kernels in: nothing runs on a GPU yet)
+#   LLAMA_BACKEND=cpu|cuda   cargo features (cpu, the default; cuda adds the GPU backend: the
+#                            CUDA 13 toolkit from scripts/cuda13_from_wheels.sh, env.sh sourced)
 #   CARGO_TARGET_DIR         cargo's build directory (default native/target)
 #   LLAMA_NATIVE_CPU=1       compile for this machine's CPU (-C target-cpu=native); off by
 #                            default so a build runs on any x86-64 and picks kernels at run time
@@ -53,6 +53,8 @@ demo: setup
 test: setup
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/check_style.sh
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) test --release --manifest-path native/Cargo.toml -p llama_cpp_ex_engine
+	LLAMA_CPP_EX_TEST_BACKEND=tensor CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) test --release \
+	  --manifest-path native/Cargo.toml -p llama_cpp_ex_engine --test arch_parity --test tensor_backend
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/test_simd_levels.sh
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/check_aarch64.sh
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/test_precompiled.sh

@@ -39,6 +39,7 @@ defmodule LlamaCppEx do
     Context,
     Generation,
     Model,
+    NIF,
     Options,
     Sampler,
     Server,
@@ -68,26 +69,46 @@ defmodule LlamaCppEx do
   def init, do: :ok
 
   @doc """
-  The devices the engine can run on. This build computes on the CPU:
+  The devices the engine can run on: the GPUs of a CUDA build (`LLAMA_BACKEND=cuda`), as
+  llama.cpp names them, then the CPU. A CPU build, or a machine without a GPU, lists the CPU
+  only:
 
       [%{index: 0, gpu_index: nil, name: "CPU", type: :cpu, backend: "CPU", ...}]
+
+  A GPU entry reads `%{index: 0, gpu_index: 0, name: "CUDA0", description: "NVIDIA H200",
+  type: :gpu, backend: "CUDA", memory_total: …, memory_free: …}`.
   """
   @spec devices() :: [map()]
   def devices do
     {total, free} = memory_info()
 
-    [
-      %{
-        index: 0,
-        gpu_index: nil,
-        name: "CPU",
-        description: cpu_description(),
-        type: :cpu,
-        backend: "CPU",
-        memory_total: total,
-        memory_free: free
-      }
-    ]
+    gpus =
+      for g <- NIF.gpu_devices() do
+        %{
+          index: g.index,
+          gpu_index: g.index,
+          name: "CUDA#{g.index}",
+          description: g.name,
+          type: :gpu,
+          backend: "CUDA",
+          memory_total: g.memory_total,
+          memory_free: g.memory_free
+        }
+      end
+
+    gpus ++
+      [
+        %{
+          index: length(gpus),
+          gpu_index: nil,
+          name: "CPU",
+          description: cpu_description(),
+          type: :cpu,
+          backend: "CPU",
+          memory_total: total,
+          memory_free: free
+        }
+      ]
   end
 
   defp memory_info do

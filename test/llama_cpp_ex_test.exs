@@ -14,6 +14,24 @@ defmodule LlamaCppExTest do
     assert cpu.memory_total > 0
   end
 
+  @gpus Enum.filter(LlamaCppEx.devices(), &(&1.type == :gpu))
+  if @gpus == [],
+    do: @tag(skip: "no GPU here (a CPU build, or no NVIDIA driver): see scripts/gpu_check.sh")
+
+  # parity with llama.cpp on the GPU is the engine's (arch_parity under the cuda backend);
+  # here the placement end to end
+  test "a CUDA build runs a decoder on its GPU" do
+    path = TestModels.smollm2_path()
+    {:ok, gpu} = Model.load(path)
+    {:ok, cpu} = Model.load(path, n_gpu_layers: 0)
+    assert Model.backend(gpu) == hd(@gpus).name
+    assert Model.backend(cpu) == "CPU"
+    opts = [max_tokens: 16, temp: 0.0]
+
+    assert LlamaCppEx.generate(gpu, "The capital of France is", opts) ==
+             LlamaCppEx.generate(cpu, "The capital of France is", opts)
+  end
+
   test "model accessors", %{model: model} do
     assert Model.desc(model) == "llama 135M Q4_1"
     assert Model.n_ctx_train(model) == 8192
@@ -24,6 +42,22 @@ defmodule LlamaCppExTest do
     assert Model.architecture(model) == "llama"
     assert Model.chat_template(model) =~ "<|im_start|>"
     assert Model.metadata(model)["llama.block_count"] == "30"
+    assert Model.backend(model) == "CPU"
+  end
+
+  # the CPU build (the test build) on any machine: placement options are a documented no-op,
+  # and checked like every option
+  test "placement options load on the CPU in a CPU build" do
+    path = TestModels.smollm2_path()
+    assert Enum.all?(LlamaCppEx.devices(), &(&1.type == :cpu)), "a GPU build: see gpu_check"
+
+    for opts <- [[n_gpu_layers: 0], [n_gpu_layers: -1], [n_gpu_layers: 5, main_gpu: 3]] do
+      assert {:ok, m} = Model.load(path, opts)
+      assert Model.backend(m) == "CPU"
+    end
+
+    assert {:error, "invalid n_gpu_layers" <> _} = Model.load(path, n_gpu_layers: "all")
+    assert {:error, "invalid main_gpu" <> _} = Model.load(path, main_gpu: -1)
   end
 
   test "generate with temp 0 is deterministic and matches the stream", %{model: model} do

@@ -28,11 +28,21 @@ defmodule LlamaCppEx.Model do
 
       {:ok, model} = LlamaCppEx.Model.load("/models/Qwen2.5-0.5B-Instruct", quantize: :q4_k)
 
+  ## Placement
+
+  In a CUDA build (`LLAMA_BACKEND=cuda`) on a machine with an NVIDIA GPU, `:n_gpu_layers`
+  (default 99) and `:main_gpu` (default 0) decide where a decoder runs: 0 → the CPU; every
+  layer (a value ≥ the model's layers, or -1) → GPU `:main_gpu`, weights in their GGUF type
+  and the KV cache in GPU memory (f16; quantized KV types and KV snapshots are errors there).
+  Part of the layers is an error: splitting a model between host and GPU is not implemented.
+  A CPU build, or a machine without a GPU, runs on the CPU whatever they say, as llama.cpp
+  does, and so does an encoder (BERT): only decoders have a GPU path.
+  `LlamaCppEx.Model.backend/1` says where a model runs.
+
   ## Options that do nothing here
 
-  `llama_cpp_ex`'s placement and file-access options are accepted so that code written for it
-  runs unchanged, and have no effect on this CPU engine: `:n_gpu_layers`, `:main_gpu`,
-  `:split_mode` (still validated), `:tensor_split`, `:devices` (weights stay in host memory;
+  `llama_cpp_ex`'s other placement and file-access options are accepted so that code written
+  for it runs unchanged, and have no effect: `:split_mode` (still validated), `:tensor_split`, `:devices` (weights stay in host memory;
   a name that is not one of `LlamaCppEx.devices/0` is an error, as in `llama_cpp_ex`),
   `:use_mmap`, `:use_mlock`, `:use_direct_io` (the file is always memory-mapped and its pages
   released once copied), `:check_tensors` (every tensor's bounds are always checked) and
@@ -48,6 +58,7 @@ defmodule LlamaCppEx.Model do
   @type t :: %__MODULE__{ref: reference(), load_mtp: boolean()}
 
   @split_modes [none: 0, layer: 1, row: 2, tensor: 3]
+  @int32 2_147_483_647
   @tuning_keys [
     :main_gpu,
     :split_mode,
@@ -107,7 +118,9 @@ defmodule LlamaCppEx.Model do
              vocab_only: :boolean,
              load_mtp: :boolean,
              requantize: {:in, [true, false, :all]},
-             quantize: {:in, [:q8_0, :q4_0, :q4_k, :none]}
+             quantize: {:in, [:q8_0, :q4_0, :q4_k, :none]},
+             n_gpu_layers: {:int, -@int32, @int32},
+             main_gpu: {:int, 0, @int32}
            ),
          :ok <- check_rpc(Keyword.get(opts, :rpc_servers, [])),
          {:ok, ref} <-
@@ -116,7 +129,8 @@ defmodule LlamaCppEx.Model do
              requantize(opts),
              Keyword.get(opts, :vocab_only, false),
              # absent: the architecture's default, which only the loader knows
-             opts |> Keyword.get(:quantize, :default) |> Atom.to_string()
+             opts |> Keyword.get(:quantize, :default) |> Atom.to_string(),
+             {Keyword.get(opts, :n_gpu_layers, 99), Keyword.get(opts, :main_gpu, 0)}
            ) do
       {:ok, %__MODULE__{ref: ref, load_mtp: Keyword.get(opts, :load_mtp, false)}}
     end
@@ -194,6 +208,12 @@ defmodule LlamaCppEx.Model do
   # Hyper-parameters and vocabulary facts in one map (see native/nif/src/model.rs).
   @spec info(t()) :: map()
   def info(%__MODULE__{ref: ref}), do: NIF.model_info(ref)
+
+  @doc """
+  Where the model computes: `"CPU"`, or the GPU's device name (`"CUDA0"`) in a CUDA build.
+  """
+  @spec backend(t()) :: String.t()
+  def backend(model), do: info(model).backend
 
   @doc "Context length the model was trained with."
   @spec n_ctx_train(t()) :: pos_integer()

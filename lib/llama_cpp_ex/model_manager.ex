@@ -37,6 +37,7 @@ defmodule LlamaCppEx.ModelManager do
   use GenServer
   require Logger
 
+  alias LlamaCppEx.Model
   alias LlamaCppEx.ModelManager.{Budget, Entry, ModelIO}
   alias LlamaCppEx.Server
 
@@ -396,7 +397,7 @@ defmodule LlamaCppEx.ModelManager do
         mode: mode,
         source: source,
         capabilities: caps,
-        # what runs on a GPU: nothing, on this CPU engine, whatever `:n_gpu_layers` asked
+        # set from the loaded model (`gpu_layers/1`)
         n_gpu_layers: 0
       }
 
@@ -435,6 +436,22 @@ defmodule LlamaCppEx.ModelManager do
     end
   end
 
+  # layers on a GPU: all of them or none (a model runs wholly on one device)
+  defp gpu_layers(%Model{} = model),
+    do: if(Model.backend(model) == "CPU", do: 0, else: Model.n_layer(model))
+
+  defp gpu_layers(_), do: 0
+
+  defp server_gpu_layers(pid) do
+    case Server.fetch_model(pid) do
+      {:ok, model} -> gpu_layers(model)
+      _ -> 0
+    end
+  catch
+    # a backend's stand-in process that is not a Server
+    :exit, _ -> 0
+  end
+
   # a finished load into its entry: the caller's answer
   defp commit(state, id, result, opts) do
     now = System.system_time(:millisecond)
@@ -448,6 +465,7 @@ defmodule LlamaCppEx.ModelManager do
           &%{
             &1
             | status: :ready,
+              n_gpu_layers: server_gpu_layers(pid),
               server_pid: pid,
               monitor_ref: ref,
               loaded_at: now,
@@ -459,7 +477,18 @@ defmodule LlamaCppEx.ModelManager do
         {:ok, id}
 
       {{:direct, model, _size}, [_]} ->
-        update(id, &%{&1 | status: :ready, model: model, loaded_at: now, last_used: now})
+        update(
+          id,
+          &%{
+            &1
+            | status: :ready,
+              model: model,
+              n_gpu_layers: gpu_layers(model),
+              loaded_at: now,
+              last_used: now
+          }
+        )
+
         maybe_default(id, opts)
         {:ok, id}
 

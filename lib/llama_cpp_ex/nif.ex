@@ -13,7 +13,8 @@ defmodule LlamaCppEx.NIF do
   defp err, do: :erlang.nif_error(:nif_not_loaded)
 
   # model.rs
-  def model_load(_path, _requantize, _vocab_only, _quantize), do: err()
+  def model_load(_path, _requantize, _vocab_only, _quantize, _placement), do: err()
+  def gpu_devices, do: err()
   def model_info(_model), do: err()
   def model_metadata(_model), do: err()
   def kv_bytes_per_token(_model, _type_k, _type_v), do: err()

@@ -1,8 +1,9 @@
 defmodule LlamaCppEx.ModelManager.Entry do
   @moduledoc """
   One model known to `LlamaCppEx.ModelManager`. `n_gpu_layers` is the number of layers
-  that run on a GPU: always 0 with this engine, which computes on the CPU (the
-  `:n_gpu_layers` option is accepted and has no effect).
+  that run on a GPU once loaded: all of the model's (a CUDA build that placed it on a GPU,
+  see `LlamaCppEx.Model`'s "Placement") or 0. The memory budget counts every model against
+  host memory; GPU memory is not budgeted yet.
   """
 
   defstruct [

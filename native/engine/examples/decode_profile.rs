@@ -7,9 +7,12 @@
 //! batched decode (STREAMS sequences at different positions, one token each per pass).
 //! Environment: `PROMPT=N` starts decoding after N prompt tokens (decode at depth N, as
 //! llama-bench's `-d N`), `PP_REPS=N` prints the best of N pp512 runs, `TG_ONLY=1` skips pp512,
-//! `STREAMS_ONLY=1` runs only the batched decode.
+//! `STREAMS_ONLY=1` runs only the batched decode, `GPU=1` places the model on GPU 0 (a build
+//! with the `cuda` feature).
 
-use llama_cpp_ex_engine::{Batch, Context, ContextParams, LoadOptions, Model, Requantize};
+use llama_cpp_ex_engine::{
+    Batch, Context, ContextParams, LoadOptions, Model, Placement, Requantize,
+};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -24,8 +27,17 @@ fn main() {
     let opts = LoadOptions {
         requantize: Requantize::Off,
         vocab_only: false,
+        placement: if std::env::var_os("GPU").is_some() {
+            Placement::Layers {
+                n_gpu_layers: -1,
+                main_gpu: 0,
+            }
+        } else {
+            Placement::default()
+        },
     };
     let model = Arc::new(Model::load(std::path::Path::new(&path), &opts).unwrap());
+    println!("{} on {}", model.desc, model.backend.name());
     // PROMPT=N: decoding starts after N prompt tokens (stream s of the batched run after
     // N + 7 * s), to measure decode at a longer context; default 1 (an empty context)
     let start: usize = std::env::var("PROMPT")

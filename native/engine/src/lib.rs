@@ -12,6 +12,7 @@
 pub mod batch;
 pub mod chat;
 pub mod context;
+pub mod device;
 pub mod embedding;
 pub mod engine_thread;
 pub mod error;
@@ -31,6 +32,7 @@ pub mod tokenizer;
 
 pub use batch::Batch;
 pub use context::{Context, ContextParams, KvOp, SampledToken, SharedSampler, Step, StepOutcome};
+pub use device::{Backend, Placement};
 pub use engine_thread::EngineThread;
 pub use error::{EngineError, Result};
 pub use model::{LoadOptions, Model, Requantize};

@@ -24,12 +24,14 @@ const MAX_LOGPROB_DIFF: f64 = 2e-2;
 /// engine's kernels to their own 8-bit blocks), and those roundings differ.
 const MAX_QUANT_LOGPROB_DIFF: f64 = 0.15;
 
-/// `test/fixtures/tiny/<file>.gguf` with its weights as stored.
+/// `test/fixtures/tiny/<file>.gguf` with its weights as stored, on the backend
+/// `LLAMA_CPP_EX_TEST_BACKEND` names (the CPU kernels by default).
 fn load_tiny(file: &str) -> Arc<Model> {
     let path = fixtures_dir().join(format!("tiny/{file}.gguf"));
     let opts = LoadOptions {
         requantize: Requantize::Off,
         vocab_only: false,
+        placement: test_placement(),
     };
     Arc::new(Model::load(&path, &opts).unwrap_or_else(|e| panic!("{file}: {e}")))
 }

@@ -82,6 +82,7 @@ fn tiny_model(file: &str) -> std::sync::Arc<llama_cpp_ex_engine::Model> {
     let opts = llama_cpp_ex_engine::LoadOptions {
         requantize: Requantize::Off,
         vocab_only: false,
+        ..Default::default()
     };
     let path = fixtures_dir().join("tiny").join(file);
     std::sync::Arc::new(llama_cpp_ex_engine::Model::load(&path, &opts).unwrap())

@@ -19,6 +19,7 @@ fn opts() -> LoadOptions {
     LoadOptions {
         requantize: Requantize::Off,
         vocab_only: false,
+        ..Default::default()
     }
 }
 

@@ -19,6 +19,7 @@ fuzz_target!(|data: &[u8]| {
         } else {
             Requantize::Q8_0
         },
+        ..Default::default()
     };
     if let Ok(model) = Model::from_gguf(gguf, &opts) {
         // a loaded model's tokenizer works on text

@@ -2,7 +2,7 @@
 
 use crate::atoms;
 use crate::error::{guard, message, Out};
-use llama_cpp_ex_engine::{hf, EngineError, LoadOptions, Model, Requantize};
+use llama_cpp_ex_engine::{hf, EngineError, LoadOptions, Model, Placement, Requantize};
 use rustler::{Atom, Encoder, Env, NifMap, ResourceArc, Term};
 use std::path::Path;
 use std::sync::Arc;
@@ -32,6 +32,8 @@ pub struct ModelInfo {
     /// The smallest sliding window of the model's layers, 0 when every layer attends globally.
     swa_window: usize,
     vocab_only: bool,
+    /// Where the forward runs ("CPU", "CUDA0", …).
+    backend: String,
     /// Whether the model generates text: a decoder (causal attention and an output head), not
     /// an encoder such as BERT, which only embeds.
     generative: bool,
@@ -44,6 +46,7 @@ fn model_load<'a>(
     requantize: Atom,
     vocab_only: bool,
     quantize: String,
+    (n_gpu_layers, main_gpu): (i64, usize),
 ) -> Term<'a> {
     let r: Out<ResourceArc<ModelRes>> = guard(|| {
         let opts = LoadOptions {
@@ -55,6 +58,10 @@ fn model_load<'a>(
                 Requantize::Off
             },
             vocab_only,
+            placement: Placement::Layers {
+                n_gpu_layers,
+                main_gpu,
+            },
         };
         let p = Path::new(&path);
         let loaded = if hf::is_checkpoint(p) {
@@ -81,6 +88,29 @@ fn model_load<'a>(
     r.encode(env)
 }
 
+/// One GPU of `LlamaCppEx.devices/0`.
+#[derive(NifMap)]
+struct GpuDevice {
+    index: usize,
+    name: String,
+    memory_total: u64,
+    memory_free: u64,
+}
+
+/// The GPUs this build can run on (none in a CPU build).
+#[rustler::nif(schedule = "DirtyIo")]
+fn gpu_devices() -> Vec<GpuDevice> {
+    llama_cpp_ex_engine::device::gpus()
+        .into_iter()
+        .map(|g| GpuDevice {
+            index: g.index,
+            name: g.name,
+            memory_total: g.memory_total,
+            memory_free: g.memory_free,
+        })
+        .collect()
+}
+
 #[rustler::nif]
 fn model_info(m: ResourceArc<ModelRes>) -> ModelInfo {
     let model = &m.model;
@@ -101,6 +131,7 @@ fn model_info(m: ResourceArc<ModelRes>) -> ModelInfo {
         eos: id(model.tokenizer.eos),
         swa_window: c.layer_windows.iter().flatten().copied().min().unwrap_or(0),
         vocab_only: model.arch.is_none(),
+        backend: model.backend.name(),
         generative: model.architecture().is_ok_and(|a| a.causal()),
     }
 }

@@ -138,7 +138,7 @@ impl Context {
                 "each KV pressure precision must take fewer bytes than the one before it".into(),
             ));
         }
-        let kv = KvCache::with_tiers(
+        let mut kv = KvCache::with_tiers(
             &c.layer_windows,
             c.n_head_kv,
             c.head_dim,
@@ -146,6 +146,14 @@ impl Context {
             (params.n_seq_max, params.n_seq_embd),
             &tiers,
         )?;
+        if model.architecture()?.kv_on_device() {
+            if tiers != [(KvType::F16, KvType::F16)] {
+                return Err(EngineError::Unsupported(
+                    "KV cache types other than f16 with a model on a GPU".into(),
+                ));
+            }
+            kv.keep_on_device()?;
+        }
         let n_ctx_seq = params.n_ctx;
         Ok(Context {
             model,

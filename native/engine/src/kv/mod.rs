@@ -80,6 +80,12 @@ impl KvType {
 /// Keys and values types of a cache's blocks.
 pub type KvTypes = (KvType, KvType);
 
+/// The index of block id `b` inside its precision's blocks (where a device keeps it); `None`
+/// for a block a sliding window dropped.
+pub fn block_index(b: u32) -> Option<usize> {
+    (b != NO_BLOCK).then(|| split_id(b).1)
+}
+
 /// Block-level description of where a sequence's positions live, for the attention kernel.
 pub struct SeqView<'a> {
     pub blocks: &'a [u32],
@@ -99,6 +105,19 @@ pub struct KvCache {
     write_tier: usize,
     /// Valid positions per sequence.
     lens: Vec<usize>,
+    /// Whether the contents live in a device's memory (see [`KvCache::keep_on_device`]):
+    /// then this cache keeps only the block tables, and its copy-on-write copies are left in
+    /// `copies` for the device to replay.
+    on_device: bool,
+    copies: Vec<BlockCopy>,
+}
+
+/// A block copied on write: the whole block, every layer of its group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub group: usize,
+    pub src: u32,
+    pub dst: u32,
 }
 
 /// A snapshot of block usage for audits and tests.
@@ -255,7 +274,43 @@ impl KvCache {
             groups,
             write_tier: 0,
             lens: vec![0; n_seq_max],
+            on_device: false,
+            copies: Vec::new(),
         })
+    }
+
+    /// Keeps only the block tables here: the keys and values are written and read by a
+    /// device backend, in its own memory, at the same block ids. The host pages are never
+    /// touched (a mapping that costs nothing), and what needs them — a single precision, no
+    /// snapshots — is refused.
+    pub fn keep_on_device(&mut self) -> Result<()> {
+        if self.groups.iter().any(|g| g.tiers.len() > 1) {
+            return Err(EngineError::Unsupported(
+                "KV pressure precisions with a model on a GPU".into(),
+            ));
+        }
+        self.on_device = true;
+        Ok(())
+    }
+
+    pub fn on_device(&self) -> bool {
+        self.on_device
+    }
+
+    /// The copy-on-write copies made since the last call, for the device to replay before
+    /// it writes.
+    pub fn take_copies(&mut self) -> Vec<BlockCopy> {
+        std::mem::take(&mut self.copies)
+    }
+
+    /// The group of layer `layer` (its block ids are the group's).
+    pub fn layer_group(&self, layer: usize) -> usize {
+        self.layer_group[layer]
+    }
+
+    /// Blocks the first precision of `group` can hold: a block id's index is below it.
+    pub fn group_capacity(&self, group: usize) -> usize {
+        self.groups[group].tiers[0].refcount.len()
     }
 
     pub fn n_seq_max(&self) -> usize {
@@ -372,6 +427,14 @@ impl KvCache {
                 .ok_or(EngineError::ContextFull { seq })?;
             *group.refcount_mut(b) -= 1;
             group.seqs[seq].blocks[bi] = nb;
+            if self.on_device {
+                self.copies.push(BlockCopy {
+                    group: g,
+                    src: b,
+                    dst: nb,
+                });
+                return Ok(());
+            }
             let t = &mut group.tiers[src_tier];
             let (w, dst) = (t.block_words, split_id(nb).1);
             t.store

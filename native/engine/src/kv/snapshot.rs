@@ -306,7 +306,18 @@ impl KvCache {
 
     /// Copies the first `len` positions of `seq` (at most what it holds). Errors when a
     /// sliding window already dropped what position `len` attends to.
+    fn refuse_on_device(&self) -> Result<()> {
+        if self.on_device() {
+            return Err(EngineError::Unsupported(
+                "KV snapshots of a cache in GPU memory (prompt caches in host RAM or on disk)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     pub fn snapshot(&self, seq: usize, len: usize) -> Result<KvSnapshot> {
+        self.refuse_on_device()?;
         let len = len.min(self.lens[seq]);
         if !self.prefix_usable(seq, len) {
             return Err(EngineError::InvalidArgument(format!(
@@ -362,6 +373,7 @@ impl KvCache {
     /// precisions they were saved in. Errors (with `seq` left empty) when the layout differs or
     /// the free budget cannot hold it.
     pub fn restore(&mut self, seq: usize, snap: &KvSnapshot) -> Result<()> {
+        self.refuse_on_device()?;
         snap.check_layout(&self.layout())?;
         self.seq_clear(seq);
         for (g, present) in snap.present.iter().enumerate() {

@@ -256,12 +256,7 @@ pub struct Decoder {
     norm: Vec<f32>,
     output: Arc<Linear>,
     output_bias: Option<Vec<f32>>,
-    /// A reranker's head (`cls.output`: one row per `classifier.output_labels` entry; Qwen3
-    /// rerankers have yes/no rows of the vocabulary head, turned into a softmax).
-    cls_out: Option<Linear>,
-    /// sentence-transformers' projections after pooling (EmbeddingGemma's `dense_2`, then
-    /// `dense_3`), as llama.cpp's `build_dense_out`.
-    dense: Vec<Linear>,
+    heads: PooledHeads,
     inv_freq_global: Vec<f32>,
     inv_freq_local: Vec<f32>,
     /// Phi-3 LongRoPE: the frequencies for contexts beyond `n_ctx_orig` (the short factor set
@@ -321,21 +316,7 @@ impl Decoder {
                 local: cfg.layer_windows[i].is_some(),
             });
         }
-        // Llama 3.x: per-dimension frequency factors (one tensor shared by every layer);
-        // Phi-3 LongRoPE: a short and a long set, chosen by the context size
-        let long = l.optional_vector("rope_factors_long.weight", cfg.n_rot / 2)?;
-        let factors = match &long {
-            Some(_) => Some(l.vector("rope_factors_short.weight", cfg.n_rot / 2)?),
-            None => l.optional_vector("rope_freqs.weight", cfg.n_rot / 2)?,
-        };
-        let freqs_with = |base, factors: Option<&[f32]>| {
-            let mut f = inv_freq(cfg.n_rot, base, factors);
-            for x in &mut f {
-                *x *= cfg.rope_freq_scale;
-            }
-            f
-        };
-        let freqs = |base| freqs_with(base, factors.as_deref());
+        let freqs = rope_freqs(cfg, l)?;
         let mut model = Decoder {
             cfg: cfg.clone(),
             family,
@@ -344,18 +325,10 @@ impl Decoder {
             norm: l.vector("output_norm.weight", d)?,
             output,
             output_bias: l.optional_vector("output.bias", cfg.n_vocab)?,
-            cls_out: match l.gguf.tensor_info("cls.output.weight") {
-                Ok(info) => Some(Linear::new(l.matrix(
-                    "cls.output.weight",
-                    info.shape[0],
-                    d,
-                )?)?),
-                Err(_) => None,
-            },
-            dense: dense_out(l, d)?,
-            inv_freq_global: freqs(cfg.rope_base),
-            inv_freq_local: freqs(cfg.rope_base_local),
-            inv_freq_long: long.as_deref().map(|f| freqs_with(cfg.rope_base, Some(f))),
+            heads: PooledHeads::load(l, d)?,
+            inv_freq_global: freqs.global,
+            inv_freq_local: freqs.local,
+            inv_freq_long: freqs.long,
         };
         l.check_all_used()?;
         model.pin_weights();
@@ -376,33 +349,128 @@ impl Decoder {
         }
         let heads = Arc::get_mut(&mut self.output)
             .into_iter()
-            .chain(self.cls_out.as_mut())
-            .chain(self.dense.iter_mut())
+            .chain(self.heads.cls_out.as_mut())
+            .chain(self.heads.dense.iter_mut())
             .filter_map(|w| w.packed_mut());
         matrices.extend(heads.map(|m| m as &mut dyn Pinnable));
         crate::kernels::weights::pin(&mut matrices);
     }
 }
 
-/// `dense_2` (`n_embd` → its width) and `dense_3` (back to `n_embd`), when present.
-fn dense_out(l: &TensorLoader, d: usize) -> Result<Vec<Linear>> {
-    let mut out = Vec::new();
-    for (name, into) in [("dense_2.weight", false), ("dense_3.weight", true)] {
-        let Ok(info) = l.gguf.tensor_info(name) else {
-            continue;
-        };
-        let [rows, cols] = info.shape[..] else {
-            return Err(EngineError::InvalidGguf(format!("{name} is not a matrix")));
-        };
-        // dense_2 reads n_embd values, dense_3 writes n_embd (llama.cpp asserts the same)
-        if (into && rows != d) || (!into && cols != d) {
-            return Err(EngineError::InvalidGguf(format!(
-                "{name} has shape [{rows}, {cols}], which does not fit n_embd {d}"
-            )));
+/// Rotary frequencies of global and local layers, and Phi-3 LongRoPE's long set (its short
+/// set is the global one).
+pub(super) fn rope_freqs(cfg: &Config, l: &TensorLoader) -> Result<RopeFreqs> {
+    // Llama 3.x: per-dimension frequency factors (one tensor shared by every layer);
+    // Phi-3 LongRoPE: a short and a long set, chosen by the context size
+    let long = l.optional_vector("rope_factors_long.weight", cfg.n_rot / 2)?;
+    let factors = match &long {
+        Some(_) => Some(l.vector("rope_factors_short.weight", cfg.n_rot / 2)?),
+        None => l.optional_vector("rope_freqs.weight", cfg.n_rot / 2)?,
+    };
+    let freqs_with = |base, factors: Option<&[f32]>| {
+        let mut f = inv_freq(cfg.n_rot, base, factors);
+        for x in &mut f {
+            *x *= cfg.rope_freq_scale;
         }
-        out.push(Linear::new(l.matrix(name, rows, cols)?)?);
+        f
+    };
+    let freqs = |base| freqs_with(base, factors.as_deref());
+    Ok(RopeFreqs {
+        global: freqs(cfg.rope_base),
+        local: freqs(cfg.rope_base_local),
+        long: long.as_deref().map(|f| freqs_with(cfg.rope_base, Some(f))),
+    })
+}
+
+/// Rotary frequencies of global and local layers, and LongRoPE's long set.
+pub(super) struct RopeFreqs {
+    pub global: Vec<f32>,
+    pub local: Vec<f32>,
+    pub long: Option<Vec<f32>>,
+}
+
+/// What runs on pooled vectors, on the host whichever backend ran the pass: a reranker's
+/// head and sentence-transformers' projections.
+pub(super) struct PooledHeads {
+    /// A reranker's head (`cls.output`: one row per `classifier.output_labels` entry; Qwen3
+    /// rerankers have yes/no rows of the vocabulary head, turned into a softmax).
+    cls_out: Option<Linear>,
+    /// sentence-transformers' projections after pooling (EmbeddingGemma's `dense_2`, then
+    /// `dense_3`), as llama.cpp's `build_dense_out`.
+    dense: Vec<Linear>,
+}
+
+impl PooledHeads {
+    pub(super) fn load(l: &TensorLoader, d: usize) -> Result<Self> {
+        let cls_out = match l.gguf.tensor_info("cls.output.weight") {
+            Ok(info) => Some(Linear::new(l.matrix(
+                "cls.output.weight",
+                info.shape[0],
+                d,
+            )?)?),
+            Err(_) => None,
+        };
+        let mut dense = Vec::new();
+        // `dense_2` (`n_embd` → its width) and `dense_3` (back to `n_embd`), when present
+        for (name, into) in [("dense_2.weight", false), ("dense_3.weight", true)] {
+            let Ok(info) = l.gguf.tensor_info(name) else {
+                continue;
+            };
+            let [rows, cols] = info.shape[..] else {
+                return Err(EngineError::InvalidGguf(format!("{name} is not a matrix")));
+            };
+            // dense_2 reads n_embd values, dense_3 writes n_embd (llama.cpp asserts the same)
+            if (into && rows != d) || (!into && cols != d) {
+                return Err(EngineError::InvalidGguf(format!(
+                    "{name} has shape [{rows}, {cols}], which does not fit n_embd {d}"
+                )));
+            }
+            dense.push(Linear::new(l.matrix(name, rows, cols)?)?);
+        }
+        Ok(PooledHeads { cls_out, dense })
     }
-    Ok(out)
+
+    pub(super) fn project(&self, v: &mut Vec<f32>) -> Result<()> {
+        let mut next = Vec::new();
+        for p in &self.dense {
+            p.forward_into(v, 1, &mut next)?;
+            std::mem::swap(v, &mut next);
+        }
+        Ok(())
+    }
+
+    /// A reranker's scores: the classification head over the pooled state (a softmax over
+    /// the labels for Qwen3, as llama.cpp's reranker).
+    pub(super) fn classify(&self, arch: &str, pooled: &[f32]) -> Result<Vec<f32>> {
+        let head = self.cls_out.as_ref().ok_or_else(|| {
+            EngineError::Unsupported(
+                "pooling rank: the model has no classification head (cls.output)".into(),
+            )
+        })?;
+        let mut out = Vec::new();
+        head.forward_into(pooled, 1, &mut out)?;
+        if arch == "qwen3" {
+            let max = out.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f32 = out.iter().map(|v| (v - max).exp()).sum();
+            out.iter_mut().for_each(|v| *v = (*v - max).exp() / sum);
+        }
+        Ok(out)
+    }
+}
+
+/// An embedding model's pass may not ask for logits: it has no generation output.
+pub(super) fn refuse_generation(
+    family: &Family,
+    arch: &str,
+    hidden_only: bool,
+    batch: &Batch,
+) -> Result<()> {
+    if !family.causal && !hidden_only && batch.logits.iter().any(|&l| l) {
+        return Err(EngineError::Unsupported(format!(
+            "generation with {arch} (an embedding model): use embed"
+        )));
+    }
+    Ok(())
 }
 
 fn add_bias(x: &mut [f32], bias: &[f32]) {
@@ -426,40 +494,17 @@ impl Architecture for Decoder {
     }
 
     fn project_pooled(&self, v: &mut Vec<f32>) -> Result<()> {
-        let mut next = Vec::new();
-        for p in &self.dense {
-            p.forward_into(v, 1, &mut next)?;
-            std::mem::swap(v, &mut next);
-        }
-        Ok(())
+        self.heads.project(v)
     }
 
     fn classify(&self, pooled: &[f32]) -> Result<Vec<f32>> {
-        let head = self.cls_out.as_ref().ok_or_else(|| {
-            EngineError::Unsupported(
-                "pooling rank: the model has no classification head (cls.output)".into(),
-            )
-        })?;
-        let mut out = Vec::new();
-        head.forward_into(pooled, 1, &mut out)?;
-        if self.cfg.arch == "qwen3" {
-            // llama.cpp's Qwen3 reranker: a softmax over its labels (yes / no)
-            let max = out.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let sum: f32 = out.iter().map(|v| (v - max).exp()).sum();
-            out.iter_mut().for_each(|v| *v = (*v - max).exp() / sum);
-        }
-        Ok(out)
+        self.heads.classify(&self.cfg.arch, pooled)
     }
 
     fn forward(&self, batch: &Batch, kv: &mut KvCache, ws: &mut Workspace) -> Result<()> {
         let c = &self.cfg;
         let f = self.family;
-        if !f.causal && !ws.hidden_only && batch.logits.iter().any(|&l| l) {
-            return Err(EngineError::Unsupported(format!(
-                "generation with {} (an embedding model): use embed",
-                c.arch
-            )));
-        }
+        refuse_generation(f, &c.arch, ws.hidden_only, batch)?;
         let n = batch.len();
         let d = c.n_embd;
         let hd = c.head_dim;
@@ -507,6 +552,7 @@ impl Architecture for Decoder {
             hidden_only,
             hidden,
             n_ctx_seq: _,
+            device_kv: _,
         } = ws;
         for (li, layer) in self.layers.iter().enumerate() {
             let rope = if layer.local {

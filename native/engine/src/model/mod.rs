@@ -5,8 +5,10 @@ pub mod bert;
 pub mod decoder;
 pub mod linear;
 pub mod ops;
+pub mod tensor;
 
 use crate::batch::Batch;
+use crate::device::{Backend, Placement};
 use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
 use crate::grammar::{Constraint, GrammarError, GrammarFactory, GrammarSpec};
@@ -35,6 +37,8 @@ pub struct LoadOptions {
     pub requantize: Requantize,
     /// Load only the vocabulary (no weights).
     pub vocab_only: bool,
+    /// Where the forward runs (the CPU by default).
+    pub placement: Placement,
 }
 
 impl Default for LoadOptions {
@@ -42,6 +46,7 @@ impl Default for LoadOptions {
         LoadOptions {
             requantize: Requantize::Q8_0,
             vocab_only: false,
+            placement: Placement::default(),
         }
     }
 }
@@ -245,6 +250,12 @@ pub trait Architecture: Send + Sync {
     /// (`[n_outputs, n_vocab]`).
     fn forward(&self, batch: &Batch, kv: &mut KvCache, ws: &mut Workspace) -> Result<()>;
 
+    /// Whether the KV cache's contents live in the architecture's device memory (the host
+    /// cache then keeps only block tables: [`KvCache::keep_on_device`]).
+    fn kv_on_device(&self) -> bool {
+        false
+    }
+
     /// Whether attention is causal: a decoder's reranker reads its last token, an encoder's
     /// its first.
     fn causal(&self) -> bool {
@@ -292,6 +303,8 @@ pub struct Workspace {
     /// `hidden` (`[n_outputs, n_embd]`) instead of logits (embeddings).
     pub(crate) hidden_only: bool,
     pub hidden: Vec<f32>,
+    /// Keys and values in device memory, for an architecture that keeps them there.
+    pub(crate) device_kv: Option<tensor::DeviceKv>,
 }
 
 /// Loads one tensor, re-quantizing scalar-only types when asked, and remembers which
@@ -495,6 +508,8 @@ pub struct Model {
     /// Built on first use: grammar compilation needs a token trie over the whole vocabulary.
     grammar: OnceLock<std::result::Result<Arc<GrammarFactory>, GrammarError>>,
     pub arch: Option<Box<dyn Architecture>>,
+    /// Where the forward runs.
+    pub backend: Backend,
     pub desc: String,
     pub size_bytes: u64,
     pub n_params: u64,
@@ -565,9 +580,26 @@ impl Model {
         let spec = arch_spec(arch_name);
         let config = Config::from_gguf(&gguf, tokenizer.n_vocab())?;
         let loader = TensorLoader::new(&gguf, opts.requantize);
-        let arch = match spec {
-            Some(spec) if !opts.vocab_only => Some((spec.load)(&config, &loader)?),
-            _ => None,
+        let backend = match (&opts.placement, spec.and_then(|s| s.family)) {
+            // only decoders have a device path: the vocabulary and encoders stay on the CPU
+            _ if opts.vocab_only => Backend::Cpu,
+            (_, None) => Backend::Cpu,
+            (
+                Placement::Layers {
+                    n_gpu_layers,
+                    main_gpu,
+                },
+                _,
+            ) => Backend::select(*n_gpu_layers, *main_gpu, config.n_layer)?,
+            (Placement::Backend(b), _) => b.clone(),
+        };
+        let arch = match (spec, &backend) {
+            _ if opts.vocab_only => None,
+            (Some(spec), Backend::Cpu) => Some((spec.load)(&config, &loader)?),
+            (Some(_), Backend::Tensor(device)) => Some(Box::new(tensor::TensorDecoder::load(
+                &config, &loader, device,
+            )?) as Box<dyn Architecture>),
+            (None, _) => None,
         };
         let size_bytes = gguf.tensors.values().map(|t| t.n_bytes as u64).sum();
         let n_params = gguf
@@ -607,6 +639,7 @@ impl Model {
             tokenizer: Arc::new(tokenizer),
             grammar: OnceLock::new(),
             arch,
+            backend,
             desc,
             size_bytes,
             n_params,

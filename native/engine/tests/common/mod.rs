@@ -5,8 +5,8 @@
 
 use llama_cpp_ex_engine::context::{DraftSource, SpecRequest};
 use llama_cpp_ex_engine::{
-    Batch, Context, ContextParams, KvOp, LoadOptions, Model, Requantize, SampledToken, Sampler,
-    SharedSampler, Step,
+    Backend, Batch, Context, ContextParams, KvOp, LoadOptions, Model, Placement, Requantize,
+    SampledToken, Sampler, SharedSampler, Step,
 };
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -34,9 +34,13 @@ pub fn model_path(file: &str) -> PathBuf {
     p
 }
 
-/// llama.cpp's reference outputs, kept in the repository (`test/fixtures`, see its README).
+/// llama.cpp's reference outputs, kept in the repository (`test/fixtures`, see its README);
+/// `LLAMA_CPP_EX_FIXTURES` for a test binary run away from its checkout (the GPU check).
 pub fn fixtures_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../test/fixtures")
+    match std::env::var_os("LLAMA_CPP_EX_FIXTURES") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../test/fixtures"),
+    }
 }
 
 pub fn fixture(name: &str) -> serde_json::Value {
@@ -45,10 +49,23 @@ pub fn fixture(name: &str) -> serde_json::Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// The backend a test loads with: `LLAMA_CPP_EX_TEST_BACKEND=tensor` runs the GPU's code path
+/// (candle tensors) on the CPU device, `=cuda` on GPU 0 (a build with the `cuda` feature);
+/// unset, the engine's own CPU kernels.
+pub fn test_placement() -> Placement {
+    match std::env::var("LLAMA_CPP_EX_TEST_BACKEND").as_deref() {
+        Ok("tensor") => Placement::Backend(Backend::Tensor(candle_core::Device::Cpu)),
+        Ok("cuda") => Placement::Backend(Backend::gpu(0).expect("GPU 0")),
+        Ok("cpu") | Err(_) => Placement::default(),
+        Ok(other) => panic!("LLAMA_CPP_EX_TEST_BACKEND={other}: expected cpu, tensor or cuda"),
+    }
+}
+
 pub fn load(file: &str, requantize: Requantize) -> Arc<Model> {
     let opts = LoadOptions {
         requantize,
         vocab_only: false,
+        ..Default::default()
     };
     Arc::new(Model::load(&model_path(file), &opts).unwrap())
 }
@@ -57,6 +74,7 @@ pub fn load_vocab(file: &str) -> Arc<Model> {
     let opts = LoadOptions {
         requantize: Requantize::Off,
         vocab_only: true,
+        ..Default::default()
     };
     Arc::new(Model::load(&model_path(file), &opts).unwrap())
 }

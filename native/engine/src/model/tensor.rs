@@ -1,0 +1,638 @@
+//! The decoder families on candle tensors: the forward pass a GPU runs.
+//!
+//! Same block as [`super::decoder`] (one [`Family`] table of switches), written with candle's
+//! device ops so that one code runs on every device candle has: weights stay in their GGUF
+//! type on the device (`QMatMul`: candle's quantized CUDA kernels), activations never leave
+//! it, and only the logits rows (or hidden rows) the batch asks for come back. The KV cache's
+//! block tables stay in the host's [`KvCache`]; the keys and values live in the context's
+//! [`DeviceKv`] at the same block ids, so prefix sharing, copy-on-write and sliding windows
+//! work as on the CPU. On candle's CPU device the engine's tests check this code against
+//! llama.cpp's fixtures, as the CPU backend is checked.
+
+use super::decoder::{refuse_generation, Activation, Family, PooledHeads};
+use super::linear::Embedding;
+use super::ops::Rope;
+use super::{Architecture, Config, TensorLoader, Workspace};
+use crate::batch::Batch;
+use crate::error::{EngineError, Result};
+use crate::kv::{block_index, KvCache, KV_BLOCK_SIZE};
+use candle_core::quantized::{ggml_file::qtensor_from_ggml, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+
+/// Products whose outputs are consecutive slices of one result: separate matrices (Q, K, V)
+/// or one stacked matrix (Phi-3's `attn_qkv`, its gate+up `ffn_up`).
+struct Stacked {
+    mats: Vec<QMatMul>,
+    widths: Vec<usize>,
+}
+
+impl Stacked {
+    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        if self.mats.len() == self.widths.len() {
+            return Ok(self
+                .mats
+                .iter()
+                .map(|m| m.forward(x))
+                .collect::<candle_core::Result<_>>()?);
+        }
+        let y = self.mats[0].forward(x)?;
+        let mut at = 0;
+        let mut parts = Vec::with_capacity(self.widths.len());
+        for &w in &self.widths {
+            parts.push(y.narrow(1, at, w)?.contiguous()?);
+            at += w;
+        }
+        Ok(parts)
+    }
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    qkv: Stacked,
+    qkv_bias: Option<[Tensor; 3]>,
+    wo: QMatMul,
+    wo_bias: Option<Tensor>,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    post_attn_norm: Option<Tensor>,
+    ffn_norm: Tensor,
+    gate_up: Stacked,
+    down: QMatMul,
+    post_ffn_norm: Option<Tensor>,
+    local: bool,
+}
+
+pub struct TensorDecoder {
+    cfg: Config,
+    family: &'static Family,
+    device: Device,
+    /// Rows are looked up on the host (a row per token) and uploaded: the table stays in host
+    /// memory in its file type rather than dequantized on the device.
+    embd: Embedding,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    output: QMatMul,
+    output_bias: Option<Tensor>,
+    /// On the host, as the CPU backend runs them.
+    heads: PooledHeads,
+    inv_freq_global: Vec<f32>,
+    inv_freq_local: Vec<f32>,
+    inv_freq_long: Option<Vec<f32>>,
+}
+
+/// Keys and values of every layer in device memory, `[blocks × KV_BLOCK_SIZE, kv_dim]` f16
+/// per layer, addressed by the host cache's block ids. One per context (in its
+/// [`Workspace`]).
+pub struct DeviceKv {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+}
+
+impl DeviceKv {
+    fn new(kv: &KvCache, n_layer: usize, kv_dim: usize, device: &Device) -> Result<Self> {
+        let (mut k, mut v) = (Vec::with_capacity(n_layer), Vec::with_capacity(n_layer));
+        for layer in 0..n_layer {
+            let rows = kv.group_capacity(kv.layer_group(layer)) * KV_BLOCK_SIZE;
+            k.push(Tensor::zeros((rows, kv_dim), DType::F16, device)?);
+            v.push(Tensor::zeros((rows, kv_dim), DType::F16, device)?);
+        }
+        Ok(DeviceKv { k, v })
+    }
+
+    /// Replays the host cache's copy-on-write copies.
+    fn apply_copies(&self, kv: &mut KvCache) -> Result<()> {
+        for c in kv.take_copies() {
+            let (Some(src), Some(dst)) = (block_index(c.src), block_index(c.dst)) else {
+                continue;
+            };
+            for layer in (0..self.k.len()).filter(|&l| kv.layer_group(l) == c.group) {
+                for t in [&self.k[layer], &self.v[layer]] {
+                    let block = t.narrow(0, src * KV_BLOCK_SIZE, KV_BLOCK_SIZE)?.copy()?;
+                    t.slice_set(&block, 0, dst * KV_BLOCK_SIZE)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where one layer group's keys are written and read this pass.
+struct GroupPlan {
+    /// `[n_tokens, kv_dim]`: each token's cache row, repeated along the row (scatter indices).
+    write: Tensor,
+    /// Sequences attended together, padded to the longest of each: all one-token sequences
+    /// (decode) in one, each longer one (a prompt) alone, so padding stays small.
+    attn: Vec<AttnGroup>,
+    /// For each token of the batch, its row in the groups' outputs laid end to end.
+    out_rows: Tensor,
+}
+
+struct AttnGroup {
+    n_seqs: usize,
+    /// Tokens and key positions per sequence, after padding.
+    t_max: usize,
+    l_max: usize,
+    /// `[n_seqs × t_max]`: the batch row of each (sequence, token); 0 for padding.
+    q_rows: Tensor,
+    /// `[n_seqs × l_max]`: the cache row of each (sequence, key position); 0 for padding.
+    slots: Tensor,
+    /// `[n_seqs, 1, ratio × t_max, l_max]`: 0 where a query sees a key, -inf elsewhere (a
+    /// padding row sees every key, so no row is empty).
+    mask: Tensor,
+}
+
+/// One sequence's part of a pass: its batch rows, the key positions they see (`lo..hi`).
+struct SeqRows {
+    seq: usize,
+    rows: Vec<usize>,
+    lo: usize,
+    hi: usize,
+}
+
+impl TensorDecoder {
+    pub(crate) fn load(cfg: &Config, l: &TensorLoader, device: &Device) -> Result<Self> {
+        let family = super::arch_spec(&cfg.arch)
+            .and_then(|s| s.family)
+            .ok_or_else(|| EngineError::UnsupportedArchitecture(cfg.arch.clone()))?;
+        let d = cfg.n_embd;
+        let hd = cfg.head_dim;
+        let (q_dim, kv_dim) = (cfg.n_head * hd, cfg.n_head_kv * hd);
+        // the loader's host tensor (types converted as for the CPU), copied to the device
+        let on_device = |t: &QTensor, rows: usize, cols: usize| -> Result<QMatMul> {
+            let t = qtensor_from_ggml(t.dtype(), &t.data()?, vec![rows, cols], device)?;
+            Ok(QMatMul::from_qtensor(t)?)
+        };
+        let matrix = |name: &str, rows: usize, cols: usize| -> Result<QMatMul> {
+            on_device(&l.matrix(name, rows, cols)?, rows, cols)
+        };
+        let vector = |name: &str, len: usize| -> Result<Tensor> {
+            Ok(Tensor::from_vec(l.vector(name, len)?, len, device)?)
+        };
+        let optional = |name: &str, len: usize| -> Result<Option<Tensor>> {
+            l.gguf
+                .has_tensor(name)
+                .then(|| vector(name, len))
+                .transpose()
+        };
+        l.info("token_embd.weight")?;
+        let table = std::sync::Arc::new(l.gguf.qtensor("token_embd.weight", &Device::Cpu)?);
+        let output = if l.gguf.has_tensor("output.weight") {
+            matrix("output.weight", cfg.n_vocab, d)?
+        } else {
+            on_device(&table, cfg.n_vocab, d)?
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let has = |s: &str| l.gguf.has_tensor(&n(s));
+            let qkv = if has("attn_qkv.weight") {
+                Stacked {
+                    mats: vec![matrix(&n("attn_qkv.weight"), q_dim + 2 * kv_dim, d)?],
+                    widths: vec![q_dim, kv_dim, kv_dim],
+                }
+            } else {
+                Stacked {
+                    mats: vec![
+                        matrix(&n("attn_q.weight"), q_dim, d)?,
+                        matrix(&n("attn_k.weight"), kv_dim, d)?,
+                        matrix(&n("attn_v.weight"), kv_dim, d)?,
+                    ],
+                    widths: vec![q_dim, kv_dim, kv_dim],
+                }
+            };
+            let gate_up = if has("ffn_gate.weight") {
+                Stacked {
+                    mats: vec![
+                        matrix(&n("ffn_gate.weight"), cfg.n_ff, d)?,
+                        matrix(&n("ffn_up.weight"), cfg.n_ff, d)?,
+                    ],
+                    widths: vec![cfg.n_ff; 2],
+                }
+            } else {
+                Stacked {
+                    mats: vec![matrix(&n("ffn_up.weight"), 2 * cfg.n_ff, d)?],
+                    widths: vec![cfg.n_ff; 2],
+                }
+            };
+            let qkv_bias = if has("attn_qkv.bias") {
+                let b = vector(&n("attn_qkv.bias"), q_dim + 2 * kv_dim)?;
+                Some([
+                    b.narrow(0, 0, q_dim)?,
+                    b.narrow(0, q_dim, kv_dim)?,
+                    b.narrow(0, q_dim + kv_dim, kv_dim)?,
+                ])
+            } else {
+                match (
+                    optional(&n("attn_q.bias"), q_dim)?,
+                    optional(&n("attn_k.bias"), kv_dim)?,
+                    optional(&n("attn_v.bias"), kv_dim)?,
+                ) {
+                    (Some(q), Some(k), Some(v)) => Some([q, k, v]),
+                    (None, None, None) => None,
+                    _ => {
+                        return Err(EngineError::Unsupported(format!(
+                            "bias layout in block {i}: some but not all of attn_q/k/v.bias"
+                        )))
+                    }
+                }
+            };
+            let (qk, post) = (family.qk_norm, family.post_norms);
+            layers.push(Layer {
+                attn_norm: vector(&n("attn_norm.weight"), d)?,
+                qkv,
+                qkv_bias,
+                wo: matrix(&n("attn_output.weight"), d, q_dim)?,
+                wo_bias: optional(&n("attn_output.bias"), d)?,
+                q_norm: qk
+                    .then(|| vector(&n("attn_q_norm.weight"), hd))
+                    .transpose()?,
+                k_norm: qk
+                    .then(|| vector(&n("attn_k_norm.weight"), hd))
+                    .transpose()?,
+                post_attn_norm: post
+                    .then(|| vector(&n("post_attention_norm.weight"), d))
+                    .transpose()?,
+                ffn_norm: vector(&n("ffn_norm.weight"), d)?,
+                down: matrix(&n("ffn_down.weight"), d, cfg.n_ff)?,
+                gate_up,
+                post_ffn_norm: post
+                    .then(|| vector(&n("post_ffw_norm.weight"), d))
+                    .transpose()?,
+                local: cfg.layer_windows[i].is_some(),
+            });
+        }
+        let freqs = super::decoder::rope_freqs(cfg, l)?;
+        let model = TensorDecoder {
+            cfg: cfg.clone(),
+            family,
+            device: device.clone(),
+            embd: Embedding::new(table, None),
+            layers,
+            norm: vector("output_norm.weight", d)?,
+            output,
+            output_bias: optional("output.bias", cfg.n_vocab)?,
+            heads: PooledHeads::load(l, d)?,
+            inv_freq_global: freqs.global,
+            inv_freq_local: freqs.local,
+            inv_freq_long: freqs.long,
+        };
+        l.check_all_used()?;
+        Ok(model)
+    }
+
+    fn upload_u32(&self, v: Vec<u32>) -> Result<Tensor> {
+        let n = v.len();
+        Ok(Tensor::from_vec(v, n, &self.device)?)
+    }
+
+    /// The cache rows and attention masks of one layer group for this batch.
+    fn plan(&self, batch: &Batch, kv: &KvCache, layer: usize) -> Result<GroupPlan> {
+        let kv_dim = self.cfg.n_head_kv * self.cfg.head_dim;
+        let ratio = self.cfg.n_head / self.cfg.n_head_kv;
+        let causal = self.family.causal;
+        let window = kv.layer_window(layer);
+        let slot = |seq: usize, pos: usize| -> Option<u32> {
+            let blocks = kv.seq_view(layer, seq).blocks;
+            let b = block_index(*blocks.get(pos / KV_BLOCK_SIZE)?)?;
+            Some((b * KV_BLOCK_SIZE + pos % KV_BLOCK_SIZE) as u32)
+        };
+        let n = batch.len();
+        let mut write = Vec::with_capacity(n * kv_dim);
+        for t in 0..n {
+            let s = slot(batch.seq[t], batch.pos[t]).ok_or_else(|| {
+                EngineError::Internal(format!("no KV block reserved for token {t}"))
+            })?;
+            write.extend(std::iter::repeat_n(s, kv_dim));
+        }
+        let write = Tensor::from_vec(write, (n, kv_dim), &self.device)?;
+        // the slots a query at `pos` sees, as the CPU attention's tiles do
+        let seq_end = |seq: usize| {
+            (0..n)
+                .filter(|&t| batch.seq[t] == seq)
+                .map(|t| batch.pos[t] + 1)
+                .max()
+                .unwrap_or(0)
+        };
+        let lo_of = |pos: usize| match (causal, window) {
+            (_, None) => 0,
+            (true, Some(w)) => (pos + 1).saturating_sub(w),
+            (false, Some(w)) => pos.saturating_sub(w / 2),
+        };
+        let hi_of = |pos: usize, end: usize| match (causal, window) {
+            (true, _) => pos + 1,
+            (false, None) => end,
+            (false, Some(w)) => (pos + w / 2 + 1).min(end),
+        };
+        let mut seqs: Vec<SeqRows> = Vec::new();
+        for t in 0..n {
+            match seqs.iter_mut().find(|s| s.seq == batch.seq[t]) {
+                Some(s) => s.rows.push(t),
+                None => seqs.push(SeqRows {
+                    seq: batch.seq[t],
+                    rows: vec![t],
+                    lo: 0,
+                    hi: 0,
+                }),
+            }
+        }
+        for s in &mut seqs {
+            let end = seq_end(s.seq);
+            s.lo = s
+                .rows
+                .iter()
+                .map(|&t| lo_of(batch.pos[t]))
+                .min()
+                .unwrap_or(0);
+            s.hi = s
+                .rows
+                .iter()
+                .map(|&t| hi_of(batch.pos[t], end))
+                .max()
+                .unwrap_or(0);
+        }
+        let (single, multi): (Vec<&SeqRows>, Vec<&SeqRows>) =
+            seqs.iter().partition(|s| s.rows.len() == 1);
+        let mut groups: Vec<Vec<&SeqRows>> = multi.into_iter().map(|s| vec![s]).collect();
+        if !single.is_empty() {
+            groups.push(single);
+        }
+        let mut out_rows = vec![0u32; n];
+        let mut offset = 0;
+        let mut attn = Vec::with_capacity(groups.len());
+        for group in groups {
+            let t_max = group.iter().map(|s| s.rows.len()).max().unwrap_or(1);
+            let l_max = group.iter().map(|s| s.hi - s.lo).max().unwrap_or(1).max(1);
+            let g = group.len();
+            let mut q_rows = vec![0u32; g * t_max];
+            let mut slots = vec![0u32; g * l_max];
+            let mut mask = vec![0f32; g * ratio * t_max * l_max];
+            for (i, s) in group.iter().enumerate() {
+                let end = seq_end(s.seq);
+                for (j, &t) in s.rows.iter().enumerate() {
+                    q_rows[i * t_max + j] = t as u32;
+                    out_rows[t] = (offset + i * t_max + j) as u32;
+                }
+                for (k, p) in (s.lo..s.hi).enumerate() {
+                    slots[i * l_max + k] = slot(s.seq, p).unwrap_or(0);
+                }
+                // query rows are (head within the KV group, token), heads outermost
+                for r in 0..ratio {
+                    for (j, &t) in s.rows.iter().enumerate() {
+                        let (a, z) = (lo_of(batch.pos[t]), hi_of(batch.pos[t], end));
+                        let row = ((i * ratio + r) * t_max + j) * l_max;
+                        for (k, m) in mask[row..row + l_max].iter_mut().enumerate() {
+                            let p = s.lo + k;
+                            let seen = p >= a && p < z && p < s.hi && slot(s.seq, p).is_some();
+                            *m = if seen { 0.0 } else { f32::NEG_INFINITY };
+                        }
+                    }
+                }
+            }
+            offset += g * t_max;
+            attn.push(AttnGroup {
+                n_seqs: g,
+                t_max,
+                l_max,
+                q_rows: self.upload_u32(q_rows)?,
+                slots: self.upload_u32(slots)?,
+                mask: Tensor::from_vec(mask, (g, 1, ratio * t_max, l_max), &self.device)?,
+            });
+        }
+        Ok(GroupPlan {
+            write,
+            attn,
+            out_rows: self.upload_u32(out_rows)?,
+        })
+    }
+
+    /// Rotates `x` (`[n, heads × head_dim]`) at each token's position.
+    fn rope(&self, x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (n, hd) = (x.dim(0)?, self.cfg.head_dim);
+        let x = x.reshape((n, heads, 1, hd))?;
+        let rot = 2 * cos.dim(2)?;
+        let rotate = |x: &Tensor| -> candle_core::Result<Tensor> {
+            if self.family.neox {
+                candle_nn::rotary_emb::rope(x, cos, sin)
+            } else {
+                candle_nn::rotary_emb::rope_i(x, cos, sin)
+            }
+        };
+        let y = if rot == hd {
+            rotate(&x)?
+        } else {
+            let head = rotate(&x.narrow(3, 0, rot)?.contiguous()?)?;
+            Tensor::cat(&[head, x.narrow(3, rot, hd - rot)?], 3)?
+        };
+        Ok(y.reshape((n, heads * hd))?)
+    }
+
+    /// Attention of every token of the batch over its sequence's cached keys.
+    fn attend(&self, q: &Tensor, plan: &GroupPlan, layer: usize, kv: &DeviceKv) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (hd, n_kv) = (c.head_dim, c.n_head_kv);
+        let ratio = c.n_head / n_kv;
+        let mut outs = Vec::with_capacity(plan.attn.len());
+        for a in &plan.attn {
+            let (g, t, l) = (a.n_seqs, a.t_max, a.l_max);
+            // [g × t, heads × hd] → [g × kv heads, ratio × t, hd]
+            let qs = q
+                .index_select(&a.q_rows, 0)?
+                .reshape((g, t, n_kv, ratio, hd))?
+                .permute((0, 2, 3, 1, 4))?
+                .contiguous()?
+                .reshape((g * n_kv, ratio * t, hd))?;
+            let gather = |cache: &Tensor| -> candle_core::Result<Tensor> {
+                cache
+                    .index_select(&a.slots, 0)?
+                    .to_dtype(DType::F32)?
+                    .reshape((g, l, n_kv, hd))?
+                    .transpose(1, 2)?
+                    .contiguous()?
+                    .reshape((g * n_kv, l, hd))
+            };
+            let (ks, vs) = (gather(&kv.k[layer])?, gather(&kv.v[layer])?);
+            let mut scores = (qs.matmul(&ks.t()?)? * c.attn_scale as f64)?;
+            if let Some(cap) = c.attn_softcap {
+                scores = ((scores / cap as f64)?.tanh()? * cap as f64)?;
+            }
+            let scores = scores
+                .reshape((g, n_kv, ratio * t, l))?
+                .broadcast_add(&a.mask)?
+                .reshape((g * n_kv, ratio * t, l))?;
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+            let out = probs
+                .matmul(&vs)?
+                .reshape((g, n_kv, ratio, t, hd))?
+                .permute((0, 3, 1, 2, 4))?
+                .contiguous()?
+                .reshape((g * t, c.n_head * hd))?;
+            outs.push(out);
+        }
+        let out = if outs.len() == 1 {
+            outs.pop().expect("one")
+        } else {
+            Tensor::cat(&outs, 0)?
+        };
+        Ok(out.index_select(&plan.out_rows, 0)?)
+    }
+
+    /// `rows` (flagged entries of the batch) of `x`, final-normed.
+    fn normed_rows(&self, x: &Tensor, flags: &[bool]) -> Result<Option<Tensor>> {
+        let rows: Vec<u32> = (0..flags.len())
+            .filter(|&t| flags[t])
+            .map(|t| t as u32)
+            .collect();
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let h = x.index_select(&self.upload_u32(rows)?, 0)?;
+        Ok(Some(candle_nn::ops::rms_norm(
+            &h,
+            &self.norm,
+            self.cfg.eps,
+        )?))
+    }
+}
+
+fn rms(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
+    Ok(candle_nn::ops::rms_norm(&x.contiguous()?, w, eps)?)
+}
+
+fn host_vec(t: &Tensor, out: &mut Vec<f32>) -> Result<()> {
+    *out = t.flatten_all()?.to_vec1::<f32>()?;
+    Ok(())
+}
+
+impl Architecture for TensorDecoder {
+    fn causal(&self) -> bool {
+        self.family.causal
+    }
+
+    fn kv_on_device(&self) -> bool {
+        true
+    }
+
+    fn project_pooled(&self, v: &mut Vec<f32>) -> Result<()> {
+        self.heads.project(v)
+    }
+
+    fn classify(&self, pooled: &[f32]) -> Result<Vec<f32>> {
+        self.heads.classify(&self.cfg.arch, pooled)
+    }
+
+    fn forward(&self, batch: &Batch, kv: &mut KvCache, ws: &mut Workspace) -> Result<()> {
+        let c = &self.cfg;
+        let f = self.family;
+        refuse_generation(f, &c.arch, ws.hidden_only, batch)?;
+        let (n, d, hd) = (batch.len(), c.n_embd, c.head_dim);
+        let kv_dim = c.n_head_kv * hd;
+        if ws.device_kv.is_none() {
+            ws.device_kv = Some(DeviceKv::new(kv, c.n_layer, kv_dim, &self.device)?);
+        }
+        let dkv = ws.device_kv.as_ref().expect("just made");
+        dkv.apply_copies(kv)?;
+
+        self.embd.lookup_into(&batch.tokens, &mut ws.x)?;
+        let mut x = Tensor::from_slice(&ws.x, (n, d), &self.device)?;
+        if f.embed_scale {
+            x = (x * (d as f64).sqrt())?;
+        }
+        let global = match &self.inv_freq_long {
+            Some(long) if ws.n_ctx_seq > c.n_ctx_orig => long,
+            _ => &self.inv_freq_global,
+        };
+        let tables = |rope: &mut Rope, freqs: &[f32]| -> Result<(Tensor, Tensor)> {
+            rope.fill(&batch.pos, freqs, c.rope_attn_factor);
+            let half = rope.half;
+            Ok((
+                Tensor::from_slice(&rope.cos, (n, 1, half), &self.device)?,
+                Tensor::from_slice(&rope.sin, (n, 1, half), &self.device)?,
+            ))
+        };
+        let rope_global = tables(&mut ws.rope, global)?;
+        let rope_local = if f.swa.is_some() {
+            Some(tables(&mut ws.rope_local, &self.inv_freq_local)?)
+        } else {
+            None
+        };
+        let mut plans: Vec<Option<GroupPlan>> = Vec::new();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let g = kv.layer_group(li);
+            if plans.len() <= g {
+                plans.resize_with(g + 1, || None);
+            }
+            if plans[g].is_none() {
+                plans[g] = Some(self.plan(batch, kv, li)?);
+            }
+            let plan = plans[g].as_ref().expect("just made");
+            let (cos, sin) = match (&rope_local, layer.local) {
+                (Some(local), true) => local,
+                _ => &rope_global,
+            };
+            let h = rms(&x, &layer.attn_norm, c.eps)?;
+            let mut qkv = layer.qkv.forward(&h)?;
+            if let Some(b) = &layer.qkv_bias {
+                for (t, b) in qkv.iter_mut().zip(b) {
+                    *t = t.broadcast_add(b)?;
+                }
+            }
+            let [mut q, mut k, v]: [Tensor; 3] = qkv
+                .try_into()
+                .map_err(|_| EngineError::Internal("three Q/K/V parts".into()))?;
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                q = rms(&q.reshape((n * c.n_head, hd))?, qn, c.eps)?.reshape((n, c.n_head * hd))?;
+                k = rms(&k.reshape((n * c.n_head_kv, hd))?, kn, c.eps)?.reshape((n, kv_dim))?;
+            }
+            let q = self.rope(&q, c.n_head, cos, sin)?;
+            let k = self.rope(&k, c.n_head_kv, cos, sin)?;
+            dkv.k[li].scatter_set(&plan.write, &k.to_dtype(DType::F16)?, 0)?;
+            dkv.v[li].scatter_set(&plan.write, &v.to_dtype(DType::F16)?.contiguous()?, 0)?;
+            let attn = self.attend(&q, plan, li, dkv)?;
+            let mut o = layer.wo.forward(&attn)?;
+            if let Some(b) = &layer.wo_bias {
+                o = o.broadcast_add(b)?;
+            }
+            if let Some(w) = &layer.post_attn_norm {
+                o = rms(&o, w, c.eps)?;
+            }
+            x = (x + o)?;
+            let h = rms(&x, &layer.ffn_norm, c.eps)?;
+            let gu = layer.gate_up.forward(&h)?;
+            let act = match f.act {
+                Activation::Silu => gu[0].silu()?,
+                Activation::GeluTanh => gu[0].gelu()?,
+            };
+            let mut o = layer.down.forward(&(act * &gu[1])?)?;
+            if let Some(w) = &layer.post_ffn_norm {
+                o = rms(&o, w, c.eps)?;
+            }
+            x = (x + o)?;
+        }
+        if ws.hidden_only {
+            match self.normed_rows(&x, &batch.logits)? {
+                Some(h) => host_vec(&h, &mut ws.hidden)?,
+                None => ws.hidden.clear(),
+            }
+            return Ok(());
+        }
+        match batch.has_embd().then(|| self.normed_rows(&x, &batch.embd)) {
+            Some(rows) => match rows? {
+                Some(h) => host_vec(&h, &mut ws.hidden)?,
+                None => ws.hidden.clear(),
+            },
+            None => ws.hidden.clear(),
+        }
+        let Some(h) = self.normed_rows(&x, &batch.logits)? else {
+            ws.logits.clear();
+            return Ok(());
+        };
+        let mut logits = self.output.forward(&h)?;
+        if let Some(b) = &self.output_bias {
+            logits = logits.broadcast_add(b)?;
+        }
+        if let Some(cap) = c.final_softcap {
+            logits = ((logits / cap as f64)?.tanh()? * cap as f64)?;
+        }
+        host_vec(&logits, &mut ws.logits)
+    }
+}

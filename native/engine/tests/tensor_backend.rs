@@ -1,0 +1,187 @@
+//! The GPU's code path (the decoder on candle tensors, its keys and values in device memory
+//! at the host cache's block ids) against the engine's CPU kernels: shared prefixes and
+//! copy-on-write, sliding windows past their length, embedding rows, and what it refuses.
+//! It runs on candle's CPU device here, on GPU 0 with `LLAMA_CPP_EX_TEST_BACKEND=cuda` in a
+//! `cuda` build (`scripts/gpu_check.sh`). Parity with llama.cpp on every architecture and
+//! quantization type is `arch_parity` under `LLAMA_CPP_EX_TEST_BACKEND=tensor` / `cuda`.
+
+mod common;
+use common::*;
+use llama_cpp_ex_engine::embedding::{embed, Pooling};
+use llama_cpp_ex_engine::kv::KvType;
+use llama_cpp_ex_engine::{
+    Backend, Batch, Context, ContextParams, LoadOptions, Model, Placement, Requantize,
+};
+use std::sync::Arc;
+
+/// The device backend under test: `cuda` when asked, else candle's CPU device.
+fn device_placement() -> Placement {
+    match std::env::var("LLAMA_CPP_EX_TEST_BACKEND").as_deref() {
+        Ok("cuda") => test_placement(),
+        _ => Placement::Backend(Backend::Tensor(candle_core::Device::Cpu)),
+    }
+}
+
+fn tiny_on(file: &str, placement: Placement) -> Arc<Model> {
+    let opts = LoadOptions {
+        requantize: Requantize::Off,
+        vocab_only: false,
+        placement,
+    };
+    let path = fixtures_dir().join(format!("tiny/{file}.gguf"));
+    Arc::new(Model::load(&path, &opts).unwrap_or_else(|e| panic!("{file}: {e}")))
+}
+
+/// The same file on the CPU kernels and on the device path.
+fn both(file: &str) -> (Arc<Model>, Arc<Model>) {
+    let dev = tiny_on(file, device_placement());
+    assert!(matches!(dev.backend, Backend::Tensor(_)));
+    (tiny_on(file, Placement::default()), dev)
+}
+
+fn tokens(model: &Model, n: usize, salt: u32) -> Vec<u32> {
+    let v = model.config.n_vocab as u32;
+    (0..n as u32)
+        .map(|i| (i * 7919 + salt * 104_729) % v)
+        .collect()
+}
+
+/// The largest per-row `rel_close` of the two contexts' logits rows `rows`.
+fn max_diff(a: &Context, b: &Context, rows: usize) -> f32 {
+    (0..rows as i64)
+        .map(|i| rel_close(a.logits_ith(i).unwrap(), b.logits_ith(i).unwrap()))
+        .fold(0.0, f32::max)
+}
+
+/// Two sequences share a 20-token prefix (its second block half full), then each writes its
+/// own tokens into that block: the device must copy the block before either writes, as the
+/// host cache does. Both continuations equal the sequences evaluated alone.
+#[test]
+fn shared_prefixes_are_copied_on_write_in_device_memory() {
+    let (_, model) = both("tiny-llama3-f32");
+    let prefix = tokens(&model, 20, 1);
+    let tails = [tokens(&model, 5, 2), tokens(&model, 5, 3)];
+    let mut c = ctx(&model, 256, 2);
+    c.decode(&Batch::for_sequence(&prefix, 0, 0)).unwrap();
+    c.kv.seq_share_prefix(0, 1, prefix.len()).unwrap();
+    let mut b = Batch::with_capacity(10);
+    for (s, tail) in tails.iter().enumerate() {
+        for (i, &t) in tail.iter().enumerate() {
+            b.push(t, prefix.len() + i, s, true);
+        }
+    }
+    c.decode(&b).unwrap();
+    for (s, tail) in tails.iter().enumerate() {
+        let mut all = prefix.clone();
+        all.extend(tail);
+        let alone = logits_all(&model, &all, 256);
+        for i in 0..tail.len() {
+            let got = c.logits_ith((s * tail.len() + i) as i64).unwrap();
+            let d = rel_close(&alone[prefix.len() + i], got);
+            assert!(d < 1e-5, "sequence {s}, token {i}: {d}");
+        }
+    }
+    c.kv.audit().unwrap();
+}
+
+/// Gemma 3's sliding-window layers (window 32 in the tiny file) keep only the blocks inside
+/// the window; decoding one token at a time far past it matches the CPU kernels.
+#[test]
+fn sliding_windows_match_the_cpu_kernels_past_their_length() {
+    let (cpu, dev) = both("tiny-gemma3-f32");
+    let all = tokens(&cpu, 120, 4);
+    let (mut a, mut b) = (ctx(&cpu, 256, 1), ctx(&dev, 256, 1));
+    let mut prompt = Batch::with_capacity(40);
+    for (i, &t) in all[..40].iter().enumerate() {
+        prompt.push(t, i, 0, true);
+    }
+    for c in [&mut a, &mut b] {
+        c.decode(&prompt).unwrap();
+    }
+    assert!(
+        max_diff(&a, &b, 40) < 1e-3,
+        "prompt: {}",
+        max_diff(&a, &b, 40)
+    );
+    for (i, &t) in all.iter().enumerate().skip(40) {
+        for c in [&mut a, &mut b] {
+            let mut one = Batch::with_capacity(1);
+            one.push(t, i, 0, true);
+            c.decode(&one).unwrap();
+        }
+        let d = max_diff(&a, &b, 1);
+        assert!(d < 1e-3, "position {i}: {d}");
+    }
+    // blocks fell out of the window on the host tables both backends share
+    assert_eq!(a.kv_usage(), b.kv_usage());
+}
+
+/// Every family, a batch mixing a prompt with other sequences' decode steps: equal to the
+/// CPU kernels' logits.
+#[test]
+fn every_family_matches_the_cpu_kernels_in_a_mixed_batch() {
+    for arch in ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"] {
+        let (cpu, dev) = both(&format!("tiny-{arch}-f32"));
+        let (mut a, mut b) = (ctx(&cpu, 256, 4), ctx(&dev, 256, 4));
+        let mut mixed = Batch::with_capacity(64);
+        for s in 1..4 {
+            let t = tokens(&cpu, 3 * s, s as u32);
+            for c in [&mut a, &mut b] {
+                c.decode(&Batch::for_sequence(&t, 0, s)).unwrap();
+            }
+            mixed.push(t[0], 3 * s, s, true);
+        }
+        for (i, t) in tokens(&cpu, 30, 9).into_iter().enumerate() {
+            mixed.push(t, i, 0, true);
+        }
+        for c in [&mut a, &mut b] {
+            c.decode(&mixed).unwrap();
+        }
+        let d = max_diff(&a, &b, mixed.len());
+        assert!(d < 1e-3, "{arch}: {d}");
+    }
+}
+
+/// EmbeddingGemma on the device path equals llama.cpp's vectors (bidirectional attention,
+/// symmetric windows, pooling and the dense projections on the host).
+#[test]
+fn embeddings_match_llama_cpp() {
+    let model = tiny_on("tiny-gemma-embedding-f32", device_placement());
+    let fx = &fixture("tiny/bert.json")["gemma_embedding"];
+    let ids: Vec<Vec<u32>> = strs(&fx["texts"])
+        .iter()
+        .map(|t| model.tokenizer.encode(t, true, true).unwrap())
+        .collect();
+    let ours = embed(&model, &ids, Pooling::Mean, 2, 256, 1).unwrap();
+    for (o, t) in ours.iter().zip(fx["embeddings"].as_array().unwrap()) {
+        let c = cosine(o, &floats(t));
+        assert!(c > 0.9999, "cosine {c}");
+    }
+}
+
+/// What the device cache cannot do is an error, not a silent substitute.
+#[test]
+fn other_kv_types_and_snapshots_are_refused_and_encoders_stay_on_the_cpu() {
+    let model = tiny_on("tiny-llama-f32", device_placement());
+    let params = |k| ContextParams {
+        n_ctx: 64,
+        kv_type: k,
+        ..Default::default()
+    };
+    let err = Context::new(model.clone(), params(KvType::F32))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("other than f16"), "{err}");
+    let mut c = Context::new(model.clone(), params(KvType::F16)).unwrap();
+    c.decode(&Batch::for_sequence(&[1, 2, 3], 0, 0)).unwrap();
+    let err = c.kv.snapshot(0, 3).unwrap_err().to_string();
+    assert!(err.contains("GPU memory"), "{err}");
+    let opts = LoadOptions {
+        placement: device_placement(),
+        ..Default::default()
+    };
+    // an encoder has no device path: it runs on the CPU kernels whatever the placement
+    let bert = Model::load(&fixtures_dir().join("tiny/tiny-bert-f32.gguf"), &opts).unwrap();
+    assert!(matches!(bert.backend, Backend::Cpu));
+}

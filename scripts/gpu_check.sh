@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# The GPU check, in two halves:
+#
+#   scripts/gpu_check.sh pack   here (no GPU needed): builds the engine's GPU test binaries and
+#                               its bench with the `cuda` feature (the CUDA 13.0 toolkit from
+#                               PyPI wheels, scripts/cuda13_from_wheels.sh), and packs into
+#                               .gpu/ what the GPU machine needs: the binaries xz-compressed,
+#                               a tokenizer-only GGUF, the random-model generator with its
+#                               `gguf` package, and llama.cpp's source for the anchor.
+#   scripts/gpu_check.sh run    on the GPU machine (the device tool, carry [".gpu"]): parity of
+#                               every tiny architecture and quantization type against
+#                               llama.cpp's fixtures on the GPU, the device cache's sharing,
+#                               windows and batch invariance, then pp512 / tg128 of the engine
+#                               next to llama.cpp's CUDA build (made there meanwhile) on random
+#                               models at Llama 3.2 1B (Q4_K_M) and SmolLM2 135M (Q4_1) shapes.
+#                               A summary ends the output; full logs go to $OUT.
+#
+# Environment (pack): CUDA_PREFIX (default ~/.cache/llama_cpp_ex/cuda13), CUDA_COMPUTE_CAP
+# (default 90: H100/H200), LLAMA_CPP_SRC (llama.cpp's unpacked source, default the one
+# ../shared/tools/build_llamacpp.sh unpacks under /tmp/lcp).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PACK="$ROOT/.gpu"
+MODE="${1:-}"
+
+pack() {
+  local prefix="${CUDA_PREFIX:-$HOME/.cache/llama_cpp_ex/cuda13}"
+  [ -f "$prefix/env.sh" ] || bash "$ROOT/scripts/cuda13_from_wheels.sh" "$prefix"
+  # shellcheck disable=SC1091
+  source "$prefix/env.sh"
+  export CARGO_TARGET_DIR="${CUDA_TARGET_DIR:-$HOME/.cache/llama_cpp_ex/cargo-target-cuda}"
+  local manifest=(--quiet --manifest-path "$ROOT/native/Cargo.toml")
+  rm -rf "$PACK" && mkdir -p "$PACK"
+  # test binaries: their paths from cargo's JSON messages
+  cargo test "${manifest[@]}" --release -p llama_cpp_ex_engine --features cuda --no-run \
+    --test arch_parity --test tensor_backend --message-format=json |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["kind"]==["test"]:
+        print(m["target"]["name"], m["executable"])' | while read -r name exe; do
+    xz -T2 -6 -c "$exe" > "$PACK/$name.xz"
+  done
+  cargo build "${manifest[@]}" --release -p llama_cpp_ex_engine --features cuda --example decode_profile
+  xz -T2 -6 -c "$CARGO_TARGET_DIR/release/examples/decode_profile" > "$PACK/decode_profile.xz"
+  # the tokenizer of SmolLM2 without its weights, for random models made there
+  local models="${LLAMA_CPP_EX_MODELS:-$HOME/.cache/llama_cpp_ex/models}"
+  python3 "$ROOT/scripts/tokenizer_only_gguf.py" "$models/SmolLM2-135M-Instruct.Q4_1.gguf" "$PACK/tok.gguf"
+  cp "$ROOT/scripts/random_llama.py" "$PACK/"
+  local gguf_pkg
+  gguf_pkg="$(python3 -c 'import gguf,os; print(os.path.dirname(gguf.__file__))')"
+  mkdir -p "$PACK/py" && cp -r "$gguf_pkg" "$PACK/py/"
+  local src="${LLAMA_CPP_SRC:-$(ls -d /tmp/lcp/llama_cpp_python-*/vendor/llama.cpp 2>/dev/null | tail -1)}"
+  [ -f "$src/CMakeLists.txt" ] || { echo "llama.cpp's source not found: set LLAMA_CPP_SRC" >&2; exit 1; }
+  tar -C "$src" -cJf "$PACK/lcp.tar.xz" --exclude=build --exclude=.git \
+    CMakeLists.txt cmake ggml src include common tools vendor licenses LICENSE
+  du -sh "$PACK"/* | sort -h
+  echo "packed $(du -sh "$PACK" | cut -f1) in .gpu/: run 'scripts/gpu_check.sh run' there with carry [\".gpu\"]"
+}
+
+# CUDA 13 runtime libraries: the machine's toolkit first, then PyTorch's wheels
+find_cuda_libs() {
+  local py=python3 dirs=() d
+  [ -x /opt/torch/.venv/bin/python3 ] && py=/opt/torch/.venv/bin/python3
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/lib64; do
+    dirs+=("$d")
+  done
+  for s in $($py -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
+    for d in "$s"/nvidia/cu13/lib "$s"/nvidia/*/lib; do dirs+=("$d"); done
+  done
+  local libdirs=""
+  for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13; do
+    for d in "${dirs[@]}"; do
+      if [ -e "$d/$lib" ]; then
+        case ":$libdirs:" in *":$d:"*) ;; *) libdirs="${libdirs:+$libdirs:}$d" ;; esac
+        break
+      fi
+    done
+  done
+  echo "$libdirs"
+}
+
+run() {
+  : "${OUT:=/tmp/gpu_check_out}"
+  mkdir -p "$OUT"
+  local t0 bin=/tmp/gpu_check_bin summary=""
+  t0=$(date +%s)
+  el() { echo "[$(($(date +%s) - t0))s] $*"; }
+  nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  summary+="gpu: $(head -1 "$OUT/gpu.txt")"$'\n'
+  # llama.cpp's CUDA anchor builds in the background while the engine's checks run
+  mkdir -p /tmp/lcp && tar -C /tmp/lcp -xJf "$PACK/lcp.tar.xz"
+  local nvcc
+  nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  (cd /tmp/lcp && PATH="$(dirname "$nvcc"):$PATH" cmake -S . -B build -DGGML_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
+    -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release > "$OUT/lcp_cmake.log" 2>&1 &&
+    cmake --build build -j 12 --target llama-bench llama-quantize > "$OUT/lcp_build.log" 2>&1) &
+  local build=$!
+  LD_LIBRARY_PATH="$(find_cuda_libs)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LD_LIBRARY_PATH
+  mkdir -p "$bin"
+  for b in arch_parity tensor_backend decode_profile; do
+    xz -dc "$PACK/$b.xz" > "$bin/$b" && chmod +x "$bin/$b"
+  done
+  el "parity on the GPU"
+  for t in arch_parity tensor_backend; do
+    (LLAMA_CPP_EX_FIXTURES="$ROOT/test/fixtures" LLAMA_CPP_EX_TEST_BACKEND=cuda timeout 300 "$bin/$t" \
+      --test-threads 1 --nocapture > "$OUT/$t.log" 2>&1) && r=ok || r="FAILED ($?)"
+    summary+="$t on CUDA: $r; $(grep -E '^test result' "$OUT/$t.log" | head -1)"$'\n'
+    grep -E 'argmax|panicked' "$OUT/$t.log" | head -40 || true
+  done
+  el "random models"
+  local py=python3
+  [ -x /opt/torch/.venv/bin/python3 ] && py=/opt/torch/.venv/bin/python3
+  PYTHONPATH="$PACK/py" $py "$PACK/random_llama.py" "$PACK/tok.gguf" /tmp/l1b.gguf \
+    --shape llama3.2-1b > "$OUT/gen.log" 2>&1 &
+  local gen=$!
+  PYTHONPATH="$PACK/py" $py "$PACK/random_llama.py" "$PACK/tok.gguf" /tmp/l135.gguf \
+    --shape smollm2-135m >> "$OUT/gen.log" 2>&1
+  wait "$gen" || true
+  wait "$build" || true
+  el "llama.cpp build: $(tail -1 "$OUT/lcp_build.log")"
+  local lb=/tmp/lcp/build/bin
+  if [ -x "$lb/llama-quantize" ]; then
+    "$lb/llama-quantize" /tmp/l1b.gguf /tmp/l1b-q4km.gguf Q4_K_M 12 > "$OUT/quant.log" 2>&1
+    "$lb/llama-quantize" /tmp/l135.gguf /tmp/l135-q41.gguf Q4_1 12 >> "$OUT/quant.log" 2>&1
+    for m in /tmp/l1b-q4km.gguf /tmp/l135-q41.gguf; do
+      el "bench $m"
+      timeout 120 "$lb/llama-bench" -m "$m" -ngl 99 -p 512 -n 128 -r 3 -o md > "$OUT/lcp_$(basename "$m").md" 2>&1 || true
+      GPU=1 PP_REPS=3 timeout 120 "$bin/decode_profile" "$m" 1 128 > "$OUT/ours_$(basename "$m").txt" 2>&1 || true
+      GPU=1 STREAMS_ONLY=1 timeout 120 "$bin/decode_profile" "$m" 1 128 32 >> "$OUT/ours_$(basename "$m").txt" 2>&1 || true
+      summary+="$(basename "$m") llama.cpp CUDA:"$'\n'"$(grep -E '^\|' "$OUT/lcp_$(basename "$m").md" | tail -2)"$'\n'
+      summary+="$(basename "$m") ours:"$'\n'"$(cat "$OUT/ours_$(basename "$m").txt")"$'\n'
+    done
+  else
+    summary+="llama.cpp's CUDA build failed: see lcp_build.log"$'\n'
+  fi
+  el "done"
+  echo "===== summary"
+  printf '%s' "$summary" | tee "$OUT/summary.txt"
+}
+
+case "$MODE" in
+  pack) pack ;;
+  run) run ;;
+  *) echo "usage: $0 pack|run" >&2; exit 2 ;;
+esac
