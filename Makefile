@@ -1,6 +1,7 @@
 # Builds the Rust NIF in release mode and installs it under priv/native.
-#   LLAMA_BACKEND=cpu|cuda   cargo features (cpu, the default; cuda adds the GPU backend: the
-#                            CUDA 13 toolkit from scripts/cuda13_from_wheels.sh, env.sh sourced)
+#   LLAMA_BACKEND=cpu|cuda   cargo features (cpu, the default; cuda adds the GPU backend, built
+#                            with the CUDA 13 toolkit of scripts/cuda13_from_wheels.sh in
+#                            ~/.cache/llama_cpp_ex/cuda13 unless CUDA_ROOT names another)
 #   CARGO_TARGET_DIR         cargo's build directory (default native/target)
 #   LLAMA_NATIVE_CPU=1       compile for this machine's CPU (-C target-cpu=native); off by
 #                            default so a build runs on any x86-64 and picks kernels at run time
@@ -12,6 +13,8 @@ PRIV_DIR := $(CURDIR)/priv/native
 
 ifeq ($(LLAMA_BACKEND),cuda)
   FEATURES := --features cuda
+  # the toolkit scripts/cuda13_from_wheels.sh made, unless one is set up already
+  CUDA_ENV := $(if $(CUDA_ROOT),,$(wildcard $(HOME)/.cache/llama_cpp_ex/cuda13/env.sh))
 else ifeq ($(LLAMA_BACKEND),cpu)
   FEATURES :=
 else
@@ -31,7 +34,7 @@ endif
 .PHONY: native clean test models setup demo
 # The NIF, and the helper that renders chat templates in a process of its own.
 native:
-	@CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) build --release --quiet \
+	@$(if $(CUDA_ENV),. $(CUDA_ENV) && )CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) build --release --quiet \
 	  --manifest-path native/Cargo.toml -p llama_cpp_ex_nif $(FEATURES)
 	@CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) build --release --quiet \
 	  --manifest-path native/Cargo.toml -p llama_cpp_ex_engine --bin llama_cpp_ex_render

@@ -47,9 +47,11 @@ for l in sys.stdin:
   local models="${LLAMA_CPP_EX_MODELS:-$HOME/.cache/llama_cpp_ex/models}"
   python3 "$ROOT/scripts/tokenizer_only_gguf.py" "$models/SmolLM2-135M-Instruct.Q4_1.gguf" "$PACK/tok.gguf"
   cp "$ROOT/scripts/random_llama.py" "$PACK/"
-  local gguf_pkg
-  gguf_pkg="$(python3 -c 'import gguf,os; print(os.path.dirname(gguf.__file__))')"
-  mkdir -p "$PACK/py" && cp -r "$gguf_pkg" "$PACK/py/"
+  # gguf and the pure-Python packages it imports (numpy comes from the machine's Python)
+  mkdir -p "$PACK/py"
+  for pkg in gguf yaml tqdm; do
+    cp -r "$(python3 -c "import $pkg,os; print(os.path.dirname($pkg.__file__))")" "$PACK/py/"
+  done
   local src="${LLAMA_CPP_SRC:-$(ls -d /tmp/lcp/llama_cpp_python-*/vendor/llama.cpp 2>/dev/null | tail -1)}"
   [ -f "$src/CMakeLists.txt" ] || { echo "llama.cpp's source not found: set LLAMA_CPP_SRC" >&2; exit 1; }
   tar -C "$src" -cJf "$PACK/lcp.tar.xz" --exclude=build --exclude=.git \
