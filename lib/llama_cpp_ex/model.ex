@@ -144,6 +144,8 @@ defmodule LlamaCppEx.Model do
 
   # placement is host memory whatever is named, but a name that is not a device is a typo the
   # contract refuses
+  defp check_devices([]), do: :ok
+
   defp check_devices(names) when is_list(names) do
     available = Enum.map(LlamaCppEx.devices(), & &1.name)
 

@@ -70,6 +70,24 @@ pub fn tiles_into(batch: &Batch, out: &mut Vec<(usize, usize)>) {
     }
 }
 
+/// The key positions a query at `pos` sees: causal, up to its own (within a window: the last
+/// `w`); otherwise the whole sequence up to `seq_end` (within a window: `w / 2` either side,
+/// llama.cpp's symmetric sliding window). Both backends' attention follows this rule.
+#[inline]
+pub(crate) fn visible_keys(
+    causal: bool,
+    window: Option<usize>,
+    pos: usize,
+    seq_end: usize,
+) -> std::ops::Range<usize> {
+    match (causal, window) {
+        (true, None) => 0..pos + 1,
+        (true, Some(w)) => (pos + 1).saturating_sub(w)..pos + 1,
+        (false, None) => 0..seq_end,
+        (false, Some(w)) => pos.saturating_sub(w / 2)..(pos + w / 2 + 1).min(seq_end),
+    }
+}
+
 /// Rotates every token's queries and keys at its own position, then writes its keys and
 /// values into the sequence's KV blocks for `layer`.
 #[allow(clippy::too_many_arguments)]
@@ -484,20 +502,12 @@ impl<'a> Tile<'a> {
 
     /// The first slot a query at `pos` sees; grows with `pos`.
     fn lo_of(&self, pos: usize) -> usize {
-        match (self.causal, self.window) {
-            (_, None) => 0,
-            (true, Some(w)) => (pos + 1).saturating_sub(w),
-            (false, Some(w)) => pos.saturating_sub(w / 2),
-        }
+        visible_keys(self.causal, self.window, pos, self.seq_end).start
     }
 
     /// One past the last slot a query at `pos` sees; grows with `pos`.
     fn hi_of(&self, pos: usize) -> usize {
-        match (self.causal, self.window) {
-            (true, _) => pos + 1,
-            (false, None) => self.seq_end,
-            (false, Some(w)) => (pos + w / 2 + 1).min(self.seq_end),
-        }
+        visible_keys(self.causal, self.window, pos, self.seq_end).end
     }
 
     /// The segments holding slots some row of the tile sees.

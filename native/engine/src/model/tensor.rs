@@ -9,6 +9,7 @@
 //! work as on the CPU. On candle's CPU device the engine's tests check this code against
 //! llama.cpp's fixtures, as the CPU backend is checked.
 
+use super::attention::visible_keys;
 use super::decoder::{refuse_generation, Activation, Family, PooledHeads};
 use super::linear::Embedding;
 use super::ops::Rope;
@@ -136,17 +137,18 @@ struct AttnGroup {
     q_rows: Tensor,
     /// `[n_seqs × l_max]`: the cache row of each (sequence, key position); 0 for padding.
     slots: Tensor,
-    /// `[n_seqs, 1, ratio × t_max, l_max]`: 0 where a query sees a key, -inf elsewhere (a
-    /// padding row sees every key, so no row is empty).
+    /// `[n_seqs, 1, 1, t_max, l_max]` (every head of a token sees the same keys): 0 where a
+    /// query sees a key, -inf elsewhere (a padding row sees every key, so no row is empty).
     mask: Tensor,
 }
 
-/// One sequence's part of a pass: its batch rows, the key positions they see (`lo..hi`).
+/// One sequence's part of a pass: its batch rows, one past its last position in the batch,
+/// and the key positions some row sees.
 struct SeqRows {
     seq: usize,
     rows: Vec<usize>,
-    lo: usize,
-    hi: usize,
+    end: usize,
+    keys: std::ops::Range<usize>,
 }
 
 impl TensorDecoder {
@@ -288,7 +290,6 @@ impl TensorDecoder {
     /// The cache rows and attention masks of one layer group for this batch.
     fn plan(&self, batch: &Batch, kv: &KvCache, layer: usize) -> Result<GroupPlan> {
         let kv_dim = self.cfg.n_head_kv * self.cfg.head_dim;
-        let ratio = self.cfg.n_head / self.cfg.n_head_kv;
         let causal = self.family.causal;
         let window = kv.layer_window(layer);
         let slot = |seq: usize, pos: usize| -> Option<u32> {
@@ -305,24 +306,6 @@ impl TensorDecoder {
             write.extend(std::iter::repeat_n(s, kv_dim));
         }
         let write = Tensor::from_vec(write, (n, kv_dim), &self.device)?;
-        // the slots a query at `pos` sees, as the CPU attention's tiles do
-        let seq_end = |seq: usize| {
-            (0..n)
-                .filter(|&t| batch.seq[t] == seq)
-                .map(|t| batch.pos[t] + 1)
-                .max()
-                .unwrap_or(0)
-        };
-        let lo_of = |pos: usize| match (causal, window) {
-            (_, None) => 0,
-            (true, Some(w)) => (pos + 1).saturating_sub(w),
-            (false, Some(w)) => pos.saturating_sub(w / 2),
-        };
-        let hi_of = |pos: usize, end: usize| match (causal, window) {
-            (true, _) => pos + 1,
-            (false, None) => end,
-            (false, Some(w)) => (pos + w / 2 + 1).min(end),
-        };
         let mut seqs: Vec<SeqRows> = Vec::new();
         for t in 0..n {
             match seqs.iter_mut().find(|s| s.seq == batch.seq[t]) {
@@ -330,25 +313,17 @@ impl TensorDecoder {
                 None => seqs.push(SeqRows {
                     seq: batch.seq[t],
                     rows: vec![t],
-                    lo: 0,
-                    hi: 0,
+                    end: 0,
+                    keys: 0..0,
                 }),
             }
         }
+        let visible = |t: usize, end: usize| visible_keys(causal, window, batch.pos[t], end);
         for s in &mut seqs {
-            let end = seq_end(s.seq);
-            s.lo = s
-                .rows
-                .iter()
-                .map(|&t| lo_of(batch.pos[t]))
-                .min()
-                .unwrap_or(0);
-            s.hi = s
-                .rows
-                .iter()
-                .map(|&t| hi_of(batch.pos[t], end))
-                .max()
-                .unwrap_or(0);
+            s.end = s.rows.iter().map(|&t| batch.pos[t] + 1).max().unwrap_or(0);
+            let lo = s.rows.iter().map(|&t| visible(t, s.end).start).min();
+            let hi = s.rows.iter().map(|&t| visible(t, s.end).end).max();
+            s.keys = lo.unwrap_or(0)..hi.unwrap_or(0);
         }
         let (single, multi): (Vec<&SeqRows>, Vec<&SeqRows>) =
             seqs.iter().partition(|s| s.rows.len() == 1);
@@ -361,30 +336,26 @@ impl TensorDecoder {
         let mut attn = Vec::with_capacity(groups.len());
         for group in groups {
             let t_max = group.iter().map(|s| s.rows.len()).max().unwrap_or(1);
-            let l_max = group.iter().map(|s| s.hi - s.lo).max().unwrap_or(1).max(1);
+            let l_max = group.iter().map(|s| s.keys.len()).max().unwrap_or(1).max(1);
             let g = group.len();
             let mut q_rows = vec![0u32; g * t_max];
             let mut slots = vec![0u32; g * l_max];
-            let mut mask = vec![0f32; g * ratio * t_max * l_max];
+            let mut mask = vec![0f32; g * t_max * l_max];
             for (i, s) in group.iter().enumerate() {
-                let end = seq_end(s.seq);
+                // a key of a block the window dropped is never seen
+                let held: Vec<Option<u32>> = s.keys.clone().map(|p| slot(s.seq, p)).collect();
+                for (k, h) in held.iter().enumerate() {
+                    slots[i * l_max + k] = h.unwrap_or(0);
+                }
                 for (j, &t) in s.rows.iter().enumerate() {
                     q_rows[i * t_max + j] = t as u32;
                     out_rows[t] = (offset + i * t_max + j) as u32;
-                }
-                for (k, p) in (s.lo..s.hi).enumerate() {
-                    slots[i * l_max + k] = slot(s.seq, p).unwrap_or(0);
-                }
-                // query rows are (head within the KV group, token), heads outermost
-                for r in 0..ratio {
-                    for (j, &t) in s.rows.iter().enumerate() {
-                        let (a, z) = (lo_of(batch.pos[t]), hi_of(batch.pos[t], end));
-                        let row = ((i * ratio + r) * t_max + j) * l_max;
-                        for (k, m) in mask[row..row + l_max].iter_mut().enumerate() {
-                            let p = s.lo + k;
-                            let seen = p >= a && p < z && p < s.hi && slot(s.seq, p).is_some();
-                            *m = if seen { 0.0 } else { f32::NEG_INFINITY };
-                        }
+                    let sees = visible(t, s.end);
+                    let row = (i * t_max + j) * l_max;
+                    for (k, m) in mask[row..row + l_max].iter_mut().enumerate() {
+                        let p = s.keys.start + k;
+                        let seen = sees.contains(&p) && held.get(k).is_some_and(Option::is_some);
+                        *m = if seen { 0.0 } else { f32::NEG_INFINITY };
                     }
                 }
             }
@@ -395,7 +366,7 @@ impl TensorDecoder {
                 l_max,
                 q_rows: self.upload_u32(q_rows)?,
                 slots: self.upload_u32(slots)?,
-                mask: Tensor::from_vec(mask, (g, 1, ratio * t_max, l_max), &self.device)?,
+                mask: Tensor::from_vec(mask, (g, 1, 1, t_max, l_max), &self.device)?,
             });
         }
         Ok(GroupPlan {
@@ -456,7 +427,7 @@ impl TensorDecoder {
                 scores = ((scores / cap as f64)?.tanh()? * cap as f64)?;
             }
             let scores = scores
-                .reshape((g, n_kv, ratio * t, l))?
+                .reshape((g, n_kv, ratio, t, l))?
                 .broadcast_add(&a.mask)?
                 .reshape((g * n_kv, ratio * t, l))?;
             let probs = candle_nn::ops::softmax_last_dim(&scores)?;
