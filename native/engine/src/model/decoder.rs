@@ -581,14 +581,11 @@ impl Architecture for Decoder {
                 rms_norm(o, w, c.eps);
             }
             add_rms_norm_into(x, o, &layer.ffn_norm, c.eps, h);
-            layer
-                .proj
-                .gate_up
-                .forward_into(h, n, &mut [g, u], stacked)?;
-            match f.act {
-                Activation::Silu => silu_mul(g, u),
-                Activation::GeluTanh => gelu_tanh_mul(g, u),
-            }
+            let act = match f.act {
+                Activation::Silu => silu_mul,
+                Activation::GeluTanh => gelu_tanh_mul,
+            };
+            layer.proj.gate_up.forward_gated(h, n, g, u, stacked, act)?;
             layer.proj.down.forward_into(g, n, o)?;
             if let Some(w) = &layer.post_ffn_norm {
                 rms_norm(o, w, c.eps);

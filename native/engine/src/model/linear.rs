@@ -261,6 +261,31 @@ impl FusedLinear {
         }
         Ok(())
     }
+
+    /// A gate and an up projection (two parts of equal width) gated by `act` into `out`
+    /// (`act(gate, up)` overwrites the gate values), fused into the product's tiles where
+    /// the kernels can ([`PackedMatrix::matmul_gated`]); else both products into `out` and
+    /// `up` and `act` over them. The results are the same bits either way.
+    pub fn forward_gated(
+        &self,
+        x: &[f32],
+        m: usize,
+        out: &mut Vec<f32>,
+        up: &mut Vec<f32>,
+        stacked: &mut Vec<f32>,
+        act: impl Fn(&mut [f32], &[f32]) + Sync,
+    ) -> Result<()> {
+        if let FusedLinear::Stacked { w, widths } = self {
+            if let (Kernel::Packed(k), [a, b]) = (&w.kernel, widths.as_slice()) {
+                if a == b && k.matmul_gated(x, m, out, &act).is_some() {
+                    return Ok(());
+                }
+            }
+        }
+        self.forward_into(x, m, &mut [out, up], stacked)?;
+        act(out, up);
+        Ok(())
+    }
 }
 
 /// The token embedding, kept quantized; rows are dequantized on lookup.
