@@ -60,30 +60,57 @@ pub fn fast_exp(x: f32) -> f32 {
     f32::from_bits((p.to_bits() as i32).wrapping_add(ki << 23) as u32)
 }
 
+/// The constants of [`ggml_expf`], shared with [`ggml_expf_avx2`]: ggml's hexadecimal
+/// literals as bit patterns.
+struct GgmlExp {
+    /// 0x1.8p23: adding and subtracting it rounds to the nearest integer.
+    round: u32,
+    log2e: u32,
+    /// `ln 2` split in a short high part and the rest.
+    ln2_hi: u32,
+    ln2_lo: u32,
+    /// The polynomial's coefficients, in the order the evaluation takes them.
+    poly: [u32; 5],
+}
+
+const GGML_EXP: GgmlExp = GgmlExp {
+    round: 0x4b40_0000,
+    log2e: 0x3fb8_aa3b,
+    ln2_hi: 0x3f31_7200,
+    ln2_lo: 0x35bf_be8e,
+    poly: [
+        0x3c07_2010,
+        0x3d2b_9f17,
+        0x3e2a_af33,
+        0x3eff_fedb,
+        0x3f7f_fff6,
+    ],
+};
+
 /// `e^x` computed as ggml's 256-bit `ggml_v_expf` computes each lane (an Arm
 /// optimized-routines design: `n = round(x·log2 e)`, `b = x - n·ln 2` in two parts, a
 /// degree-5 polynomial, scaled by `2^n`; at most 1.5 ulp from `expf`), the same operations
 /// and fused multiply-adds in the same order, so a vectorised loop over it gives, bit for
 /// bit, what llama.cpp's AVX2 build gives (its AVX-512 build rounds the polynomial's last
-/// step differently). Branch-free, so loops over it vectorise: each lane
-/// computes both the common result and the one for `|n| > 126` and selects. Without FMA
-/// hardware `mul_add` is libm's exact `fmaf`: slower, the same bits.
+/// step differently). Branch-free: each lane computes both the common result and the one for
+/// `|n| > 126` and selects, which in a vectorised loop costs subnormal assists on Intel
+/// cores (hot loops use [`ggml_expf_avx2`]). Without FMA hardware `mul_add` is libm's exact
+/// `fmaf`: slower, the same bits.
 #[inline(always)]
 pub fn ggml_expf(x: f32) -> f32 {
-    // ggml's constants, as the bit patterns of its hexadecimal literals
-    let p = f32::from_bits;
-    let r = p(0x4b40_0000); // 0x1.8p23
-    let z = x.mul_add(p(0x3fb8_aa3b), r); // log2 e
+    let (cs, p) = (&GGML_EXP, f32::from_bits);
+    let r = p(cs.round);
+    let z = x.mul_add(p(cs.log2e), r);
     let n = z - r;
     // x - n·ln 2, with ln 2 split in a short high part and the rest
-    let b = (-n).mul_add(p(0x35bf_be8e), (-n).mul_add(p(0x3f31_7200), x));
+    let b = (-n).mul_add(p(cs.ln2_lo), (-n).mul_add(p(cs.ln2_hi), x));
     let e = z.to_bits() << 23;
     let k = p(e.wrapping_add(1f32.to_bits()));
     let u = b * b;
-    let j = p(0x3c07_2010)
-        .mul_add(b, p(0x3d2b_9f17))
-        .mul_add(u, p(0x3e2a_af33).mul_add(b, p(0x3eff_fedb)));
-    let j = j.mul_add(u, p(0x3f7f_fff6) * b);
+    let j = p(cs.poly[0])
+        .mul_add(b, p(cs.poly[1]))
+        .mul_add(u, p(cs.poly[2]).mul_add(b, p(cs.poly[3])));
+    let j = j.mul_add(u, p(cs.poly[4]) * b);
     let common = k.mul_add(j, k);
     // |n| > 126: 2^n is not a normal float; scale in two steps (and past 192, to 0 or ∞)
     let g: u32 = if n <= 0.0 { 0x8200_0000 } else { 0 };
@@ -115,20 +142,20 @@ pub fn ggml_expf(x: f32) -> f32 {
 #[inline]
 pub unsafe fn ggml_expf_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
-    let c = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
-    let r = c(0x4b40_0000);
-    let z = _mm256_fmadd_ps(x, c(0x3fb8_aa3b), r);
+    let (cs, c) = (&GGML_EXP, |bits: u32| _mm256_set1_ps(f32::from_bits(bits)));
+    let (r, poly) = (c(cs.round), cs.poly.map(c));
+    let z = _mm256_fmadd_ps(x, c(cs.log2e), r);
     let n = _mm256_sub_ps(z, r);
-    let b = _mm256_fnmadd_ps(n, c(0x35bf_be8e), _mm256_fnmadd_ps(n, c(0x3f31_7200), x));
+    let b = _mm256_fnmadd_ps(n, c(cs.ln2_lo), _mm256_fnmadd_ps(n, c(cs.ln2_hi), x));
     let e = _mm256_slli_epi32::<23>(_mm256_castps_si256(z));
     let k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_set1_epi32(0x3f80_0000)));
     let u = _mm256_mul_ps(b, b);
     let j = _mm256_fmadd_ps(
-        _mm256_fmadd_ps(_mm256_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)), u, {
-            _mm256_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb))
+        _mm256_fmadd_ps(_mm256_fmadd_ps(poly[0], b, poly[1]), u, {
+            _mm256_fmadd_ps(poly[2], b, poly[3])
         }),
         u,
-        _mm256_mul_ps(c(0x3f7f_fff6), b),
+        _mm256_mul_ps(poly[4], b),
     );
     let common = _mm256_fmadd_ps(k, j, k);
     let abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
