@@ -80,7 +80,10 @@ defmodule LlamaCppEx.Server do
 
   Forward passes run on an engine thread fed through a channel; the result comes back as a
   message, so the server keeps admitting, cancelling and answering `get_stats/1` while the
-  engine computes.
+  engine computes. The engine's threads share the cores with the BEAM's schedulers, which
+  spin when idle by default; a node that runs little else besides the server gains from
+  starting the VM with `+sbwt none +sbwtdcpu none +sbwtdio none` (many streams wake the
+  schedulers every tick: ~1.2× the 8-stream decode on 2 vCPUs, `docs/performance.md`).
 
   ## Telemetry
 

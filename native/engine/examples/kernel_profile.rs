@@ -10,7 +10,8 @@
 //!
 //! Shapes are the ones that dominate the two real models' decode: Gemma 3's tied Q8_0 output
 //! head (262144 × 640) and Q5_0 FFN (2048 × 640, 640 × 2048), SmolLM2's Q4_1 FFN (3072 × 576,
-//! 576 × 1536).
+//! 576 × 1536), and a Llama 3.2 1B layer's FFN (16384 × 2048, 2048 × 8192; its Q4_K weights
+//! run as Q4_1 blocks).
 
 use half::f16;
 use llama_cpp_ex_engine::kernels::packed::{PackedMatrix, PackedType};
@@ -61,6 +62,9 @@ fn main() {
         ("gemma ffn_down q5_0", PackedType::Q5_0, 640, 2048),
         ("smollm2 gate_up q4_1", PackedType::Q4_1, 3072, 576),
         ("smollm2 down q4_1", PackedType::Q4_1, 576, 1536),
+        // a Llama 3.2 1B layer's FFN (its Q4_K weights run as Q4_1 blocks)
+        ("llama1b gate_up q4_1", PackedType::Q4_1, 16384, 2048),
+        ("llama1b down q4_1", PackedType::Q4_1, 2048, 8192),
     ];
     // SHAPES=text: only the shapes whose label contains it (e.g. `ffn` skips the head)
     let only = std::env::var("SHAPES").unwrap_or_default();
