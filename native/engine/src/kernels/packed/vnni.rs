@@ -184,8 +184,8 @@ pub(super) unsafe fn pair_kernel_vnni(w: &PackedMatrix, a: &Q8Activations, g: us
 
 /// `R` activation rows (from `r0`) times both row groups, their blocks unpacked in
 /// registers or (`BUFFERED`) read from `buffered`: `R · C` independent `vpdpbusd` chains,
-/// the whole pass in one function so that the accumulators stay in registers. Integer sums are exact in any order, and the float steps are
-/// those of `group_kernel_vnni`.
+/// the whole pass in one function so that the accumulators stay in registers. Integer sums
+/// are exact in any order, and the float steps are those of `group_kernel_vnni`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl")]
 #[allow(clippy::too_many_arguments)]
