@@ -87,6 +87,7 @@ mod probes {
         }
         std::hint::black_box((s, t)).0[0]
     }
+
     /// `vpdpbusd` on 256 and on 512 bits, 12 accumulator chains (its latency is ~5 cycles).
     macro_rules! dpbusd {
         ($name:ident, $features:literal, $ty:ty, $set1:ident, $op:ident) => {

@@ -121,29 +121,12 @@ pub(super) unsafe fn wide_kernel_vnni(w: &PackedMatrix, a: &Q8Activations, g: us
         // two streams that jump ahead by a group at every tile, which the hardware
         // prefetchers do not follow (without these prefetches a 512-bit pass over Gemma 3's
         // head read 12-13 GB/s on one core, 256-bit ones 18-21)
-        if r0 == 0 {
-            by_rows!(rows, |R, C| wide_pass_vnni::<R, C, true, false>(
-                w,
-                &p,
-                &[],
-                a,
-                r0,
-                valid,
-                g,
-                out
-            ));
+        let prefetch = r0 == 0;
+        by_rows!(rows, |R, C| if prefetch {
+            wide_pass_vnni::<R, C, true, false>(w, &p, &[], a, r0, valid, g, out)
         } else {
-            by_rows!(rows, |R, C| wide_pass_vnni::<R, C, false, false>(
-                w,
-                &p,
-                &[],
-                a,
-                r0,
-                valid,
-                g,
-                out
-            ));
-        }
+            wide_pass_vnni::<R, C, false, false>(w, &p, &[], a, r0, valid, g, out)
+        });
         r0 += rows;
     }
 }
