@@ -12,8 +12,12 @@
 #                               llama.cpp's fixtures on the GPU, the device cache's sharing,
 #                               windows and batch invariance, then pp512 / tg128 of the engine
 #                               next to llama.cpp's CUDA build (made there meanwhile) on random
-#                               models at Llama 3.2 1B (Q4_K_M) and SmolLM2 135M (Q4_1) shapes.
-#                               A summary ends the output; full logs go to $OUT.
+#                               models at Llama 3.2 1B (Q4_K_M) and SmolLM2 135M (Q4_1) shapes;
+#                               then, while GPU_CHECK_BUDGET_S (default 420) allows, the host's
+#                               CPU cores at 4, 8 and 16 threads: the engine's CPU path against
+#                               llama.cpp's CPU backend (GPU hidden) on the same files.
+#                               A summary ends the output ($OUT/summary.txt); every log comes
+#                               back in $OUT/logs.tar.gz.
 #
 # Environment (pack): CUDA_PREFIX (default ~/.cache/llama_cpp_ex/cuda13), CUDA_COMPUTE_CAP
 # (default 90: H100/H200), LLAMA_CPP_SRC (llama.cpp's unpacked source, default the one
@@ -83,65 +87,96 @@ find_cuda_libs() {
 }
 
 run() {
+  # every step is bounded by its own timeout and a failed one must not end the others
+  set +e +o pipefail
   : "${OUT:=/tmp/gpu_check_out}"
   mkdir -p "$OUT"
-  local t0 bin=/tmp/gpu_check_bin summary=""
+  # logs gather here and travel back as one archive ($OUT returns at most 8 files)
+  local log=/tmp/gpu_check_logs bin=/tmp/gpu_check_bin summary="" t0 deadline
+  rm -rf "$log" && mkdir -p "$log" "$bin"
   t0=$(date +%s)
-  el() { echo "[$(($(date +%s) - t0))s] $*"; }
-  nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-  summary+="gpu: $(head -1 "$OUT/gpu.txt")"$'\n'
-  # llama.cpp's CUDA anchor builds in the background while the engine's checks run
+  # the CPU comparison only starts while this much of the call's time remains unspent
+  deadline=$((t0 + ${GPU_CHECK_BUDGET_S:-420}))
+  el() { echo "[$(($(date +%s) - t0))s] $*" | tee -a "$log/progress.log"; }
+  finish() {
+    el "done"
+    echo "===== summary"
+    printf '%s' "$summary" | tee "$OUT/summary.txt"
+    tar -C "$log" -czf "$OUT/logs.tar.gz" .
+  }
+  nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader | tee "$log/gpu.txt"
+  summary+="gpu: $(head -1 "$log/gpu.txt"); host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"$'\n'
+  # llama.cpp's CUDA anchor (its CPU backend too) builds in the background meanwhile
   mkdir -p /tmp/lcp && tar -C /tmp/lcp -xJf "$PACK/lcp.tar.xz"
   local nvcc
   nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
   (cd /tmp/lcp && PATH="$(dirname "$nvcc"):$PATH" cmake -S . -B build -DGGML_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
-    -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release > "$OUT/lcp_cmake.log" 2>&1 &&
-    cmake --build build -j 12 --target llama-bench llama-quantize > "$OUT/lcp_build.log" 2>&1) &
+    -DLLAMA_OPENSSL=OFF -DGGML_CUDA_NCCL=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
+    -DCMAKE_BUILD_TYPE=Release > "$log/lcp_cmake.log" 2>&1 &&
+    cmake --build build -j 12 --target llama-bench llama-quantize > "$log/lcp_build.log" 2>&1) &
   local build=$!
   LD_LIBRARY_PATH="$(find_cuda_libs)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export LD_LIBRARY_PATH
-  mkdir -p "$bin"
   for b in arch_parity tensor_backend decode_profile; do
     xz -dc "$PACK/$b.xz" > "$bin/$b" && chmod +x "$bin/$b"
   done
-  el "parity on the GPU"
-  for t in arch_parity tensor_backend; do
-    (LLAMA_CPP_EX_FIXTURES="$ROOT/test/fixtures" LLAMA_CPP_EX_TEST_BACKEND=cuda timeout 300 "$bin/$t" \
-      --test-threads 1 --nocapture > "$OUT/$t.log" 2>&1) && r=ok || r="FAILED ($?)"
-    summary+="$t on CUDA: $r; $(grep -E '^test result' "$OUT/$t.log" | head -1)"$'\n'
-    grep -E 'argmax|panicked' "$OUT/$t.log" | head -40 || true
-  done
-  el "random models"
   local py=python3
   [ -x /opt/torch/.venv/bin/python3 ] && py=/opt/torch/.venv/bin/python3
   PYTHONPATH="$PACK/py" $py "$PACK/random_llama.py" "$PACK/tok.gguf" /tmp/l1b.gguf \
-    --shape llama3.2-1b > "$OUT/gen.log" 2>&1 &
+    --shape llama3.2-1b > "$log/gen.log" 2>&1 &
   local gen=$!
+  el "parity on the GPU"
+  for t in arch_parity tensor_backend; do
+    (LLAMA_CPP_EX_FIXTURES="$ROOT/test/fixtures" LLAMA_CPP_EX_TEST_BACKEND=cuda timeout 150 "$bin/$t" \
+      --test-threads 1 --nocapture > "$log/$t.log" 2>&1) && r=ok || r="FAILED ($?)"
+    summary+="$t on CUDA: $r; $(grep -E '^test result' "$log/$t.log" | head -1)"$'\n'
+    summary+="$(grep -E 'argmax|panicked|FAILED|failures:' "$log/$t.log" | head -30)"$'\n'
+  done
+  el "random models"
   PYTHONPATH="$PACK/py" $py "$PACK/random_llama.py" "$PACK/tok.gguf" /tmp/l135.gguf \
-    --shape smollm2-135m >> "$OUT/gen.log" 2>&1
+    --shape smollm2-135m >> "$log/gen.log" 2>&1
   wait "$gen" || true
   wait "$build" || true
-  el "llama.cpp build: $(tail -1 "$OUT/lcp_build.log")"
+  el "llama.cpp build: $(tail -1 "$log/lcp_build.log")"
   local lb=/tmp/lcp/build/bin
-  if [ -x "$lb/llama-quantize" ]; then
-    "$lb/llama-quantize" /tmp/l1b.gguf /tmp/l1b-q4km.gguf Q4_K_M 12 > "$OUT/quant.log" 2>&1
-    "$lb/llama-quantize" /tmp/l135.gguf /tmp/l135-q41.gguf Q4_1 12 >> "$OUT/quant.log" 2>&1
-    for m in /tmp/l1b-q4km.gguf /tmp/l135-q41.gguf; do
-      el "bench $m"
-      timeout 120 "$lb/llama-bench" -m "$m" -ngl 99 -p 512 -n 128 -r 3 -o md > "$OUT/lcp_$(basename "$m").md" 2>&1 || true
-      GPU=1 PP_REPS=3 timeout 120 "$bin/decode_profile" "$m" 1 128 > "$OUT/ours_$(basename "$m").txt" 2>&1 || true
-      GPU=1 STREAMS_ONLY=1 timeout 120 "$bin/decode_profile" "$m" 1 128 32 >> "$OUT/ours_$(basename "$m").txt" 2>&1 || true
-      summary+="$(basename "$m") llama.cpp CUDA:"$'\n'"$(grep -E '^\|' "$OUT/lcp_$(basename "$m").md" | tail -2)"$'\n'
-      summary+="$(basename "$m") ours:"$'\n'"$(cat "$OUT/ours_$(basename "$m").txt")"$'\n'
-    done
-  else
+  if [ ! -x "$lb/llama-quantize" ]; then
     summary+="llama.cpp's CUDA build failed: see lcp_build.log"$'\n'
+    finish
+    return
   fi
-  el "done"
-  echo "===== summary"
-  printf '%s' "$summary" | tee "$OUT/summary.txt"
+  "$lb/llama-quantize" /tmp/l1b.gguf /tmp/l1b-q4km.gguf Q4_K_M 16 > "$log/quant.log" 2>&1
+  "$lb/llama-quantize" /tmp/l135.gguf /tmp/l135-q41.gguf Q4_1 16 >> "$log/quant.log" 2>&1
+  local m name
+  for m in /tmp/l1b-q4km.gguf /tmp/l135-q41.gguf; do
+    name=$(basename "$m" .gguf)
+    el "GPU bench $name"
+    timeout 90 "$lb/llama-bench" -m "$m" -ngl 99 -p 512 -n 128 -r 3 -o md > "$log/lcp_gpu_$name.md" 2>&1 || true
+    GPU=1 PP_REPS=3 timeout 90 "$bin/decode_profile" "$m" 1 128 > "$log/ours_gpu_$name.txt" 2>&1 || true
+    GPU=1 STREAMS_ONLY=1 timeout 60 "$bin/decode_profile" "$m" 1 64 32 >> "$log/ours_gpu_$name.txt" 2>&1 || true
+    summary+="$name GPU, llama.cpp CUDA -ngl 99:"$'\n'"$(grep -E '^\| .*(pp|tg)' "$log/lcp_gpu_$name.md")"$'\n'
+    summary+="$name GPU, ours:"$'\n'"$(tail -5 "$log/ours_gpu_$name.txt")"$'\n'
+  done
+  # the host's cores for issue 43's many-core targets: llama.cpp's CPU backend with the GPU
+  # hidden (so no op is offloaded), against the engine's CPU path of the same binary
+  local t
+  for t in 4 8 16; do
+    for m in /tmp/l1b-q4km.gguf /tmp/l135-q41.gguf; do
+      name=$(basename "$m" .gguf)
+      if [ "$(date +%s)" -gt "$deadline" ]; then
+        summary+="CPU $name at $t threads: skipped (time)"$'\n'
+        continue
+      fi
+      el "CPU $name at $t threads"
+      CUDA_VISIBLE_DEVICES= timeout 60 "$lb/llama-bench" -m "$m" -ngl 0 -t "$t" -p 512 -n 128 -r 2 -o md \
+        > "$log/lcp_cpu_${name}_$t.md" 2>&1 || true
+      timeout 60 "$bin/decode_profile" "$m" "$t" 128 > "$log/ours_cpu_${name}_$t.txt" 2>&1 || true
+      summary+="CPU $name $t threads: llama.cpp $(grep -E '^\| .*(pp|tg)' "$log/lcp_cpu_${name}_$t.md" |
+        awk -F'|' '{printf "%s %s; ", $(NF-2), $(NF-1)}') ours $(grep -E '^(pp|tg)' "$log/ours_cpu_${name}_$t.txt" | tr '\n' ' ')"$'\n'
+    done
+  done
+  finish
 }
 
 case "$MODE" in
