@@ -36,6 +36,16 @@ impl Default for Placement {
     }
 }
 
+/// Copies between host and device memory that a context's forward passes made, counted so
+/// that tests can hold them to their number: on a GPU each is a synchronous driver call.
+/// A pass sends its staged inputs in at most two copies (`u32` indices, `f32` values) and
+/// brings back the logits rows it computed (and the embedding rows asked for).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceCopies {
+    pub to_device: usize,
+    pub to_host: usize,
+}
+
 /// One GPU the engine can run on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuInfo {

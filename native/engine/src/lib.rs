@@ -32,7 +32,7 @@ pub mod tokenizer;
 
 pub use batch::Batch;
 pub use context::{Context, ContextParams, KvOp, SampledToken, SharedSampler, Step, StepOutcome};
-pub use device::{Backend, Placement};
+pub use device::{Backend, DeviceCopies, Placement};
 pub use engine_thread::EngineThread;
 pub use error::{EngineError, Result};
 pub use model::{LoadOptions, Model, Requantize};

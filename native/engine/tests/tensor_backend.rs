@@ -10,7 +10,7 @@ use common::*;
 use llama_cpp_ex_engine::embedding::{embed, Pooling};
 use llama_cpp_ex_engine::kv::KvType;
 use llama_cpp_ex_engine::{
-    Backend, Batch, Context, ContextParams, LoadOptions, Model, Placement, Requantize,
+    Backend, Batch, Context, ContextParams, DeviceCopies, LoadOptions, Model, Placement, Requantize,
 };
 use std::sync::Arc;
 
@@ -140,6 +140,44 @@ fn every_family_matches_the_cpu_kernels_in_a_mixed_batch() {
         let d = max_diff(&a, &b, mixed.len());
         assert!(d < 1e-3, "{arch}: {d}");
     }
+}
+
+/// A pass sends what it staged — embeddings, rotary tables, every layer group's cache rows
+/// and masks, the rows to bring back — in two copies (indices, values), and brings back only
+/// the logits rows asked for: on a GPU each copy is a synchronous driver call, so their
+/// number must not grow with the layers, layer groups, sequences or attention groups.
+#[test]
+fn a_pass_makes_two_copies_in_and_one_back() {
+    // Gemma 3: a global and a sliding-window layer group, two rotary tables
+    let model = tiny_on("tiny-gemma3-f32", device_placement());
+    let mut c = ctx(&model, 256, 4);
+    assert_eq!(c.device_copies(), DeviceCopies::default());
+    let mut last = DeviceCopies::default();
+    let mut pass = |c: &mut Context, b: &Batch| {
+        c.decode(b).unwrap();
+        let now = c.device_copies();
+        let d = (now.to_device - last.to_device, now.to_host - last.to_host);
+        last = now;
+        d
+    };
+    // prompts, their last token's logits
+    for s in 1..4 {
+        let b = Batch::for_sequence(&tokens(&model, 3 * s, s as u32), 0, s);
+        assert_eq!(pass(&mut c, &b), (2, 1), "prompt {s}");
+    }
+    // a prompt and three decode rows: two attention groups in each layer group
+    let mut mixed = Batch::with_capacity(32);
+    for s in 1..4 {
+        mixed.push(tokens(&model, 1, 7)[0], 3 * s, s, true);
+    }
+    for (i, t) in tokens(&model, 20, 9).into_iter().enumerate() {
+        mixed.push(t, i, 0, i == 19);
+    }
+    assert_eq!(pass(&mut c, &mixed), (2, 1));
+    // no logits asked for: nothing comes back
+    let mut quiet = Batch::with_capacity(1);
+    quiet.push(tokens(&model, 1, 8)[0], 20, 0, false);
+    assert_eq!(pass(&mut c, &quiet), (2, 0));
 }
 
 /// EmbeddingGemma on the device path equals llama.cpp's vectors (bidirectional attention,

@@ -397,6 +397,12 @@ impl Context {
         }
     }
 
+    /// Host↔device copies this context's forward passes have made (all zero on the CPU
+    /// backend).
+    pub fn device_copies(&self) -> crate::DeviceCopies {
+        self.ws.device_copies
+    }
+
     /// Logits of entry `i` of the last batch; `-1` is the last entry with logits, and any
     /// other negative index is invalid (as `llama_cpp_ex`'s `sampler_sample_at` has it).
     pub fn logits_ith(&self, i: i64) -> Result<&[f32]> {

@@ -553,6 +553,7 @@ impl Architecture for Decoder {
             hidden,
             n_ctx_seq: _,
             device_kv: _,
+            device_copies: _,
         } = ws;
         for (li, layer) in self.layers.iter().enumerate() {
             let rope = if layer.local {

@@ -305,6 +305,8 @@ pub struct Workspace {
     pub hidden: Vec<f32>,
     /// Keys and values in device memory, for an architecture that keeps them there.
     pub(crate) device_kv: Option<tensor::DeviceKv>,
+    /// Host↔device copies of the passes so far (device backends only).
+    pub(crate) device_copies: crate::device::DeviceCopies,
 }
 
 /// Loads one tensor, re-quantizing scalar-only types when asked, and remembers which

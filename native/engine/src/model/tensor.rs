@@ -3,7 +3,9 @@
 //! Same block as [`super::decoder`] (one [`Family`] table of switches), written with candle's
 //! device ops so that one code runs on every device candle has: weights stay in their GGUF
 //! type on the device (`QMatMul`: candle's quantized CUDA kernels), activations never leave
-//! it, and only the logits rows (or hidden rows) the batch asks for come back. The KV cache's
+//! it, what the host prepares for a pass (embeddings, rotary tables, cache rows, masks) goes
+//! over in two copies ([`Staging`]), and only the logits rows (or hidden rows) the batch asks
+//! for come back. The KV cache's
 //! block tables stay in the host's [`KvCache`]; the keys and values live in the context's
 //! [`DeviceKv`] at the same block ids, so prefix sharing, copy-on-write and sliding windows
 //! work as on the CPU. On candle's CPU device the engine's tests check this code against
@@ -15,10 +17,12 @@ use super::linear::Embedding;
 use super::ops::Rope;
 use super::{Architecture, Config, TensorLoader, Workspace};
 use crate::batch::Batch;
+use crate::device::DeviceCopies;
 use crate::error::{EngineError, Result};
 use crate::kv::{block_index, KvCache, KV_BLOCK_SIZE};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
+use std::ops::Range;
 
 /// Products whose outputs are consecutive slices of one result: separate matrices (Q, K, V)
 /// or one stacked matrix (Phi-3's `attn_qkv`, its gate+up `ffn_up`).
@@ -140,6 +144,115 @@ struct AttnGroup {
     /// `[n_seqs, 1, 1, t_max, l_max]` (every head of a token sees the same keys): 0 where a
     /// query sees a key, -inf elsewhere (a padding row sees every key, so no row is empty).
     mask: Tensor,
+}
+
+/// Host data a pass sends to the device, gathered so that it travels as one copy per element
+/// type: on a GPU each copy from pageable host memory is a synchronous driver call, and a
+/// pass has its embeddings, rotary tables and a dozen small index and mask arrays.
+#[derive(Default)]
+struct Staging {
+    u32s: Vec<u32>,
+    f32s: Vec<f32>,
+}
+
+impl Staging {
+    fn u32s(&mut self, v: impl IntoIterator<Item = u32>) -> Range<usize> {
+        let at = self.u32s.len();
+        self.u32s.extend(v);
+        at..self.u32s.len()
+    }
+
+    fn f32s(&mut self, v: &[f32]) -> Range<usize> {
+        let at = self.f32s.len();
+        self.f32s.extend_from_slice(v);
+        at..self.f32s.len()
+    }
+
+    /// Both arrays on `device`: one copy each (none for an empty one).
+    fn upload(self, device: &Device, copies: &mut DeviceCopies) -> Result<Staged> {
+        let mut send = |v: Vec<f32>| -> Result<Option<Tensor>> {
+            if v.is_empty() {
+                return Ok(None);
+            }
+            copies.to_device += 1;
+            let n = v.len();
+            Ok(Some(Tensor::from_vec(v, n, device)?))
+        };
+        let f32s = send(self.f32s)?;
+        let u32s = if self.u32s.is_empty() {
+            None
+        } else {
+            copies.to_device += 1;
+            let n = self.u32s.len();
+            Some(Tensor::from_vec(self.u32s, n, device)?)
+        };
+        Ok(Staged { u32s, f32s })
+    }
+}
+
+/// The staged arrays on the device; parts are views of them.
+struct Staged {
+    u32s: Option<Tensor>,
+    f32s: Option<Tensor>,
+}
+
+impl Staged {
+    fn part(t: &Option<Tensor>, r: &Range<usize>, shape: &[usize]) -> Result<Tensor> {
+        let t = t
+            .as_ref()
+            .ok_or_else(|| EngineError::Internal("a part of nothing staged".into()))?;
+        Ok(t.narrow(0, r.start, r.len())?.reshape(shape)?)
+    }
+
+    fn u32s(&self, r: &Range<usize>, shape: &[usize]) -> Result<Tensor> {
+        Self::part(&self.u32s, r, shape)
+    }
+
+    fn f32s(&self, r: &Range<usize>, shape: &[usize]) -> Result<Tensor> {
+        Self::part(&self.f32s, r, shape)
+    }
+}
+
+/// A [`GroupPlan`] while staged: where its arrays are in the [`Staging`].
+struct GroupRanges {
+    n: usize,
+    write: Range<usize>,
+    attn: Vec<AttnRanges>,
+    out_rows: Range<usize>,
+}
+
+struct AttnRanges {
+    n_seqs: usize,
+    t_max: usize,
+    l_max: usize,
+    q_rows: Range<usize>,
+    slots: Range<usize>,
+    mask: Range<usize>,
+}
+
+impl GroupRanges {
+    fn on_device(&self, staged: &Staged, kv_dim: usize) -> Result<GroupPlan> {
+        let attn = self
+            .attn
+            .iter()
+            .map(|a| -> Result<AttnGroup> {
+                let (g, t, l) = (a.n_seqs, a.t_max, a.l_max);
+                Ok(AttnGroup {
+                    n_seqs: g,
+                    t_max: t,
+                    l_max: l,
+                    q_rows: staged.u32s(&a.q_rows, &[g * t])?,
+                    slots: staged.u32s(&a.slots, &[g * l])?,
+                    mask: staged.f32s(&a.mask, &[g, 1, 1, t, l])?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(GroupPlan {
+            write: staged.u32s(&self.write, &[self.n, kv_dim])?,
+            attn,
+            out_rows: staged.u32s(&self.out_rows, &[self.n])?,
+        })
+    }
 }
 
 /// One sequence's part of a pass: its batch rows, one past its last position in the batch,
@@ -282,13 +395,14 @@ impl TensorDecoder {
         Ok(model)
     }
 
-    fn upload_u32(&self, v: Vec<u32>) -> Result<Tensor> {
-        let n = v.len();
-        Ok(Tensor::from_vec(v, n, &self.device)?)
-    }
-
-    /// The cache rows and attention masks of one layer group for this batch.
-    fn plan(&self, batch: &Batch, kv: &KvCache, layer: usize) -> Result<GroupPlan> {
+    /// The cache rows and attention masks of one layer group for this batch, staged.
+    fn plan(
+        &self,
+        batch: &Batch,
+        kv: &KvCache,
+        layer: usize,
+        st: &mut Staging,
+    ) -> Result<GroupRanges> {
         let kv_dim = self.cfg.n_head_kv * self.cfg.head_dim;
         let causal = self.family.causal;
         let window = kv.layer_window(layer);
@@ -298,14 +412,13 @@ impl TensorDecoder {
             Some((b * KV_BLOCK_SIZE + pos % KV_BLOCK_SIZE) as u32)
         };
         let n = batch.len();
-        let mut write = Vec::with_capacity(n * kv_dim);
+        let mut write = Vec::with_capacity(n);
         for t in 0..n {
-            let s = slot(batch.seq[t], batch.pos[t]).ok_or_else(|| {
+            write.push(slot(batch.seq[t], batch.pos[t]).ok_or_else(|| {
                 EngineError::Internal(format!("no KV block reserved for token {t}"))
-            })?;
-            write.extend(std::iter::repeat_n(s, kv_dim));
+            })?);
         }
-        let write = Tensor::from_vec(write, (n, kv_dim), &self.device)?;
+        let write = st.u32s(write.iter().flat_map(|&s| std::iter::repeat_n(s, kv_dim)));
         let mut seqs: Vec<SeqRows> = Vec::new();
         for t in 0..n {
             match seqs.iter_mut().find(|s| s.seq == batch.seq[t]) {
@@ -360,19 +473,20 @@ impl TensorDecoder {
                 }
             }
             offset += g * t_max;
-            attn.push(AttnGroup {
+            attn.push(AttnRanges {
                 n_seqs: g,
                 t_max,
                 l_max,
-                q_rows: self.upload_u32(q_rows)?,
-                slots: self.upload_u32(slots)?,
-                mask: Tensor::from_vec(mask, (g, 1, 1, t_max, l_max), &self.device)?,
+                q_rows: st.u32s(q_rows),
+                slots: st.u32s(slots),
+                mask: st.f32s(&mask),
             });
         }
-        Ok(GroupPlan {
+        Ok(GroupRanges {
+            n,
             write,
             attn,
-            out_rows: self.upload_u32(out_rows)?,
+            out_rows: st.u32s(out_rows),
         })
     }
 
@@ -447,21 +561,10 @@ impl TensorDecoder {
         Ok(out.index_select(&plan.out_rows, 0)?)
     }
 
-    /// `rows` (flagged entries of the batch) of `x`, final-normed.
-    fn normed_rows(&self, x: &Tensor, flags: &[bool]) -> Result<Option<Tensor>> {
-        let rows: Vec<u32> = (0..flags.len())
-            .filter(|&t| flags[t])
-            .map(|t| t as u32)
-            .collect();
-        if rows.is_empty() {
-            return Ok(None);
-        }
-        let h = x.index_select(&self.upload_u32(rows)?, 0)?;
-        Ok(Some(candle_nn::ops::rms_norm(
-            &h,
-            &self.norm,
-            self.cfg.eps,
-        )?))
+    /// Rows `rows` of `x` (its flagged entries, staged), final-normed.
+    fn normed_rows(&self, x: &Tensor, rows: &Tensor) -> Result<Tensor> {
+        let h = x.index_select(rows, 0)?;
+        Ok(candle_nn::ops::rms_norm(&h, &self.norm, self.cfg.eps)?)
     }
 }
 
@@ -469,9 +572,18 @@ fn rms(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(&x.contiguous()?, w, eps)?)
 }
 
-fn host_vec(t: &Tensor, out: &mut Vec<f32>) -> Result<()> {
+fn host_vec(t: &Tensor, out: &mut Vec<f32>, copies: &mut DeviceCopies) -> Result<()> {
     *out = t.flatten_all()?.to_vec1::<f32>()?;
+    copies.to_host += 1;
     Ok(())
+}
+
+/// The flagged entries of a batch, as row indices.
+fn flagged(flags: &[bool]) -> Vec<u32> {
+    (0..flags.len())
+        .filter(|&t| flags[t])
+        .map(|t| t as u32)
+        .collect()
 }
 
 impl Architecture for TensorDecoder {
@@ -504,38 +616,62 @@ impl Architecture for TensorDecoder {
         dkv.apply_copies(kv)?;
 
         self.embd.lookup_into(&batch.tokens, &mut ws.x)?;
-        let mut x = Tensor::from_slice(&ws.x, (n, d), &self.device)?;
-        if f.embed_scale {
-            x = (x * (d as f64).sqrt())?;
-        }
+        let mut st = Staging::default();
+        let x_at = st.f32s(&ws.x[..n * d]);
         let global = match &self.inv_freq_long {
             Some(long) if ws.n_ctx_seq > c.n_ctx_orig => long,
             _ => &self.inv_freq_global,
         };
-        let tables = |rope: &mut Rope, freqs: &[f32]| -> Result<(Tensor, Tensor)> {
+        let mut tables = |rope: &mut Rope, freqs: &[f32]| {
             rope.fill(&batch.pos, freqs, c.rope_attn_factor);
-            let half = rope.half;
-            Ok((
-                Tensor::from_slice(&rope.cos, (n, 1, half), &self.device)?,
-                Tensor::from_slice(&rope.sin, (n, 1, half), &self.device)?,
-            ))
+            (st.f32s(&rope.cos), st.f32s(&rope.sin), rope.half)
         };
-        let rope_global = tables(&mut ws.rope, global)?;
-        let rope_local = if f.swa.is_some() {
-            Some(tables(&mut ws.rope_local, &self.inv_freq_local)?)
-        } else {
-            None
-        };
-        let mut plans: Vec<Option<GroupPlan>> = Vec::new();
-        for (li, layer) in self.layers.iter().enumerate() {
+        let rope_global = tables(&mut ws.rope, global);
+        let rope_local = f
+            .swa
+            .is_some()
+            .then(|| tables(&mut ws.rope_local, &self.inv_freq_local));
+        // every layer group's plan, and the rows that come back, before anything is sent
+        let mut ranges: Vec<Option<GroupRanges>> = Vec::new();
+        for li in 0..self.layers.len() {
             let g = kv.layer_group(li);
-            if plans.len() <= g {
-                plans.resize_with(g + 1, || None);
+            if ranges.len() <= g {
+                ranges.resize_with(g + 1, || None);
             }
-            if plans[g].is_none() {
-                plans[g] = Some(self.plan(batch, kv, li)?);
+            if ranges[g].is_none() {
+                ranges[g] = Some(self.plan(batch, kv, li, &mut st)?);
             }
-            let plan = plans[g].as_ref().expect("just made");
+        }
+        let out_flags = if ws.hidden_only || !batch.has_embd() {
+            None
+        } else {
+            Some(flagged(&batch.embd))
+        };
+        let out_flags = out_flags.map(|rows| (rows.len(), st.u32s(rows)));
+        let logit_rows = flagged(&batch.logits);
+        let logit_rows = (logit_rows.len(), st.u32s(logit_rows));
+        let staged = st.upload(&self.device, &mut ws.device_copies)?;
+        let plans = ranges
+            .iter()
+            .map(|r| r.as_ref().map(|r| r.on_device(&staged, kv_dim)).transpose())
+            .collect::<Result<Vec<_>>>()?;
+        let table =
+            |(cos, sin, half): &(Range<usize>, Range<usize>, usize)| -> Result<(Tensor, Tensor)> {
+                Ok((
+                    staged.f32s(cos, &[n, 1, *half])?,
+                    staged.f32s(sin, &[n, 1, *half])?,
+                ))
+            };
+        let rope_global = table(&rope_global)?;
+        let rope_local = rope_local.as_ref().map(table).transpose()?;
+        let mut x = staged.f32s(&x_at, &[n, d])?;
+        if f.embed_scale {
+            x = (x * (d as f64).sqrt())?;
+        }
+        for (li, layer) in self.layers.iter().enumerate() {
+            let plan = plans[kv.layer_group(li)]
+                .as_ref()
+                .expect("a plan per layer group");
             let (cos, sin) = match (&rope_local, layer.local) {
                 (Some(local), true) => local,
                 _ => &rope_global,
@@ -579,24 +715,33 @@ impl Architecture for TensorDecoder {
             }
             x = (x + o)?;
         }
+        let rows = |(len, r): &(usize, Range<usize>)| -> Result<Option<Tensor>> {
+            (*len > 0).then(|| staged.u32s(r, &[*len])).transpose()
+        };
         if ws.hidden_only {
-            match self.normed_rows(&x, &batch.logits)? {
-                Some(h) => host_vec(&h, &mut ws.hidden)?,
+            match rows(&logit_rows)? {
+                Some(r) => host_vec(
+                    &self.normed_rows(&x, &r)?,
+                    &mut ws.hidden,
+                    &mut ws.device_copies,
+                )?,
                 None => ws.hidden.clear(),
             }
             return Ok(());
         }
-        match batch.has_embd().then(|| self.normed_rows(&x, &batch.embd)) {
-            Some(rows) => match rows? {
-                Some(h) => host_vec(&h, &mut ws.hidden)?,
-                None => ws.hidden.clear(),
-            },
+        match out_flags.as_ref().map(rows).transpose()?.flatten() {
+            Some(r) => host_vec(
+                &self.normed_rows(&x, &r)?,
+                &mut ws.hidden,
+                &mut ws.device_copies,
+            )?,
             None => ws.hidden.clear(),
         }
-        let Some(h) = self.normed_rows(&x, &batch.logits)? else {
+        let Some(r) = rows(&logit_rows)? else {
             ws.logits.clear();
             return Ok(());
         };
+        let h = self.normed_rows(&x, &r)?;
         let mut logits = self.output.forward(&h)?;
         if let Some(b) = &self.output_bias {
             logits = logits.broadcast_add(b)?;
@@ -604,6 +749,6 @@ impl Architecture for TensorDecoder {
         if let Some(cap) = c.final_softcap {
             logits = ((logits / cap as f64)?.tanh()? * cap as f64)?;
         }
-        host_vec(&logits, &mut ws.logits)
+        host_vec(&logits, &mut ws.logits, &mut ws.device_copies)
     }
 }
