@@ -21,7 +21,7 @@ use crate::device::DeviceCopies;
 use crate::error::{EngineError, Result};
 use crate::kv::{block_index, KvCache, KV_BLOCK_SIZE};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor, WithDType};
 use std::ops::Range;
 
 /// Products whose outputs are consecutive slices of one result: separate matrices (Q, K, V)
@@ -170,23 +170,22 @@ impl Staging {
 
     /// Both arrays on `device`: one copy each (none for an empty one).
     fn upload(self, device: &Device, copies: &mut DeviceCopies) -> Result<Staged> {
-        let mut send = |v: Vec<f32>| -> Result<Option<Tensor>> {
+        fn send<T: WithDType>(
+            v: Vec<T>,
+            device: &Device,
+            copies: &mut DeviceCopies,
+        ) -> Result<Option<Tensor>> {
             if v.is_empty() {
                 return Ok(None);
             }
             copies.to_device += 1;
             let n = v.len();
             Ok(Some(Tensor::from_vec(v, n, device)?))
-        };
-        let f32s = send(self.f32s)?;
-        let u32s = if self.u32s.is_empty() {
-            None
-        } else {
-            copies.to_device += 1;
-            let n = self.u32s.len();
-            Some(Tensor::from_vec(self.u32s, n, device)?)
-        };
-        Ok(Staged { u32s, f32s })
+        }
+        Ok(Staged {
+            u32s: send(self.u32s, device, copies)?,
+            f32s: send(self.f32s, device, copies)?,
+        })
     }
 }
 
