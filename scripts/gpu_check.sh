@@ -137,8 +137,8 @@ run() {
   el "random models"
   PYTHONPATH="$PACK/py" $py "$PACK/random_llama.py" "$PACK/tok.gguf" /tmp/l135.gguf \
     --shape smollm2-135m >> "$log/gen.log" 2>&1
-  wait "$gen" || true
-  wait "$build" || true
+  wait "$gen"
+  wait "$build"
   el "llama.cpp build: $(tail -1 "$log/lcp_build.log")"
   local lb=/tmp/lcp/build/bin
   if [ ! -x "$lb/llama-quantize" ]; then
@@ -152,9 +152,9 @@ run() {
   for m in /tmp/l1b-q4km.gguf /tmp/l135-q41.gguf; do
     name=$(basename "$m" .gguf)
     el "GPU bench $name"
-    timeout 90 "$lb/llama-bench" -m "$m" -ngl 99 -p 512 -n 128 -r 3 -o md > "$log/lcp_gpu_$name.md" 2>&1 || true
-    GPU=1 PP_REPS=3 timeout 90 "$bin/decode_profile" "$m" 1 128 > "$log/ours_gpu_$name.txt" 2>&1 || true
-    GPU=1 STREAMS_ONLY=1 timeout 60 "$bin/decode_profile" "$m" 1 64 32 >> "$log/ours_gpu_$name.txt" 2>&1 || true
+    timeout 90 "$lb/llama-bench" -m "$m" -ngl 99 -p 512 -n 128 -r 3 -o md > "$log/lcp_gpu_$name.md" 2>&1
+    GPU=1 PP_REPS=3 timeout 90 "$bin/decode_profile" "$m" 1 128 > "$log/ours_gpu_$name.txt" 2>&1
+    GPU=1 STREAMS_ONLY=1 timeout 60 "$bin/decode_profile" "$m" 1 64 32 >> "$log/ours_gpu_$name.txt" 2>&1
     summary+="$name GPU, llama.cpp CUDA -ngl 99:"$'\n'"$(grep -E '^\| .*(pp|tg)' "$log/lcp_gpu_$name.md")"$'\n'
     summary+="$name GPU, ours:"$'\n'"$(tail -5 "$log/ours_gpu_$name.txt")"$'\n'
   done
@@ -170,8 +170,8 @@ run() {
       fi
       el "CPU $name at $t threads"
       CUDA_VISIBLE_DEVICES= timeout 60 "$lb/llama-bench" -m "$m" -ngl 0 -t "$t" -p 512 -n 128 -r 2 -o md \
-        > "$log/lcp_cpu_${name}_$t.md" 2>&1 || true
-      timeout 60 "$bin/decode_profile" "$m" "$t" 128 > "$log/ours_cpu_${name}_$t.txt" 2>&1 || true
+        > "$log/lcp_cpu_${name}_$t.md" 2>&1
+      timeout 60 "$bin/decode_profile" "$m" "$t" 128 > "$log/ours_cpu_${name}_$t.txt" 2>&1
       summary+="CPU $name $t threads: llama.cpp $(grep -E '^\| .*(pp|tg)' "$log/lcp_cpu_${name}_$t.md" |
         awk -F'|' '{printf "%s %s; ", $(NF-2), $(NF-1)}') ours $(grep -E '^(pp|tg)' "$log/ours_cpu_${name}_$t.txt" | tr '\n' ' ')"$'\n'
     done

@@ -5,10 +5,9 @@
 //! type on the device (`QMatMul`: candle's quantized CUDA kernels), activations never leave
 //! it, what the host prepares for a pass (embeddings, rotary tables, cache rows, masks) goes
 //! over in two copies ([`Staging`]), and only the logits rows (or hidden rows) the batch asks
-//! for come back. The KV cache's
-//! block tables stay in the host's [`KvCache`]; the keys and values live in the context's
-//! [`DeviceKv`] at the same block ids, so prefix sharing, copy-on-write and sliding windows
-//! work as on the CPU. On candle's CPU device the engine's tests check this code against
+//! for come back. The KV cache's block tables stay in the host's [`KvCache`]; the keys and
+//! values live in the context's [`DeviceKv`] at the same block ids, so prefix sharing,
+//! copy-on-write and sliding windows work as on the CPU. On candle's CPU device the engine's tests check this code against
 //! llama.cpp's fixtures, as the CPU backend is checked.
 
 use super::attention::visible_keys;
@@ -214,7 +213,6 @@ impl Staged {
 
 /// A [`GroupPlan`] while staged: where its arrays are in the [`Staging`].
 struct GroupRanges {
-    n: usize,
     write: Range<usize>,
     attn: Vec<AttnRanges>,
     out_rows: Range<usize>,
@@ -246,10 +244,11 @@ impl GroupRanges {
                 })
             })
             .collect::<Result<_>>()?;
+        let n = self.out_rows.len();
         Ok(GroupPlan {
-            write: staged.u32s(&self.write, &[self.n, kv_dim])?,
+            write: staged.u32s(&self.write, &[n, kv_dim])?,
             attn,
-            out_rows: staged.u32s(&self.out_rows, &[self.n])?,
+            out_rows: staged.u32s(&self.out_rows, &[n])?,
         })
     }
 }
@@ -260,7 +259,7 @@ struct SeqRows {
     seq: usize,
     rows: Vec<usize>,
     end: usize,
-    keys: std::ops::Range<usize>,
+    keys: Range<usize>,
 }
 
 impl TensorDecoder {
@@ -482,7 +481,6 @@ impl TensorDecoder {
             });
         }
         Ok(GroupRanges {
-            n,
             write,
             attn,
             out_rows: st.u32s(out_rows),
@@ -641,14 +639,9 @@ impl Architecture for TensorDecoder {
                 ranges[g] = Some(self.plan(batch, kv, li, &mut st)?);
             }
         }
-        let out_flags = if ws.hidden_only || !batch.has_embd() {
-            None
-        } else {
-            Some(flagged(&batch.embd))
-        };
-        let out_flags = out_flags.map(|rows| (rows.len(), st.u32s(rows)));
-        let logit_rows = flagged(&batch.logits);
-        let logit_rows = (logit_rows.len(), st.u32s(logit_rows));
+        let embd_rows =
+            (!ws.hidden_only && batch.has_embd()).then(|| st.u32s(flagged(&batch.embd)));
+        let logit_rows = st.u32s(flagged(&batch.logits));
         let staged = st.upload(&self.device, &mut ws.device_copies)?;
         let plans = ranges
             .iter()
@@ -714,8 +707,10 @@ impl Architecture for TensorDecoder {
             }
             x = (x + o)?;
         }
-        let rows = |(len, r): &(usize, Range<usize>)| -> Result<Option<Tensor>> {
-            (*len > 0).then(|| staged.u32s(r, &[*len])).transpose()
+        let rows = |r: &Range<usize>| -> Result<Option<Tensor>> {
+            (!r.is_empty())
+                .then(|| staged.u32s(r, &[r.len()]))
+                .transpose()
         };
         if ws.hidden_only {
             match rows(&logit_rows)? {
@@ -728,7 +723,7 @@ impl Architecture for TensorDecoder {
             }
             return Ok(());
         }
-        match out_flags.as_ref().map(rows).transpose()?.flatten() {
+        match embd_rows.as_ref().map(rows).transpose()?.flatten() {
             Some(r) => host_vec(
                 &self.normed_rows(&x, &r)?,
                 &mut ws.hidden,
