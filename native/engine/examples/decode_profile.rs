@@ -7,9 +7,10 @@
 //! batched decode (STREAMS sequences at different positions, one token each per pass).
 //! Environment: `PROMPT=N` starts decoding after N prompt tokens (decode at depth N, as
 //! llama-bench's `-d N`), `PP_REPS=N` prints the best of N pp512 runs, `TG_ONLY=1` skips pp512,
-//! `STREAMS_ONLY=1` runs only the batched decode, `GPU=1` places the model on GPU 0 (a build
-//! with the `cuda` feature).
+//! `STREAMS_ONLY=1` runs only the batched decode, `KV_TYPE=f16|f32|q8_0|q4_0` sets the cache's
+//! type (default f16), `GPU=1` places the model on GPU 0 (a build with the `cuda` feature).
 
+use llama_cpp_ex_engine::kv::KvType;
 use llama_cpp_ex_engine::{
     Batch, Context, ContextParams, LoadOptions, Model, Placement, Requantize,
 };
@@ -45,9 +46,17 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(1)
         .max(1);
+    let kv_type = match std::env::var("KV_TYPE").as_deref() {
+        Err(_) | Ok("f16") => KvType::F16,
+        Ok("f32") => KvType::F32,
+        Ok("q8_0") => KvType::Q8_0,
+        Ok("q4_0") => KvType::Q4_0,
+        Ok(other) => panic!("KV_TYPE: unknown cache type {other:?}"),
+    };
     let params = |n_seq_max| ContextParams {
         n_ctx: ((start + 7 * streams + steps + 16) * streams).max(4096),
         n_seq_max,
+        kv_type,
         n_threads: threads,
         n_threads_batch: threads,
         ..Default::default()

@@ -39,11 +39,14 @@ impl Default for Placement {
 /// Copies between host and device memory that a context's forward passes made, counted so
 /// that tests can hold them to their number: on a GPU each is a synchronous driver call.
 /// A pass sends its staged inputs in at most two copies (`u32` indices, `f32` values) and
-/// brings back the logits rows it computed (and the embedding rows asked for).
+/// brings back, in one copy, the logits rows it computed (only the token id of a row that
+/// feeds a greedy choice), and the embedding rows asked for.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DeviceCopies {
     pub to_device: usize,
     pub to_host: usize,
+    /// Bytes of the copies to the host.
+    pub bytes_to_host: usize,
 }
 
 /// One GPU the engine can run on.

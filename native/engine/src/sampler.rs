@@ -396,6 +396,20 @@ impl Sampler {
         }
     }
 
+    /// Whether the next token is the first largest logit of the raw row and nothing else is
+    /// read from it (greedy, no grammar, bias, penalties, DRY or log-probabilities): a device
+    /// backend may then pick it where the logits are and bring back only the id (see
+    /// [`argmax`]; accept the id with [`Sampler::accept`]).
+    pub fn argmax_decides(&self) -> bool {
+        let p = &self.params;
+        p.temp <= 0.0
+            && self.grammar.is_none()
+            && p.logit_bias.is_empty()
+            && !p.penalties_active()
+            && !p.dry_active()
+            && p.logprobs.is_none()
+    }
+
     /// Records a token in the history and advances the grammar past it.
     pub fn accept(&mut self, token: TokenId) {
         if self.history_cap > 0 {

@@ -9,10 +9,12 @@ mod common;
 use common::*;
 use llama_cpp_ex_engine::embedding::{embed, Pooling};
 use llama_cpp_ex_engine::kv::KvType;
+use llama_cpp_ex_engine::sampler::argmax;
 use llama_cpp_ex_engine::{
-    Backend, Batch, Context, ContextParams, DeviceCopies, LoadOptions, Model, Placement, Requantize,
+    Backend, Batch, Context, ContextParams, DeviceCopies, LoadOptions, Model, Placement,
+    Requantize, Sampler, SamplerParams, SharedSampler, Step,
 };
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// The device backend under test: `cuda` when asked, else candle's CPU device.
 fn device_placement() -> Placement {
@@ -178,6 +180,85 @@ fn a_pass_makes_two_copies_in_and_one_back() {
     let mut quiet = Batch::with_capacity(1);
     quiet.push(tokens(&model, 1, 8)[0], 20, 0, false);
     assert_eq!(pass(&mut c, &quiet), (2, 0));
+}
+
+/// A step's greedy rows (no grammar, bias, penalties or log-probabilities) come back as
+/// their token's id alone: the token the host's greedy rule picks from the whole row. A row
+/// whose sampler reads more (here log-probabilities) comes back whole, bitwise the row
+/// `decode` brings back, in the same single copy.
+#[test]
+fn greedy_rows_bring_back_only_their_token() {
+    let model = tiny_on("tiny-llama3-f32", device_placement());
+    let n_vocab = model.config.n_vocab;
+    let prompted = || {
+        let mut c = ctx(&model, 256, 4);
+        for s in 0..4 {
+            let b = Batch::for_sequence(&tokens(&model, 5 + s, s as u32), 0, s);
+            c.decode(&b).unwrap();
+        }
+        c
+    };
+    let mut next = Batch::with_capacity(4);
+    for s in 0..4 {
+        next.push(tokens(&model, 1, 10 + s as u32)[0], 5 + s, s, true);
+    }
+    // the whole rows, through `decode`
+    let mut whole = prompted();
+    whole.decode(&next).unwrap();
+    let want: Vec<u32> = (0..4)
+        .map(|i| argmax(whole.logits_ith(i).unwrap().iter().copied()) as u32)
+        .collect();
+
+    let mut c = prompted();
+    let sampler = |logprobs| {
+        Arc::new(Mutex::new(Sampler::new(SamplerParams {
+            logprobs,
+            ..SamplerParams::greedy()
+        })))
+    };
+    let samplers: Vec<(usize, SharedSampler)> = (0..4)
+        .map(|s| (s, sampler((s == 3).then_some(2))))
+        .collect();
+    let before = c.device_copies();
+    let step = Step {
+        batch: next.clone(),
+        samplers: samplers.clone(),
+        ..Default::default()
+    };
+    let out = c.step(&step).unwrap();
+    let after = c.device_copies();
+    let got: Vec<u32> = out.sampled.iter().map(|t| t.token).collect();
+    assert_eq!(got, want);
+    assert!(out.sampled[3].logprobs.is_some());
+    assert_eq!(after.to_host - before.to_host, 1);
+    assert_eq!(
+        after.bytes_to_host - before.bytes_to_host,
+        4 * (n_vocab + 3)
+    );
+    assert_eq!(c.logits_ith(3).unwrap(), whole.logits_ith(3).unwrap());
+    assert!(c.logits_ith(0).is_err(), "a picked row has no logits");
+
+    // every row greedy: four ids come back
+    let mut again = Batch::with_capacity(4);
+    for (s, t) in got.iter().enumerate() {
+        again.push(*t, 6 + s, s, true);
+    }
+    let greedy: Vec<(usize, SharedSampler)> = (0..4).map(|s| (s, sampler(None))).collect();
+    let before = c.device_copies();
+    let out = c
+        .step(&Step {
+            batch: again.clone(),
+            samplers: greedy,
+            ..Default::default()
+        })
+        .unwrap();
+    let after = c.device_copies();
+    assert_eq!(after.bytes_to_host - before.bytes_to_host, 16);
+    whole.decode(&again).unwrap();
+    for (i, t) in out.sampled.iter().enumerate() {
+        let row = whole.logits_ith(i as i64).unwrap();
+        assert_eq!(t.token, argmax(row.iter().copied()) as u32, "row {i}");
+    }
 }
 
 /// EmbeddingGemma on the device path equals llama.cpp's vectors (bidirectional attention,

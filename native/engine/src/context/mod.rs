@@ -77,6 +77,15 @@ pub struct Context {
     logits: Vec<f32>,
     /// For each entry of the last batch, its logits row (or -1).
     output_rows: Vec<i32>,
+    /// For each entry of the batch a step evaluates, whether its row feeds only a greedy
+    /// choice that the architecture may make where the logits are (empty outside a step, or
+    /// when the architecture does not pick: [`Architecture::picks_greedy`]).
+    ///
+    /// [`Architecture::picks_greedy`]: crate::model::Architecture::picks_greedy
+    pick: Vec<bool>,
+    /// For each entry of the last batch, the token picked in its place when its row was not
+    /// brought back.
+    picked: Vec<Option<TokenId>>,
     /// Final-normed hidden states of the last batch's embedding rows (`[n, n_embd]`, see
     /// [`Batch::embd`]), and for each entry its row there (or -1).
     embd: Vec<f32>,
@@ -161,6 +170,8 @@ impl Context {
             kv,
             logits: Vec::new(),
             output_rows: Vec::new(),
+            pick: Vec::new(),
+            picked: Vec::new(),
             embd: Vec::new(),
             embd_rows: Vec::new(),
             ws: Workspace {
@@ -246,10 +257,12 @@ impl Context {
         std::mem::swap(&mut self.logits, &mut self.ws.logits);
         self.logits.clear();
         self.output_rows.clear();
+        self.picked.clear();
         self.embd.clear();
         self.embd_rows.clear();
         let ub = self.params.n_ubatch;
         if batch.len() <= ub {
+            self.set_pick_rows(0..batch.len());
             return self.forward_ubatch(batch, reserved);
         }
         // an encoder attends within its micro-batch only (no cache to read earlier tokens
@@ -261,6 +274,7 @@ impl Context {
             if whole_seqs {
                 end = micro_batch_end(&batch.seq, start, end);
             }
+            self.set_pick_rows(start..end);
             if let Err(e) = self.forward_ubatch(&batch.slice(start..end), reserved) {
                 if reserved {
                     // what the later micro-batches had reserved goes too
@@ -272,6 +286,14 @@ impl Context {
         }
         debug_assert_eq!(self.logits.len() % self.row_width().max(1), 0);
         Ok(())
+    }
+
+    /// Hands the architecture the pick flags of batch entries `range` (a micro-batch).
+    fn set_pick_rows(&mut self, range: std::ops::Range<usize>) {
+        self.ws.pick_rows.clear();
+        if !self.pick.is_empty() {
+            self.ws.pick_rows.extend_from_slice(&self.pick[range]);
+        }
     }
 
     fn forward_ubatch(&mut self, batch: &Batch, reserved: bool) -> Result<()> {
@@ -309,14 +331,21 @@ impl Context {
         let width = self.row_width();
         let base = (self.logits.len() / width.max(1)) as i32;
         let mut row = base;
-        for &want in &batch.logits {
-            if want {
+        let mut picked = self.ws.picked.iter();
+        for (i, &want) in batch.logits.iter().enumerate() {
+            if want && self.ws.pick_rows.get(i) == Some(&true) {
+                self.output_rows.push(-1);
+                self.picked.push(picked.next().copied());
+            } else if want {
                 self.output_rows.push(row);
+                self.picked.push(None);
                 row += 1;
             } else {
                 self.output_rows.push(-1);
+                self.picked.push(None);
             }
         }
+        debug_assert!(picked.next().is_none());
         if self.ws.hidden_only {
             self.logits.extend_from_slice(&self.ws.hidden);
         } else {
@@ -401,6 +430,14 @@ impl Context {
     /// backend).
     pub fn device_copies(&self) -> crate::DeviceCopies {
         self.ws.device_copies
+    }
+
+    /// The token the architecture picked for entry `i` of the last step's batch in place of
+    /// bringing back its logits row (see [`Sampler::argmax_decides`]).
+    ///
+    /// [`Sampler::argmax_decides`]: crate::Sampler::argmax_decides
+    pub(crate) fn picked_ith(&self, i: usize) -> Option<TokenId> {
+        self.picked.get(i).copied().flatten()
     }
 
     /// Logits of entry `i` of the last batch; `-1` is the last entry with logits, and any

@@ -360,7 +360,22 @@ impl Context {
                 }
             }
         }
-        self.forward(&batch, true)?;
+        // rows whose sampler only takes the largest logit: an architecture that picks where
+        // the logits are (a GPU) brings back their token ids instead of vocabulary-wide rows
+        self.pick.clear();
+        if self.model.architecture()?.picks_greedy() && !self.ws.hidden_only {
+            let picks = |(&seq, &want): (&usize, &bool)| {
+                want && !speculating.contains(&seq)
+                    && samplers
+                        .iter()
+                        .any(|(s, sampler)| *s == seq && sampler.argmax_decides())
+            };
+            self.pick
+                .extend(batch.seq.iter().zip(&batch.logits).map(picks));
+        }
+        let done = self.forward(&batch, true);
+        self.pick.clear();
+        done?;
         for (i, (&seq, &want)) in batch.seq.iter().zip(&batch.logits).enumerate() {
             if !want {
                 continue;
@@ -368,6 +383,11 @@ impl Context {
             let Some((_, sampler)) = samplers.iter_mut().find(|(s, _)| *s == seq) else {
                 continue;
             };
+            if let Some(token) = self.picked_ith(i) {
+                sampler.accept(token);
+                out.sampled.push(self.sampled_token(seq, token, None));
+                continue;
+            }
             if speculating.contains(&seq) {
                 // every logits row of the sequence at once, at its first one
                 if batch.seq[..i].contains(&seq) {

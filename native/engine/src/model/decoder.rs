@@ -554,6 +554,8 @@ impl Architecture for Decoder {
             n_ctx_seq: _,
             device_kv: _,
             device_copies: _,
+            pick_rows: _,
+            picked: _,
         } = ws;
         for (li, layer) in self.layers.iter().enumerate() {
             let rope = if layer.local {

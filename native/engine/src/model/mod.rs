@@ -250,6 +250,12 @@ pub trait Architecture: Send + Sync {
     /// (`[n_outputs, n_vocab]`).
     fn forward(&self, batch: &Batch, kv: &mut KvCache, ws: &mut Workspace) -> Result<()>;
 
+    /// Whether the architecture honours [`Workspace::pick_rows`]: picks the greedy token of
+    /// those rows where their logits are (device memory) and brings back only its id.
+    fn picks_greedy(&self) -> bool {
+        false
+    }
+
     /// Whether the KV cache's contents live in the architecture's device memory (the host
     /// cache then keeps only block tables: [`KvCache::keep_on_device`]).
     fn kv_on_device(&self) -> bool {
@@ -307,6 +313,16 @@ pub struct Workspace {
     pub(crate) device_kv: Option<tensor::DeviceKv>,
     /// Host↔device copies of the passes so far (device backends only).
     pub(crate) device_copies: crate::device::DeviceCopies,
+    /// Per batch entry, set by the context when the architecture [`picks_greedy`]: the
+    /// entry's logits row feeds only a greedy choice ([`Sampler::argmax_decides`]), so the
+    /// pass leaves its token's id in `picked` instead of its row in `logits`. Empty: every
+    /// flagged row comes back whole.
+    ///
+    /// [`picks_greedy`]: Architecture::picks_greedy
+    /// [`Sampler::argmax_decides`]: crate::Sampler::argmax_decides
+    pub(crate) pick_rows: Vec<bool>,
+    /// The greedy ids of the flagged entries of `pick_rows`, in batch order.
+    pub(crate) picked: Vec<u32>,
 }
 
 /// Loads one tensor, re-quantizing scalar-only types when asked, and remembers which

@@ -5,7 +5,7 @@
 //! type on the device (`QMatMul`: candle's quantized CUDA kernels), activations never leave
 //! it, what the host prepares for a pass (embeddings, rotary tables, cache rows, masks) goes
 //! over in two copies ([`Staging`]), and only the logits rows (or hidden rows) the batch asks
-//! for come back. The KV cache's block tables stay in the host's [`KvCache`]; the keys and
+//! for come back, in one copy: of a row that feeds only a greedy choice, its token's id. The KV cache's block tables stay in the host's [`KvCache`]; the keys and
 //! values live in the context's [`DeviceKv`] at the same block ids, so prefix sharing,
 //! copy-on-write and sliding windows work as on the CPU. On candle's CPU device the engine's tests check this code against
 //! llama.cpp's fixtures, as the CPU backend is checked.
@@ -82,6 +82,9 @@ pub struct TensorDecoder {
     inv_freq_global: Vec<f32>,
     inv_freq_local: Vec<f32>,
     inv_freq_long: Option<Vec<f32>>,
+    /// `n_vocab - i` at column `i`: a row's first largest logit is where the largest of these
+    /// is among its maxima ([`first_argmax`]).
+    rev_index: Tensor,
 }
 
 /// Keys and values of every layer in device memory, `[blocks × KV_BLOCK_SIZE, kv_dim]` f16
@@ -388,6 +391,10 @@ impl TensorDecoder {
             inv_freq_global: freqs.global,
             inv_freq_local: freqs.local,
             inv_freq_long: freqs.long,
+            rev_index: Tensor::from_iter(
+                (0..cfg.n_vocab).map(|i| (cfg.n_vocab - i) as f32),
+                device,
+            )?,
         };
         l.check_all_used()?;
         Ok(model)
@@ -572,7 +579,43 @@ fn rms(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
 fn host_vec(t: &Tensor, out: &mut Vec<f32>, copies: &mut DeviceCopies) -> Result<()> {
     *out = t.flatten_all()?.to_vec1::<f32>()?;
     copies.to_host += 1;
+    copies.bytes_to_host += std::mem::size_of_val(out.as_slice());
     Ok(())
+}
+
+/// Which logits rows of a pass come back whole and which as their greedy token's id (see
+/// [`Workspace::pick_rows`]): positions among the pass's output rows, staged.
+struct PickRows {
+    full: Range<usize>,
+    pick: Range<usize>,
+}
+
+impl PickRows {
+    /// `None` when no output row is picked (every row comes back whole).
+    fn stage(outputs: &[u32], pick_rows: &[bool], st: &mut Staging) -> Option<Self> {
+        let picked = |&(_, &t): &(usize, &u32)| pick_rows.get(t as usize) == Some(&true);
+        if !outputs.iter().enumerate().any(|o| picked(&o)) {
+            return None;
+        }
+        let rows = || outputs.iter().enumerate();
+        Some(PickRows {
+            full: st.u32s(rows().filter(|o| !picked(o)).map(|(r, _)| r as u32)),
+            pick: st.u32s(rows().filter(picked).map(|(r, _)| r as u32)),
+        })
+    }
+}
+
+/// Per row of `logits`, the index of its first largest value (the host sampler's greedy
+/// rule, [`crate::sampler::argmax`]), as f32 (exact: vocabularies are far below 2^24);
+/// `rev_index` holds `n - i` at column `i`. A row holding NaN may pick differently from the
+/// host, which skips NaNs.
+fn first_argmax(logits: &Tensor, rev_index: &Tensor) -> Result<Tensor> {
+    let shape = logits.shape();
+    let hit = logits.broadcast_eq(&logits.max_keepdim(1)?)?;
+    let rev = rev_index.broadcast_as(shape)?;
+    let zero = Tensor::zeros((), DType::F32, logits.device())?.broadcast_as(shape)?;
+    let last = hit.where_cond(&rev, &zero)?.max(1)?;
+    Ok(last.affine(-1.0, rev_index.dim(0)? as f64)?)
 }
 
 /// The flagged entries of a batch, as row indices.
@@ -589,6 +632,10 @@ impl Architecture for TensorDecoder {
     }
 
     fn kv_on_device(&self) -> bool {
+        true
+    }
+
+    fn picks_greedy(&self) -> bool {
         true
     }
 
@@ -641,7 +688,9 @@ impl Architecture for TensorDecoder {
         }
         let embd_rows =
             (!ws.hidden_only && batch.has_embd()).then(|| st.u32s(flagged(&batch.embd)));
-        let logit_rows = st.u32s(flagged(&batch.logits));
+        let outputs = flagged(&batch.logits);
+        let picks = PickRows::stage(&outputs, &ws.pick_rows, &mut st);
+        let logit_rows = st.u32s(outputs);
         let staged = st.upload(&self.device, &mut ws.device_copies)?;
         let plans = ranges
             .iter()
@@ -731,6 +780,7 @@ impl Architecture for TensorDecoder {
             )?,
             None => ws.hidden.clear(),
         }
+        ws.picked.clear();
         let Some(r) = rows(&logit_rows)? else {
             ws.logits.clear();
             return Ok(());
@@ -743,6 +793,61 @@ impl Architecture for TensorDecoder {
         if let Some(cap) = c.final_softcap {
             logits = ((logits / cap as f64)?.tanh()? * cap as f64)?;
         }
-        host_vec(&logits, &mut ws.logits, &mut ws.device_copies)
+        let Some(picks) = picks else {
+            return host_vec(&logits, &mut ws.logits, &mut ws.device_copies);
+        };
+        // the whole rows first, the picked ids after them, in one copy
+        let select = |r: &Range<usize>| -> Result<Tensor> {
+            Ok(logits.index_select(&staged.u32s(r, &[r.len()])?, 0)?)
+        };
+        let ids = if picks.full.is_empty() {
+            first_argmax(&logits, &self.rev_index)?
+        } else {
+            first_argmax(&select(&picks.pick)?, &self.rev_index)?
+        };
+        let back = if picks.full.is_empty() {
+            ids
+        } else {
+            Tensor::cat(&[select(&picks.full)?.flatten_all()?, ids], 0)?
+        };
+        host_vec(&back, &mut ws.logits, &mut ws.device_copies)?;
+        let at = ws.logits.len() - picks.pick.len();
+        ws.picked
+            .extend(ws.logits[at..].iter().map(|&id| id as u32));
+        ws.logits.truncate(at);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ties go to the first of the largest values, as the host sampler has it.
+    #[test]
+    fn first_argmax_takes_the_first_of_equal_maxima() {
+        let dev = Device::Cpu;
+        let ninf = f32::NEG_INFINITY;
+        let rows = [
+            [1.0, 3.0, 3.0, 2.0],
+            [5.0; 4],
+            [ninf, ninf, 0.0, ninf],
+            [0.5, -1.0, 0.0, 0.7],
+        ];
+        let logits = Tensor::from_iter(rows.iter().flatten().copied(), &dev)
+            .unwrap()
+            .reshape((4, 4))
+            .unwrap();
+        let rev = Tensor::from_iter((0..4).map(|i| (4 - i) as f32), &dev).unwrap();
+        let got = first_argmax(&logits, &rev)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let host: Vec<f32> = rows
+            .iter()
+            .map(|r| crate::sampler::argmax(r.iter().copied()) as f32)
+            .collect();
+        assert_eq!(got, vec![1.0, 0.0, 2.0, 3.0]);
+        assert_eq!(got, host);
     }
 }
