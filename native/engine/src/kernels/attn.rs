@@ -1,7 +1,8 @@
 //! Register-blocked f32 micro-kernels for attention: scores `S = Q·Kᵀ` and the weighted sum
 //! `O += P·V`. Rows are query heads in f32 scratch (callers pad `rows` to [`ROW_BLOCK`] with
-//! zeros); keys are KV slots in row-major [`Rows`]: the cache's own f16 or f32 rows, read in
-//! place (f16 is widened exactly as it is loaded), or f32 scratch for quantized caches. The
+//! zeros); keys are KV slots in row-major [`Rows`]: the cache's own f16, f32 or `q8_0` rows,
+//! read in place (widened exactly as they are loaded: `q8_0` as its dequantization), or f32
+//! scratch for `q4_0` caches. The
 //! AVX2 path keeps 4×2 score accumulators and 4×16 output columns in registers, so every
 //! loaded key or value vector is used by four query rows. [`exp_sum`] and [`max_of`] do the
 //! softmax of a score row between the two.
@@ -28,44 +29,130 @@ fn simd_ok(hd: usize) -> bool {
 pub enum Rows<'a> {
     F32(&'a [f32]),
     F16(&'a [f16]),
+    /// llama.cpp's `q8_0` blocks (an f16 scale, then 32 signed bytes), read in place; `hd`
+    /// is a multiple of 32, so a block never straddles two rows.
+    Q8_0(&'a [u8]),
 }
 
-/// An element of [`Rows`]: both widen to f32 exactly, so the kernels' arithmetic (and their
-/// results) are the same whichever the cache stores.
-trait Elem: Copy {
-    fn to_f32(self) -> f32;
-    /// 8 elements from `p`, widened.
+/// Bytes of a `q8_0` block and the values it holds.
+const Q8_BLOCK: (usize, usize) = (34, 32);
+
+/// Where the kernels read keys or values from: element `i` of the row-major `[keys, hd]`
+/// matrix, widened to f32. Every source widens exactly as the cache's dequantization does
+/// (f16 converted, `q8_0` as `d * q` in f32), so the kernels' arithmetic, and their results,
+/// are the same whichever the cache stores or whether it was copied to scratch first.
+trait Src: Copy {
+    /// Elements readable.
+    fn len(self) -> usize;
+    fn get(self, i: usize) -> f32;
+    /// Elements per block sharing one [`Src::factor`] (a block never straddles a row).
+    const BLOCK: usize = usize::MAX;
+
+    /// What [`Src::load8_in`] needs for the elements of `i`'s block (a quantized block's
+    /// scale), taken once per block by the kernels.
     ///
     /// # Safety
-    /// 8 elements are readable from `p`; the caller runs with AVX and F16C.
+    /// As [`Src::load8_in`].
     #[cfg(target_arch = "x86_64")]
-    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    #[inline(always)]
+    unsafe fn factor(self, _i: usize) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_setzero_ps()
+    }
+
+    /// Elements `i..i + 8`, widened, given the [`Src::factor`] of `i`'s block.
+    ///
+    /// # Safety
+    /// `i + 8 <= self.len()`, `i` a multiple of 8; the caller runs with AVX2 and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8_in(
+        self,
+        i: usize,
+        factor: std::arch::x86_64::__m256,
+    ) -> std::arch::x86_64::__m256;
 }
 
-impl Elem for f32 {
+impl Src for &[f32] {
+    fn len(self) -> usize {
+        <[f32]>::len(self)
+    }
+
     #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
+    fn get(self, i: usize) -> f32 {
+        self[i]
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
-        std::arch::x86_64::_mm256_loadu_ps(p)
+    unsafe fn load8_in(self, i: usize, _: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(self.as_ptr().add(i))
     }
 }
 
-impl Elem for f16 {
+impl Src for &[f16] {
+    fn len(self) -> usize {
+        <[f16]>::len(self)
+    }
+
     #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
+    fn get(self, i: usize) -> f32 {
+        self[i].to_f32()
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+    unsafe fn load8_in(self, i: usize, _: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
-        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        _mm256_cvtph_ps(_mm_loadu_si128(self.as_ptr().add(i) as *const __m128i))
+    }
+}
+
+/// `q8_0` blocks as a [`Src`].
+#[derive(Clone, Copy)]
+struct Q8Blocks<'a>(&'a [u8]);
+
+impl Q8Blocks<'_> {
+    /// The byte offset of element `i`'s block and element `i`'s place in it.
+    #[inline(always)]
+    fn at(i: usize) -> (usize, usize) {
+        (i / Q8_BLOCK.1 * Q8_BLOCK.0, i % Q8_BLOCK.1)
+    }
+
+    #[inline(always)]
+    fn scale(self, block: usize) -> f32 {
+        f16::from_bits(u16::from_le_bytes([self.0[block], self.0[block + 1]])).to_f32()
+    }
+}
+
+impl Src for Q8Blocks<'_> {
+    fn len(self) -> usize {
+        self.0.len() / Q8_BLOCK.0 * Q8_BLOCK.1
+    }
+
+    #[inline(always)]
+    fn get(self, i: usize) -> f32 {
+        let (block, j) = Self::at(i);
+        self.scale(block) * (self.0[block + 2 + j] as i8) as f32
+    }
+
+    const BLOCK: usize = Q8_BLOCK.1;
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn factor(self, i: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let p = self.0.as_ptr().add(Self::at(i).0);
+        let d = i32::from(p.cast::<u16>().read_unaligned());
+        _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d)))
+    }
+
+    /// `d * q` per element, in f32: the cache's dequantization (`kv::codec`), bitwise.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8_in(self, i: usize, d: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let (block, j) = Self::at(i);
+        let q = _mm_loadl_epi64(self.0.as_ptr().add(block + 2 + j) as *const __m128i);
+        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)))
     }
 }
 
@@ -84,13 +171,14 @@ pub fn scores(
     match k {
         Rows::F32(k) => scores_of(q, rows, k, keys, hd, s, s_stride),
         Rows::F16(k) => scores_of(q, rows, k, keys, hd, s, s_stride),
+        Rows::Q8_0(k) => scores_of(q, rows, Q8Blocks(k), keys, hd, s, s_stride),
     }
 }
 
-fn scores_of<T: Elem>(
+fn scores_of<T: Src>(
     q: &[f32],
     rows: usize,
-    k: &[T],
+    k: T,
     keys: usize,
     hd: usize,
     s: &mut [f32],
@@ -108,24 +196,26 @@ fn scores_of<T: Elem>(
     for i in 0..rows {
         let qi = &q[i * hd..(i + 1) * hd];
         for j in 0..keys {
-            let kj = &k[j * hd..(j + 1) * hd];
             s[i * s_stride + j] = if hd.is_multiple_of(COL_BLOCK) {
-                lane_dot(qi, kj)
+                lane_dot(qi, k, j * hd)
             } else {
-                qi.iter().zip(kj).map(|(a, b)| a * b.to_f32()).sum()
+                qi.iter()
+                    .enumerate()
+                    .map(|(d, a)| a * k.get(j * hd + d))
+                    .sum()
             };
         }
     }
 }
 
-/// `a · b` with the AVX2 path's arithmetic: 8 lanes of fused multiply-adds, then its
-/// horizontal reduction `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, so scores are
-/// bitwise the same on every path.
-fn lane_dot<T: Elem>(a: &[f32], b: &[T]) -> f32 {
+/// `a · b[at..at + a.len()]` with the AVX2 path's arithmetic: 8 lanes of fused
+/// multiply-adds, then its horizontal reduction `((l0 + l1) + (l2 + l3)) + ((l4 + l5) +
+/// (l6 + l7))`, so scores are bitwise the same on every path.
+fn lane_dot<T: Src>(a: &[f32], b: T, at: usize) -> f32 {
     let mut l = [0f32; 8];
-    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+    for (c, ca) in a.chunks_exact(8).enumerate() {
         for i in 0..8 {
-            l[i] = ca[i].mul_add(cb[i].to_f32(), l[i]);
+            l[i] = ca[i].mul_add(b.get(at + 8 * c + i), l[i]);
         }
     }
     ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
@@ -146,14 +236,15 @@ pub fn accumulate(
     match v {
         Rows::F32(v) => accumulate_of(p, p_stride, rows, v, keys, hd, o),
         Rows::F16(v) => accumulate_of(p, p_stride, rows, v, keys, hd, o),
+        Rows::Q8_0(v) => accumulate_of(p, p_stride, rows, Q8Blocks(v), keys, hd, o),
     }
 }
 
-fn accumulate_of<T: Elem>(
+fn accumulate_of<T: Src>(
     p: &[f32],
     p_stride: usize,
     rows: usize,
-    v: &[T],
+    v: T,
     keys: usize,
     hd: usize,
     o: &mut [f32],
@@ -171,9 +262,9 @@ fn accumulate_of<T: Elem>(
         let oi = &mut o[i * hd..(i + 1) * hd];
         for j in 0..keys {
             let w = p[i * p_stride + j];
-            for (x, vv) in oi.iter_mut().zip(&v[j * hd..(j + 1) * hd]) {
+            for (d, x) in oi.iter_mut().enumerate() {
                 // fused, like the AVX2 path
-                *x = w.mul_add(vv.to_f32(), *x);
+                *x = w.mul_add(v.get(j * hd + d), *x);
             }
         }
     }
@@ -280,25 +371,27 @@ unsafe fn fast_exp_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m2
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores_avx2<T: Elem>(
+unsafe fn scores_avx2<T: Src>(
     q: &[f32],
     rows: usize,
-    k: &[T],
+    k: T,
     keys: usize,
     hd: usize,
     s: &mut [f32],
     s_stride: usize,
 ) {
     use std::arch::x86_64::*;
-    let (qp, kp, sp) = (q.as_ptr(), k.as_ptr(), s.as_mut_ptr());
+    let (qp, sp) = (q.as_ptr(), s.as_mut_ptr());
     for r0 in (0..rows).step_by(ROW_BLOCK) {
         for j0 in (0..keys).step_by(KEY_BLOCK) {
             let mut acc = [[_mm256_setzero_ps(); KEY_BLOCK]; ROW_BLOCK];
+            let mut f = [_mm256_setzero_ps(); KEY_BLOCK];
             for d in (0..hd).step_by(8) {
-                let kv = [
-                    T::load8(kp.add(j0 * hd + d)),
-                    T::load8(kp.add((j0 + 1) * hd + d)),
-                ];
+                let at = [j0 * hd + d, (j0 + 1) * hd + d];
+                if d % T::BLOCK == 0 {
+                    f = [k.factor(at[0]), k.factor(at[1])];
+                }
+                let kv = [k.load8_in(at[0], f[0]), k.load8_in(at[1], f[1])];
                 for (i, row) in acc.iter_mut().enumerate() {
                     let qv = _mm256_loadu_ps(qp.add((r0 + i) * hd + d));
                     row[0] = _mm256_fmadd_ps(qv, kv[0], row[0]);
@@ -325,17 +418,17 @@ unsafe fn scores_avx2<T: Elem>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn accumulate_avx2<T: Elem>(
+unsafe fn accumulate_avx2<T: Src>(
     p: &[f32],
     p_stride: usize,
     rows: usize,
-    v: &[T],
+    v: T,
     keys: usize,
     hd: usize,
     o: &mut [f32],
 ) {
     use std::arch::x86_64::*;
-    let (pp, vp, op) = (p.as_ptr(), v.as_ptr(), o.as_mut_ptr());
+    let (pp, op) = (p.as_ptr(), o.as_mut_ptr());
     for r0 in (0..rows).step_by(ROW_BLOCK) {
         for c in (0..hd).step_by(COL_BLOCK) {
             let mut acc = [[_mm256_setzero_ps(); 2]; ROW_BLOCK];
@@ -344,8 +437,10 @@ unsafe fn accumulate_avx2<T: Elem>(
                 *row = [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))];
             }
             for j in 0..keys {
-                let v0 = T::load8(vp.add(j * hd + c));
-                let v1 = T::load8(vp.add(j * hd + c + 8));
+                // (both halves in one block: `COL_BLOCK` divides a quantized block)
+                let f = v.factor(j * hd + c);
+                let v0 = v.load8_in(j * hd + c, f);
+                let v1 = v.load8_in(j * hd + c + 8, f);
                 for (i, row) in acc.iter_mut().enumerate() {
                     let w = _mm256_broadcast_ss(&*pp.add((r0 + i) * p_stride + j));
                     row[0] = _mm256_fmadd_ps(w, v0, row[0]);
@@ -381,7 +476,7 @@ mod tests {
         unsafe { scores_avx2(&q, rows, &k[..], keys, hd, &mut s1, stride) };
         for i in 0..rows {
             for j in 0..keys {
-                s2[i * stride + j] = lane_dot(&q[i * hd..(i + 1) * hd], &k[j * hd..(j + 1) * hd]);
+                s2[i * stride + j] = lane_dot(&q[i * hd..(i + 1) * hd], &k[..], j * hd);
             }
         }
         assert_eq!(s1, s2);
@@ -493,8 +588,7 @@ mod tests {
             let mut s3 = vec![0f32; rows * stride];
             for i in 0..rows {
                 for j in 0..keys {
-                    s3[col + i * stride + j] =
-                        lane_dot(&q[i * hd..(i + 1) * hd], &kh[j * hd..(j + 1) * hd]);
+                    s3[col + i * stride + j] = lane_dot(&q[i * hd..(i + 1) * hd], &kh[..], j * hd);
                 }
             }
             if hd % 16 == 0 {

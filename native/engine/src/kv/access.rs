@@ -1,7 +1,7 @@
 //! Reading and writing the cached rows of a block: attention's side of the cache.
 
-use super::codec::{bytemuck_f32, bytemuck_u16, read_rows, write_row};
-use super::{split_id, KvCache, KvType, SeqView, Tier, KV_BLOCK_SIZE};
+use super::codec::{bytemuck_f32, bytemuck_u16, bytemuck_u8, read_rows, write_row};
+use super::{split_id, KvCache, KvType, SeqView, Tier, KV_BLOCK_SIZE, QK};
 
 impl KvCache {
     pub fn seq_view(&self, layer: usize, seq: usize) -> SeqView<'_> {
@@ -89,7 +89,7 @@ impl KvCache {
     }
 
     /// One KV head's keys (or values) of slots `slots` of block `b` as the cache stores them,
-    /// for attention to read in place; `None` for quantized blocks, which [`Self::read_head`]
+    /// for attention to read in place; `None` for `q4_0` blocks, which [`Self::read_head`]
     /// dequantizes. Slots past the sequence's end are readable (the block holds them) but
     /// hold stale or zero values.
     pub fn head_rows(
@@ -113,6 +113,9 @@ impl KvCache {
                     halves,
                 )))
             }
+            KvType::Q8_0 if hd.is_multiple_of(QK) => Some(Rows::Q8_0(
+                &bytemuck_u8(words)[ty.bytes(range.start)..ty.bytes(range.end)],
+            )),
             KvType::Q8_0 | KvType::Q4_0 => None,
         }
     }

@@ -192,7 +192,7 @@ pub(super) fn bytemuck_f32(words: &[u32]) -> &[f32] {
     unsafe { std::slice::from_raw_parts(words.as_ptr() as *const f32, words.len()) }
 }
 
-fn bytemuck_u8(words: &[u32]) -> &[u8] {
+pub(super) fn bytemuck_u8(words: &[u32]) -> &[u8] {
     // SAFETY: u32 storage reinterpreted as four times as many bytes; every bit pattern is a
     // valid u8 and u8 has alignment 1.
     unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, words.len() * 4) }

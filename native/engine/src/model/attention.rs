@@ -558,9 +558,10 @@ impl<'a> Tile<'a> {
     /// The softmax state of the tile's rows over the slots of segment `seg` they see, from
     /// scratch, into `s.state`, a chunk of `CHUNK` slots at a time: scores for the whole
     /// chunk, one online-softmax update per query row, then the chunk's weighted values.
-    /// Keys and values are read block by block where the cache keeps them (f16 widened as the
-    /// kernels load it: a step no longer writes and re-reads the chunk as f32 scratch, which
-    /// was 12–15% of an 8-stream decode step). `s.q` must hold the scaled queries.
+    /// Keys and values are read block by block where the cache keeps them (f16 and `q8_0`
+    /// widened as the kernels load them: a step no longer writes and re-reads the chunk as
+    /// f32 scratch, which was 12–15% of an 8-stream f16 decode step). `s.q` must hold the
+    /// scaled queries.
     fn attend_segment(&self, kv: &KvCache, seg: usize, p: &AttnParams, s: &mut Scratch) {
         let hd = p.head_dim;
         let (rows, rows_pad) = (self.rows, self.rows_pad);
@@ -721,7 +722,16 @@ mod tests {
                 let k: Vec<f32> = rng.vec(HD).iter().map(|x| 4.0 * x).collect();
                 let v = rng.vec(HD);
                 kv.write(0, seq, pos, &k, &v);
-                if seq == 0 {
+                if seq == 0 && matches!(ty, KvType::Q8_0 | KvType::Q4_0) {
+                    // what the cache holds: its own dequantization
+                    let b = kv.seq_view(0, 0).blocks[pos / KV_BLOCK_SIZE];
+                    let slot = pos % KV_BLOCK_SIZE..pos % KV_BLOCK_SIZE + 1;
+                    let (mut k, mut v) = (vec![0f32; HD], vec![0f32; HD]);
+                    kv.read_head(0, false, b, 0, slot.clone(), &mut k);
+                    kv.read_head(0, true, b, 0, slot, &mut v);
+                    ks.push(k);
+                    vs.push(v);
+                } else if seq == 0 {
                     ks.push(stored(k));
                     vs.push(stored(v));
                 }
@@ -780,6 +790,34 @@ mod tests {
                 (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
                 "value {i}: {g} vs {w}"
             );
+        }
+    }
+
+    /// A `q8_0` cache's blocks, which the kernels read in place, give bitwise the attention
+    /// of an f32 cache holding their dequantized values (a `q4_0` cache's are dequantized to
+    /// scratch first: the same values again), at a long and a short context.
+    #[test]
+    fn quantized_blocks_give_the_attention_of_their_dequantized_values() {
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        for ty in [KvType::Q8_0, KvType::Q4_0] {
+            for long in [300, 70] {
+                let (kv, ks, vs) = cache(long, None, ty, &mut rng);
+                let mut plain =
+                    KvCache::new(&[None], 1, HD, 2 * long, (2, 0), (KvType::F32, KvType::F32))
+                        .unwrap();
+                plain.reserve(0, 0, long).unwrap();
+                for pos in 0..long {
+                    plain.write(0, 0, pos, &ks[pos], &vs[pos]);
+                }
+                plain.commit(0, long);
+                let q = rng.vec(HEADS * HD);
+                let b = Batch::for_sequence(&[0], long - 1, 0);
+                assert_eq!(
+                    attend(&kv, &b, &q, 2),
+                    attend(&plain, &b, &q, 2),
+                    "{ty:?} {long}"
+                );
+            }
         }
     }
 
