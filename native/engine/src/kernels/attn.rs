@@ -1,10 +1,11 @@
 //! Register-blocked f32 micro-kernels for attention: scores `S = Q·Kᵀ` and the weighted sum
-//! `O += P·V`. Rows are query heads in f32 scratch (callers pad `rows` to [`ROW_BLOCK`] with
-//! zeros); keys are KV slots in row-major [`Rows`]: the cache's own f16, f32 or `q8_0` rows,
-//! read in place (widened exactly as they are loaded: `q8_0` as its dequantization), or f32
-//! scratch for `q4_0` caches. The
-//! AVX2 path keeps 4×2 score accumulators and 4×16 output columns in registers, so every
-//! loaded key or value vector is used by four query rows. [`exp_sum`] and [`max_of`] do the
+//! `O += P·V`. Rows are query heads in f32 scratch; keys are KV slots in row-major [`Rows`]:
+//! the cache's own f16, f32 or `q8_0` rows, read in place (widened exactly as they are
+//! loaded: `q8_0` as its dequantization), or f32 scratch for `q4_0` caches. The AVX2 path
+//! keeps 4×2 score accumulators and 4×16 output columns in registers, so every loaded key or
+//! value vector is used by four query rows (by the 1–3 left over in a last, narrower pass: a
+//! decode tile of 3 query heads per KV head computes 3 rows, not 4). Each row's arithmetic is
+//! its own, so the passes never change a result. [`exp_sum`] and [`max_of`] do the
 //! softmax of a score row between the two.
 
 use crate::math::fast_exp;
@@ -12,7 +13,7 @@ use crate::math::fast_exp;
 use crate::math::FAST_EXP;
 use half::f16;
 
-/// Query rows per micro-kernel call.
+/// Query rows per micro-kernel pass.
 pub const ROW_BLOCK: usize = 4;
 /// Keys per score micro-kernel call.
 pub const KEY_BLOCK: usize = 2;
@@ -157,8 +158,8 @@ impl Src for Q8Blocks<'_> {
 }
 
 /// `s[i * s_stride + j] = q_i · k_j` for `i < rows`, `j < keys`; `q` is `[rows, hd]`, `k` is
-/// `[keys, hd]`. `rows` must be a multiple of [`ROW_BLOCK`], `keys` of [`KEY_BLOCK`]; `s` may
-/// start anywhere in a score matrix (its last row needs only `keys` entries).
+/// `[keys, hd]`. `keys` must be a multiple of [`KEY_BLOCK`]; `s` may start anywhere in a
+/// score matrix (its last row needs only `keys` entries).
 pub fn scores(
     q: &[f32],
     rows: usize,
@@ -184,7 +185,7 @@ fn scores_of<T: Src>(
     s: &mut [f32],
     s_stride: usize,
 ) {
-    assert!(rows.is_multiple_of(ROW_BLOCK) && keys.is_multiple_of(KEY_BLOCK) && keys <= s_stride);
+    assert!(keys.is_multiple_of(KEY_BLOCK) && keys <= s_stride);
     assert!(q.len() >= rows * hd && k.len() >= keys * hd);
     assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
     #[cfg(target_arch = "x86_64")]
@@ -222,8 +223,8 @@ fn lane_dot<T: Src>(a: &[f32], b: T, at: usize) -> f32 {
 }
 
 /// `o_i += Σ_j p[i * p_stride + j] · v_j` for `i < rows`; `v` is `[keys, hd]`, `o` is
-/// `[rows, hd]`. `rows` must be a multiple of [`ROW_BLOCK`]; any `keys` up to `p_stride`, and
-/// `p` may start anywhere in a probability matrix (its last row needs only `keys` entries).
+/// `[rows, hd]`. Any `keys` up to `p_stride`; `p` may start anywhere in a probability matrix
+/// (its last row needs only `keys` entries).
 pub fn accumulate(
     p: &[f32],
     p_stride: usize,
@@ -249,7 +250,7 @@ fn accumulate_of<T: Src>(
     hd: usize,
     o: &mut [f32],
 ) {
-    assert!(rows.is_multiple_of(ROW_BLOCK) && keys <= p_stride);
+    assert!(keys <= p_stride);
     assert!(v.len() >= keys * hd && o.len() >= rows * hd);
     assert!(rows == 0 || p.len() >= (rows - 1) * p_stride + keys);
     #[cfg(target_arch = "x86_64")]
@@ -380,37 +381,86 @@ unsafe fn scores_avx2<T: Src>(
     s: &mut [f32],
     s_stride: usize,
 ) {
+    let mut r0 = 0;
+    while r0 < rows {
+        let r = by_rows!(rows - r0, |R| scores_rows_avx2::<T, R>(
+            q, r0, k, keys, hd, s, s_stride
+        ));
+        r0 += r;
+    }
+}
+
+/// Runs `$call` with the constant `$r`: `ROW_BLOCK` rows, or the fewer that are left (so a
+/// tile of 3 query heads per KV head computes 3 rows, not 4), and returns it.
+macro_rules! by_rows {
+    ($left:expr, |$r:ident| $call:expr) => {
+        match $left {
+            1 => {
+                const $r: usize = 1;
+                $call;
+                1
+            }
+            2 => {
+                const $r: usize = 2;
+                $call;
+                2
+            }
+            3 => {
+                const $r: usize = 3;
+                $call;
+                3
+            }
+            _ => {
+                const $r: usize = ROW_BLOCK;
+                $call;
+                ROW_BLOCK
+            }
+        }
+    };
+}
+use by_rows;
+
+/// Scores of rows `r0..r0 + R` (`R ≤ ROW_BLOCK`) against every key.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_rows_avx2<T: Src, const R: usize>(
+    q: &[f32],
+    r0: usize,
+    k: T,
+    keys: usize,
+    hd: usize,
+    s: &mut [f32],
+    s_stride: usize,
+) {
     use std::arch::x86_64::*;
     let (qp, sp) = (q.as_ptr(), s.as_mut_ptr());
-    for r0 in (0..rows).step_by(ROW_BLOCK) {
-        for j0 in (0..keys).step_by(KEY_BLOCK) {
-            let mut acc = [[_mm256_setzero_ps(); KEY_BLOCK]; ROW_BLOCK];
-            let mut f = [_mm256_setzero_ps(); KEY_BLOCK];
-            for d in (0..hd).step_by(8) {
-                let at = [j0 * hd + d, (j0 + 1) * hd + d];
-                if d % T::BLOCK == 0 {
-                    f = [k.factor(at[0]), k.factor(at[1])];
-                }
-                let kv = [k.load8_in(at[0], f[0]), k.load8_in(at[1], f[1])];
-                for (i, row) in acc.iter_mut().enumerate() {
-                    let qv = _mm256_loadu_ps(qp.add((r0 + i) * hd + d));
-                    row[0] = _mm256_fmadd_ps(qv, kv[0], row[0]);
-                    row[1] = _mm256_fmadd_ps(qv, kv[1], row[1]);
-                }
+    for j0 in (0..keys).step_by(KEY_BLOCK) {
+        let mut acc = [[_mm256_setzero_ps(); KEY_BLOCK]; R];
+        let mut f = [_mm256_setzero_ps(); KEY_BLOCK];
+        for d in (0..hd).step_by(8) {
+            let at = [j0 * hd + d, (j0 + 1) * hd + d];
+            if d % T::BLOCK == 0 {
+                f = [k.factor(at[0]), k.factor(at[1])];
             }
-            for pair in 0..ROW_BLOCK / 2 {
-                let (a, b) = (acc[2 * pair], acc[2 * pair + 1]);
-                // [a0 a1 b0 b1]: four horizontal sums at once
-                let h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(b[0], b[1]));
-                let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-                let mut out = [0f32; 4];
-                _mm_storeu_ps(out.as_mut_ptr(), sums);
-                let ra = sp.add((r0 + 2 * pair) * s_stride + j0);
-                let rb = sp.add((r0 + 2 * pair + 1) * s_stride + j0);
-                *ra = out[0];
-                *ra.add(1) = out[1];
-                *rb = out[2];
-                *rb.add(1) = out[3];
+            let kv = [k.load8_in(at[0], f[0]), k.load8_in(at[1], f[1])];
+            for (i, row) in acc.iter_mut().enumerate() {
+                let qv = _mm256_loadu_ps(qp.add((r0 + i) * hd + d));
+                row[0] = _mm256_fmadd_ps(qv, kv[0], row[0]);
+                row[1] = _mm256_fmadd_ps(qv, kv[1], row[1]);
+            }
+        }
+        for pair in 0..R.div_ceil(2) {
+            let a = acc[2 * pair];
+            let b = acc.get(2 * pair + 1).copied().unwrap_or(a);
+            // [a0 a1 b0 b1]: four horizontal sums at once
+            let h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(b[0], b[1]));
+            let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            let mut out = [0f32; 4];
+            _mm_storeu_ps(out.as_mut_ptr(), sums);
+            for (half, row) in (2 * pair..(2 * pair + 2).min(R)).enumerate() {
+                let at = sp.add((r0 + row) * s_stride + j0);
+                *at = out[2 * half];
+                *at.add(1) = out[2 * half + 1];
             }
         }
     }
@@ -427,31 +477,50 @@ unsafe fn accumulate_avx2<T: Src>(
     hd: usize,
     o: &mut [f32],
 ) {
+    let mut r0 = 0;
+    while r0 < rows {
+        let r = by_rows!(rows - r0, |R| accumulate_rows_avx2::<T, R>(
+            p, p_stride, r0, v, keys, hd, o
+        ));
+        r0 += r;
+    }
+}
+
+/// The weighted sums of rows `r0..r0 + R` (`R ≤ ROW_BLOCK`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn accumulate_rows_avx2<T: Src, const R: usize>(
+    p: &[f32],
+    p_stride: usize,
+    r0: usize,
+    v: T,
+    keys: usize,
+    hd: usize,
+    o: &mut [f32],
+) {
     use std::arch::x86_64::*;
     let (pp, op) = (p.as_ptr(), o.as_mut_ptr());
-    for r0 in (0..rows).step_by(ROW_BLOCK) {
-        for c in (0..hd).step_by(COL_BLOCK) {
-            let mut acc = [[_mm256_setzero_ps(); 2]; ROW_BLOCK];
+    for c in (0..hd).step_by(COL_BLOCK) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for (i, row) in acc.iter_mut().enumerate() {
+            let at = op.add((r0 + i) * hd + c);
+            *row = [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))];
+        }
+        for j in 0..keys {
+            // (both halves in one block: `COL_BLOCK` divides a quantized block)
+            let f = v.factor(j * hd + c);
+            let v0 = v.load8_in(j * hd + c, f);
+            let v1 = v.load8_in(j * hd + c + 8, f);
             for (i, row) in acc.iter_mut().enumerate() {
-                let at = op.add((r0 + i) * hd + c);
-                *row = [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))];
+                let w = _mm256_broadcast_ss(&*pp.add((r0 + i) * p_stride + j));
+                row[0] = _mm256_fmadd_ps(w, v0, row[0]);
+                row[1] = _mm256_fmadd_ps(w, v1, row[1]);
             }
-            for j in 0..keys {
-                // (both halves in one block: `COL_BLOCK` divides a quantized block)
-                let f = v.factor(j * hd + c);
-                let v0 = v.load8_in(j * hd + c, f);
-                let v1 = v.load8_in(j * hd + c + 8, f);
-                for (i, row) in acc.iter_mut().enumerate() {
-                    let w = _mm256_broadcast_ss(&*pp.add((r0 + i) * p_stride + j));
-                    row[0] = _mm256_fmadd_ps(w, v0, row[0]);
-                    row[1] = _mm256_fmadd_ps(w, v1, row[1]);
-                }
-            }
-            for (i, row) in acc.iter().enumerate() {
-                let at = op.add((r0 + i) * hd + c);
-                _mm256_storeu_ps(at, row[0]);
-                _mm256_storeu_ps(at.add(8), row[1]);
-            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            let at = op.add((r0 + i) * hd + c);
+            _mm256_storeu_ps(at, row[0]);
+            _mm256_storeu_ps(at.add(8), row[1]);
         }
     }
 }
@@ -468,30 +537,33 @@ mod tests {
             return;
         }
         let mut seed = 9u64;
-        let (rows, keys, stride, hd) = (8, 6, 8, 64);
-        let q: Vec<f32> = (0..rows * hd).map(|_| lcg(&mut seed)).collect();
-        let k: Vec<f32> = (0..keys * hd).map(|_| lcg(&mut seed)).collect();
-        let (mut s1, mut s2) = (vec![0f32; rows * stride], vec![0f32; rows * stride]);
-        // SAFETY: AVX2 and FMA were detected; the buffers hold every index touched.
-        unsafe { scores_avx2(&q, rows, &k[..], keys, hd, &mut s1, stride) };
-        for i in 0..rows {
-            for j in 0..keys {
-                s2[i * stride + j] = lane_dot(&q[i * hd..(i + 1) * hd], &k[..], j * hd);
-            }
-        }
-        assert_eq!(s1, s2);
-        let (mut o1, mut o2) = (vec![0.25f32; rows * hd], vec![0.25f32; rows * hd]);
-        // SAFETY: as above.
-        unsafe { accumulate_avx2(&s1, stride, rows, &k[..], keys, hd, &mut o1) };
-        for i in 0..rows {
-            for j in 0..keys {
-                let w = s1[i * stride + j];
-                for d in 0..hd {
-                    o2[i * hd + d] = w.mul_add(k[j * hd + d], o2[i * hd + d]);
+        // full passes of 4 rows and the narrower last ones
+        for rows in [8, 7, 6, 5, 3] {
+            let (keys, stride, hd) = (6, 8, 64);
+            let q: Vec<f32> = (0..rows * hd).map(|_| lcg(&mut seed)).collect();
+            let k: Vec<f32> = (0..keys * hd).map(|_| lcg(&mut seed)).collect();
+            let (mut s1, mut s2) = (vec![0f32; rows * stride], vec![0f32; rows * stride]);
+            // SAFETY: AVX2 and FMA were detected; the buffers hold every index touched.
+            unsafe { scores_avx2(&q, rows, &k[..], keys, hd, &mut s1, stride) };
+            for i in 0..rows {
+                for j in 0..keys {
+                    s2[i * stride + j] = lane_dot(&q[i * hd..(i + 1) * hd], &k[..], j * hd);
                 }
             }
+            assert_eq!(s1, s2, "scores, {rows} rows");
+            let (mut o1, mut o2) = (vec![0.25f32; rows * hd], vec![0.25f32; rows * hd]);
+            // SAFETY: as above.
+            unsafe { accumulate_avx2(&s1, stride, rows, &k[..], keys, hd, &mut o1) };
+            for i in 0..rows {
+                for j in 0..keys {
+                    let w = s1[i * stride + j];
+                    for d in 0..hd {
+                        o2[i * hd + d] = w.mul_add(k[j * hd + d], o2[i * hd + d]);
+                    }
+                }
+            }
+            assert_eq!(o1, o2, "weighted sums, {rows} rows");
         }
-        assert_eq!(o1, o2);
     }
 
     /// `exp_sum` and `max_of` on the machine's path against the scalar definitions, bitwise,

@@ -157,7 +157,7 @@ pub fn paged_attention(
                     next.prefetch_start(kv);
                 }
                 t.scale_queries(q, p, s);
-                s.total.reset(t.rows_pad, p.head_dim);
+                s.total.reset(t.rows, p.head_dim);
                 for seg in t.segments() {
                     t.attend_segment(kv, seg, p, s);
                     merge(s.total.view_mut(), s.state.view(), t.rows, p.head_dim);
@@ -176,7 +176,7 @@ pub fn paged_attention(
             let mut width = 0;
             for pair in 0..n_pairs {
                 let t = tile(pair);
-                width = width.max(State::floats(t.rows_pad, p.head_dim));
+                width = width.max(State::floats(t.rows, p.head_dim));
                 split
                     .tasks
                     .extend(t.segments().map(|seg| (pair as u32, seg as u32)));
@@ -209,7 +209,7 @@ pub fn paged_attention(
                         let dst = unsafe {
                             std::slice::from_raw_parts_mut(parts.0.add(i * width), width)
                         };
-                        s.state.view().store(dst, t.rows_pad, p.head_dim);
+                        s.state.view().store(dst, t.rows, p.head_dim);
                     }
                 })
             });
@@ -219,13 +219,13 @@ pub fn paged_attention(
                 with_scratch(&mut |s| {
                     for pair in range.clone() {
                         let t = tile(pair);
-                        s.total.reset(t.rows_pad, p.head_dim);
+                        s.total.reset(t.rows, p.head_dim);
                         let first = runs.partition_point(|&(pp, _)| (pp as usize) < pair);
                         let last = runs.partition_point(|&(pp, _)| (pp as usize) <= pair);
                         for i in first..last {
                             let part = StateView::load(
                                 &partials[i * width..(i + 1) * width],
-                                t.rows_pad,
+                                t.rows,
                                 p.head_dim,
                             );
                             merge(s.total.view_mut(), part, t.rows, p.head_dim);
@@ -434,7 +434,7 @@ thread_local! {
 impl Scratch {
     /// Sizes the buffers for heads of `head_dim` and `ratio` query heads per KV head.
     fn fit(&mut self, head_dim: usize, ratio: usize) {
-        let rows = (QUERY_TILE * ratio).next_multiple_of(attn::ROW_BLOCK);
+        let rows = QUERY_TILE * ratio;
         grow(&mut self.q, rows * head_dim);
         grow(&mut self.kv, KV_BLOCK_SIZE * head_dim);
         grow(&mut self.s, rows * CHUNK);
@@ -454,7 +454,6 @@ struct Tile<'a> {
     last: usize,
     ratio: usize,
     rows: usize,
-    rows_pad: usize,
     causal: bool,
     window: Option<usize>,
     seq_end: usize,
@@ -493,7 +492,6 @@ impl<'a> Tile<'a> {
             last,
             ratio,
             rows,
-            rows_pad: rows.next_multiple_of(attn::ROW_BLOCK),
             causal: p.causal,
             window: kv.layer_window(layer),
             seq_end,
@@ -541,7 +539,7 @@ impl<'a> Tile<'a> {
         at
     }
 
-    /// The tile's queries times the softmax scale into `s.q`, padded rows zero.
+    /// The tile's queries times the softmax scale into `s.q`.
     fn scale_queries(&self, q: &[f32], p: &AttnParams, s: &mut Scratch) {
         let hd = p.head_dim;
         let row = p.n_head * hd;
@@ -552,7 +550,6 @@ impl<'a> Tile<'a> {
                 *d = x * p.scale;
             }
         }
-        s.q[self.rows * hd..self.rows_pad * hd].fill(0.0);
     }
 
     /// The softmax state of the tile's rows over the slots of segment `seg` they see, from
@@ -564,8 +561,8 @@ impl<'a> Tile<'a> {
     /// scaled queries.
     fn attend_segment(&self, kv: &KvCache, seg: usize, p: &AttnParams, s: &mut Scratch) {
         let hd = p.head_dim;
-        let (rows, rows_pad) = (self.rows, self.rows_pad);
-        s.state.reset(rows_pad, hd);
+        let rows = self.rows;
+        s.state.reset(rows, hd);
         let end = self.hi_of(self.last).min((seg + 1) * SEGMENT);
         let start = self.lo_of(self.first).max(seg * SEGMENT);
         // Scores start at an even slot: the kernel takes keys in pairs and a block holds an
@@ -582,15 +579,15 @@ impl<'a> Tile<'a> {
                 let n = (block_end - at).next_multiple_of(attn::KEY_BLOCK);
                 let first = at % KV_BLOCK_SIZE;
                 let k = self.head_rows(kv, false, bi, first..first + n, hd, &mut s.kv);
-                attn::scores(&s.q, rows_pad, k, n, hd, &mut s.s[at - c0..], CHUNK);
+                attn::scores(&s.q, rows, k, n, hd, &mut s.s[at - c0..], CHUNK);
             }
             let st = &mut s.state;
-            for r in 0..rows_pad {
+            for r in 0..rows {
                 let probs = &mut s.s[r * CHUNK..r * CHUNK + keys];
                 let pos = self.first + r / self.ratio;
                 // slots of this chunk visible to the row's query, relative to c0
                 let (a, z) = (self.lo_of(pos).max(start).max(c0), self.hi_of(pos).min(c1));
-                if r >= rows || a >= z {
+                if a >= z {
                     probs.fill(0.0);
                     continue;
                 }
@@ -620,7 +617,7 @@ impl<'a> Tile<'a> {
             for (bi, at, block_end) in block_runs(c0.max(start), c1) {
                 let (first, n) = (at % KV_BLOCK_SIZE, block_end - at);
                 let v = self.head_rows(kv, true, bi, first..first + n, hd, &mut s.kv);
-                attn::accumulate(&s.s[at - c0..], CHUNK, rows_pad, v, n, hd, &mut st.o);
+                attn::accumulate(&s.s[at - c0..], CHUNK, rows, v, n, hd, &mut st.o);
             }
             c0 = c1;
         }
