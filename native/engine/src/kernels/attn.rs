@@ -47,6 +47,7 @@ trait Src: Copy {
     fn len(self) -> usize;
     fn get(self, i: usize) -> f32;
     /// Elements per block sharing one [`Src::factor`] (a block never straddles a row).
+    #[cfg(target_arch = "x86_64")]
     const BLOCK: usize = usize::MAX;
 
     /// What [`Src::load8_in`] needs for the elements of `i`'s block (a quantized block's
@@ -135,6 +136,7 @@ impl Src for Q8Blocks<'_> {
         self.scale(block) * (self.0[block + 2 + j] as i8) as f32
     }
 
+    #[cfg(target_arch = "x86_64")]
     const BLOCK: usize = Q8_BLOCK.1;
 
     #[cfg(target_arch = "x86_64")]
@@ -392,6 +394,7 @@ unsafe fn scores_avx2<T: Src>(
 
 /// Runs `$call` with the constant `$r`: `ROW_BLOCK` rows, or the fewer that are left (so a
 /// tile of 3 query heads per KV head computes 3 rows, not 4), and returns it.
+#[cfg(target_arch = "x86_64")]
 macro_rules! by_rows {
     ($left:expr, |$r:ident| $call:expr) => {
         match $left {
@@ -418,6 +421,7 @@ macro_rules! by_rows {
         }
     };
 }
+#[cfg(target_arch = "x86_64")]
 use by_rows;
 
 /// Scores of rows `r0..r0 + R` (`R ≤ ROW_BLOCK`) against every key.
