@@ -383,36 +383,30 @@ unsafe fn scores_avx2<T: Src>(
     s: &mut [f32],
     s_stride: usize,
 ) {
-    let mut r0 = 0;
-    while r0 < rows {
-        let r = by_rows!(rows - r0, |R| scores_rows_avx2::<T, R>(
-            q, r0, k, keys, hd, s, s_stride
-        ));
-        r0 += r;
-    }
+    row_passes!(rows, |r0, R| scores_rows_avx2::<T, R>(
+        q, r0, k, keys, hd, s, s_stride
+    ));
 }
 
-/// Runs `$call` with the constant `$r`: `ROW_BLOCK` rows, or the fewer that are left (so a
-/// tile of 3 query heads per KV head computes 3 rows, not 4), and returns it.
+/// Runs `$call` for every pass over `$rows` rows: `$r0` its first row, `$r` (a constant) its
+/// rows, `ROW_BLOCK` or the fewer left in the last pass (so a tile of 3 query heads per KV
+/// head computes 3 rows, not 4).
 #[cfg(target_arch = "x86_64")]
-macro_rules! by_rows {
-    ($left:expr, |$r:ident| $call:expr) => {
+macro_rules! row_passes {
+    ($rows:expr, |$r0:ident, $r:ident| $call:expr) => {{
+        let mut $r0 = 0;
+        while $r0 < $rows {
+            let done = row_passes!(@ $rows - $r0, $r, $call, [1, 2, 3]);
+            $r0 += done;
+        }
+    }};
+    (@ $left:expr, $r:ident, $call:expr, [$($n:literal),*]) => {
         match $left {
-            1 => {
-                const $r: usize = 1;
+            $($n => {
+                const $r: usize = $n;
                 $call;
-                1
-            }
-            2 => {
-                const $r: usize = 2;
-                $call;
-                2
-            }
-            3 => {
-                const $r: usize = 3;
-                $call;
-                3
-            }
+                $n
+            })*
             _ => {
                 const $r: usize = ROW_BLOCK;
                 $call;
@@ -422,7 +416,7 @@ macro_rules! by_rows {
     };
 }
 #[cfg(target_arch = "x86_64")]
-use by_rows;
+use row_passes;
 
 /// Scores of rows `r0..r0 + R` (`R ≤ ROW_BLOCK`) against every key.
 #[cfg(target_arch = "x86_64")]
@@ -481,13 +475,9 @@ unsafe fn accumulate_avx2<T: Src>(
     hd: usize,
     o: &mut [f32],
 ) {
-    let mut r0 = 0;
-    while r0 < rows {
-        let r = by_rows!(rows - r0, |R| accumulate_rows_avx2::<T, R>(
-            p, p_stride, r0, v, keys, hd, o
-        ));
-        r0 += r;
-    }
+    row_passes!(rows, |r0, R| accumulate_rows_avx2::<T, R>(
+        p, p_stride, r0, v, keys, hd, o
+    ));
 }
 
 /// The weighted sums of rows `r0..r0 + R` (`R ≤ ROW_BLOCK`).

@@ -406,8 +406,8 @@ fn grow(v: &mut Vec<f32>, n: usize) {
 struct Scratch {
     /// Scaled queries of the tile, `[rows, hd]`.
     q: Vec<f32>,
-    /// One block's keys or values dequantized to f32, `[KV_BLOCK_SIZE, hd]`, for quantized
-    /// caches (f16 and f32 ones are read in place).
+    /// One block's keys or values dequantized to f32, `[KV_BLOCK_SIZE, hd]`, for `q4_0`
+    /// caches (f16, f32 and `q8_0` ones are read in place).
     kv: Vec<f32>,
     /// Scores, then probabilities, `[rows, CHUNK]`.
     s: Vec<f32>,

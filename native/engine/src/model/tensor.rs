@@ -5,10 +5,11 @@
 //! type on the device (`QMatMul`: candle's quantized CUDA kernels), activations never leave
 //! it, what the host prepares for a pass (embeddings, rotary tables, cache rows, masks) goes
 //! over in two copies ([`Staging`]), and only the logits rows (or hidden rows) the batch asks
-//! for come back, in one copy: of a row that feeds only a greedy choice, its token's id. The KV cache's block tables stay in the host's [`KvCache`]; the keys and
-//! values live in the context's [`DeviceKv`] at the same block ids, so prefix sharing,
-//! copy-on-write and sliding windows work as on the CPU. On candle's CPU device the engine's tests check this code against
-//! llama.cpp's fixtures, as the CPU backend is checked.
+//! for come back, in one copy: of a row that feeds only a greedy choice, its token's id. The
+//! KV cache's block tables stay in the host's [`KvCache`]; the keys and values live in the
+//! context's [`DeviceKv`] at the same block ids, so prefix sharing, copy-on-write and sliding
+//! windows work as on the CPU. On candle's CPU device the engine's tests check this code
+//! against llama.cpp's fixtures, as the CPU backend is checked.
 
 use super::attention::visible_keys;
 use super::decoder::{refuse_generation, Activation, Family, PooledHeads};
@@ -593,14 +594,14 @@ struct PickRows {
 impl PickRows {
     /// `None` when no output row is picked (every row comes back whole).
     fn stage(outputs: &[u32], pick_rows: &[bool], st: &mut Staging) -> Option<Self> {
-        let picked = |&(_, &t): &(usize, &u32)| pick_rows.get(t as usize) == Some(&true);
-        if !outputs.iter().enumerate().any(|o| picked(&o)) {
+        let picked = |r: &u32| pick_rows.get(outputs[*r as usize] as usize) == Some(&true);
+        let rows = || 0..outputs.len() as u32;
+        if !rows().any(|r| picked(&r)) {
             return None;
         }
-        let rows = || outputs.iter().enumerate();
         Some(PickRows {
-            full: st.u32s(rows().filter(|o| !picked(o)).map(|(r, _)| r as u32)),
-            pick: st.u32s(rows().filter(picked).map(|(r, _)| r as u32)),
+            full: st.u32s(rows().filter(|r| !picked(r))),
+            pick: st.u32s(rows().filter(picked)),
         })
     }
 }
@@ -800,14 +801,10 @@ impl Architecture for TensorDecoder {
         let select = |r: &Range<usize>| -> Result<Tensor> {
             Ok(logits.index_select(&staged.u32s(r, &[r.len()])?, 0)?)
         };
-        let ids = if picks.full.is_empty() {
+        let back = if picks.full.is_empty() {
             first_argmax(&logits, &self.rev_index)?
         } else {
-            first_argmax(&select(&picks.pick)?, &self.rev_index)?
-        };
-        let back = if picks.full.is_empty() {
-            ids
-        } else {
+            let ids = first_argmax(&select(&picks.pick)?, &self.rev_index)?;
             Tensor::cat(&[select(&picks.full)?.flatten_all()?, ids], 0)?
         };
         host_vec(&back, &mut ws.logits, &mut ws.device_copies)?;
