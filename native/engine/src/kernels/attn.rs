@@ -383,9 +383,11 @@ unsafe fn scores_avx2<T: Src>(
     s: &mut [f32],
     s_stride: usize,
 ) {
-    row_passes!(rows, |r0, R| scores_rows_avx2::<T, R>(
-        q, r0, k, keys, hd, s, s_stride
-    ));
+    with_head_dim!(hd, H, {
+        row_passes!(rows, |r0, R| scores_rows_avx2::<T, R, H>(
+            q, r0, k, keys, hd, s, s_stride
+        ))
+    });
 }
 
 /// Runs `$call` for every pass over `$rows` rows: `$r0` its first row, `$r` (a constant) its
@@ -418,10 +420,35 @@ macro_rules! row_passes {
 #[cfg(target_arch = "x86_64")]
 use row_passes;
 
+/// Runs `$body` with `$h` a constant: the head dimension when it is one of the common ones
+/// (64, 128), so the kernels' loops over it unroll and keep no counters, or 0 (the kernels
+/// then read the run-time `hd`).
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_head_dim {
+    ($hd:expr, $h:ident, $body:block) => {
+        match $hd {
+            64 => {
+                const $h: usize = 64;
+                $body
+            }
+            128 => {
+                const $h: usize = 128;
+                $body
+            }
+            _ => {
+                const $h: usize = 0;
+                $body
+            }
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+use with_head_dim;
+
 /// Scores of rows `r0..r0 + R` (`R ≤ ROW_BLOCK`) against every key.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores_rows_avx2<T: Src, const R: usize>(
+unsafe fn scores_rows_avx2<T: Src, const R: usize, const H: usize>(
     q: &[f32],
     r0: usize,
     k: T,
@@ -431,11 +458,13 @@ unsafe fn scores_rows_avx2<T: Src, const R: usize>(
     s_stride: usize,
 ) {
     use std::arch::x86_64::*;
+    let hd = if H > 0 { H } else { hd };
     let (qp, sp) = (q.as_ptr(), s.as_mut_ptr());
     for j0 in (0..keys).step_by(KEY_BLOCK) {
         let mut acc = [[_mm256_setzero_ps(); KEY_BLOCK]; R];
         let mut f = [_mm256_setzero_ps(); KEY_BLOCK];
-        for d in (0..hd).step_by(8) {
+        let mut d = 0;
+        while d < hd {
             let at = [j0 * hd + d, (j0 + 1) * hd + d];
             if d % T::BLOCK == 0 {
                 f = [k.factor(at[0]), k.factor(at[1])];
@@ -446,6 +475,7 @@ unsafe fn scores_rows_avx2<T: Src, const R: usize>(
                 row[0] = _mm256_fmadd_ps(qv, kv[0], row[0]);
                 row[1] = _mm256_fmadd_ps(qv, kv[1], row[1]);
             }
+            d += 8;
         }
         for pair in 0..R.div_ceil(2) {
             let a = acc[2 * pair];
@@ -475,15 +505,17 @@ unsafe fn accumulate_avx2<T: Src>(
     hd: usize,
     o: &mut [f32],
 ) {
-    row_passes!(rows, |r0, R| accumulate_rows_avx2::<T, R>(
-        p, p_stride, r0, v, keys, hd, o
-    ));
+    with_head_dim!(hd, H, {
+        row_passes!(rows, |r0, R| accumulate_rows_avx2::<T, R, H>(
+            p, p_stride, r0, v, keys, hd, o
+        ))
+    });
 }
 
 /// The weighted sums of rows `r0..r0 + R` (`R ≤ ROW_BLOCK`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn accumulate_rows_avx2<T: Src, const R: usize>(
+unsafe fn accumulate_rows_avx2<T: Src, const R: usize, const H: usize>(
     p: &[f32],
     p_stride: usize,
     r0: usize,
@@ -493,6 +525,7 @@ unsafe fn accumulate_rows_avx2<T: Src, const R: usize>(
     o: &mut [f32],
 ) {
     use std::arch::x86_64::*;
+    let hd = if H > 0 { H } else { hd };
     let (pp, op) = (p.as_ptr(), o.as_mut_ptr());
     for c in (0..hd).step_by(COL_BLOCK) {
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
@@ -531,9 +564,18 @@ mod tests {
             return;
         }
         let mut seed = 9u64;
-        // full passes of 4 rows and the narrower last ones
-        for rows in [8, 7, 6, 5, 3] {
-            let (keys, stride, hd) = (6, 8, 64);
+        // full passes of 4 rows and the narrower last ones; head dims the kernels unroll
+        // (64, 128) and one they loop over
+        for (rows, hd) in [
+            (8, 64),
+            (7, 64),
+            (6, 128),
+            (5, 96),
+            (3, 64),
+            (3, 128),
+            (3, 96),
+        ] {
+            let (keys, stride) = (6, 8);
             let q: Vec<f32> = (0..rows * hd).map(|_| lcg(&mut seed)).collect();
             let k: Vec<f32> = (0..keys * hd).map(|_| lcg(&mut seed)).collect();
             let (mut s1, mut s2) = (vec![0f32; rows * stride], vec![0f32; rows * stride]);
@@ -544,7 +586,7 @@ mod tests {
                     s2[i * stride + j] = lane_dot(&q[i * hd..(i + 1) * hd], &k[..], j * hd);
                 }
             }
-            assert_eq!(s1, s2, "scores, {rows} rows");
+            assert_eq!(s1, s2, "scores, {rows} rows of {hd}");
             let (mut o1, mut o2) = (vec![0.25f32; rows * hd], vec![0.25f32; rows * hd]);
             // SAFETY: as above.
             unsafe { accumulate_avx2(&s1, stride, rows, &k[..], keys, hd, &mut o1) };
@@ -556,7 +598,7 @@ mod tests {
                     }
                 }
             }
-            assert_eq!(o1, o2, "weighted sums, {rows} rows");
+            assert_eq!(o1, o2, "weighted sums, {rows} rows of {hd}");
         }
     }
 

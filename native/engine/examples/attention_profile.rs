@@ -1,0 +1,108 @@
+//! Times decode attention alone over a paged KV cache of random values, for A/B checks of
+//! attention changes (no model, no BEAM):
+//!
+//!     cargo run --release --example attention_profile -- [THREADS] [DEPTH] [STREAMS]
+//!
+//! Each of STREAMS sequences (default 8) holds DEPTH positions (default 228) in every layer
+//! and decodes one token: SmolLM2's shapes (30 layers, 9 query heads over 3 KV heads of 64).
+//! `LAYERS=1` keeps one layer, whose K/V stay in cache between calls (the arithmetic alone);
+//! `KV_TYPE=f16|f32|q8_0|q4_0` sets the cache's precision (default f16). Prints the best of
+//! five rounds, per step and per (KV head, key) pair.
+
+use llama_cpp_ex_engine::batch::Batch;
+use llama_cpp_ex_engine::kv::{KvCache, KvType};
+use llama_cpp_ex_engine::model::attention::{paged_attention, tiles_into, AttnParams};
+use std::time::Instant;
+
+const N_HEAD: usize = 9;
+const N_KV_HEADS: usize = 3;
+const HEAD_DIM: usize = 64;
+
+fn arg(i: usize, default: usize) -> usize {
+    std::env::args()
+        .nth(i)
+        .map(|s| s.parse().expect("arguments are numbers"))
+        .unwrap_or(default)
+}
+
+fn main() {
+    let (threads, depth, streams) = (arg(1, 2), arg(2, 228), arg(3, 8));
+    let layers: usize = std::env::var("LAYERS").map_or(30, |s| s.parse().expect("LAYERS"));
+    let ty = match std::env::var("KV_TYPE").as_deref() {
+        Ok("f32") => KvType::F32,
+        Ok("q8_0") => KvType::Q8_0,
+        Ok("q4_0") => KvType::Q4_0,
+        _ => KvType::F16,
+    };
+    let kv_dim = N_KV_HEADS * HEAD_DIM;
+    let mut kv = KvCache::new(
+        &vec![None; layers],
+        N_KV_HEADS,
+        HEAD_DIM,
+        streams * (depth + 64),
+        (streams, 0),
+        (ty, ty),
+    )
+    .expect("KV cache");
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut random = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    // positions written in the order decoding writes them: every stream's, a token at a time
+    for s in 0..streams {
+        kv.reserve(s, 0, depth + 1).expect("blocks");
+    }
+    let (mut k, mut v) = (vec![0f32; kv_dim], vec![0f32; kv_dim]);
+    for pos in 0..=depth {
+        for s in 0..streams {
+            for l in 0..layers {
+                k.iter_mut().for_each(|x| *x = random());
+                v.iter_mut().for_each(|x| *x = random());
+                kv.write(l, s, pos, &k, &v);
+            }
+        }
+    }
+    for s in 0..streams {
+        kv.commit(s, depth + 1);
+    }
+    let mut batch = Batch::with_capacity(streams);
+    for s in 0..streams {
+        batch.push(0, depth, s, true);
+    }
+    let mut tiles = Vec::new();
+    tiles_into(&batch, &mut tiles);
+    let params = AttnParams {
+        n_head: N_HEAD,
+        n_kv_heads: N_KV_HEADS,
+        head_dim: HEAD_DIM,
+        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        softcap: None,
+        causal: true,
+    };
+    let q: Vec<f32> = (0..streams * N_HEAD * HEAD_DIM).map(|_| random()).collect();
+    let mut out = vec![0f32; q.len()];
+    let steps = (20_000_000 / (layers * streams * (depth + 1))).max(3);
+    let best = llama_cpp_ex_engine::pool::with_threads(threads, || {
+        (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                for _ in 0..steps {
+                    for l in 0..layers {
+                        paged_attention(&kv, l, &batch, &tiles, &q, &params, &mut out);
+                    }
+                }
+                t.elapsed().as_secs_f64() / steps as f64
+            })
+            .fold(f64::INFINITY, f64::min)
+    });
+    let pair_keys = layers * streams * N_KV_HEADS * (depth + 1);
+    println!(
+        "{streams} streams at depth {depth}, {layers} layers, {ty:?} cache, {threads} threads: \
+         {:.3} ms a step, {:.1} ns a (KV head, key) pair",
+        best * 1e3,
+        best * 1e9 / pair_keys as f64
+    );
+}
