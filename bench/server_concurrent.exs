@@ -126,7 +126,11 @@ defmodule Bench.Concurrent do
         ]
       ])
 
-    :ok = wait_http(port, 200)
+    with {:error, why} <- wait_http(port, 200) do
+      raise "llama-server (#{exe}) did not start (#{inspect(why)}); its last output:\n" <>
+              port_output(server, "")
+    end
+
     stream_theirs(port, "warm up", 4)
     t0 = System.monotonic_time(:microsecond)
 
@@ -184,12 +188,33 @@ defmodule Bench.Concurrent do
     }
   end
 
-  defp wait_http(_port, 0), do: {:error, :llama_server_did_not_start}
+  defp wait_http(_port, 0), do: {:error, :no_answer_on_its_port}
 
   defp wait_http(port, n) do
     case :httpc.request(:get, {~c"http://127.0.0.1:#{port}/health", []}, [timeout: 1000], []) do
-      {:ok, {{_, 200, _}, _, _}} -> :ok
-      _ -> Process.sleep(250) && wait_http(port, n - 1)
+      {:ok, {{_, 200, _}, _, _}} ->
+        :ok
+
+      _ ->
+        receive do
+          {_server, {:exit_status, status}} -> {:error, {:exited, status}}
+        after
+          250 -> wait_http(port, n - 1)
+        end
+    end
+  end
+
+  # What the exited (or silent) server printed, its exit status last: a build for another
+  # CPU dies with SIGILL (status 132) before it listens.
+  defp port_output(server, acc) do
+    receive do
+      {^server, {:data, data}} ->
+        port_output(server, acc <> data)
+
+      {^server, {:exit_status, status}} ->
+        String.slice(acc, -2000..-1//1) <> "\nexit status #{status}"
+    after
+      0 -> String.slice(acc, -2000..-1//1)
     end
   end
 
