@@ -421,7 +421,7 @@ macro_rules! row_passes {
 use row_passes;
 
 /// Runs `$body` with `$h` a constant: the head dimension when it is one of the common ones
-/// (64, 128), so the kernels' loops over it unroll and keep no counters, or 0 (the kernels
+/// (64, 128, 256), so the kernels' loops over it unroll and keep no counters, or 0 (the kernels
 /// then read the run-time `hd`).
 #[cfg(target_arch = "x86_64")]
 macro_rules! with_head_dim {
@@ -433,6 +433,10 @@ macro_rules! with_head_dim {
             }
             128 => {
                 const $h: usize = 128;
+                $body
+            }
+            256 => {
+                const $h: usize = 256;
                 $body
             }
             _ => {
@@ -565,7 +569,7 @@ mod tests {
         }
         let mut seed = 9u64;
         // full passes of 4 rows and the narrower last ones; head dims the kernels unroll
-        // (64, 128) and one they loop over
+        // (64, 128, 256) and one they loop over
         for (rows, hd) in [
             (8, 64),
             (7, 64),
@@ -574,6 +578,7 @@ mod tests {
             (3, 64),
             (3, 128),
             (3, 96),
+            (4, 256),
         ] {
             let (keys, stride) = (6, 8);
             let q: Vec<f32> = (0..rows * hd).map(|_| lcg(&mut seed)).collect();
