@@ -126,7 +126,7 @@ defmodule Bench.Concurrent do
         ]
       ])
 
-    with {:error, why} <- wait_http(port, 200) do
+    with {:error, why} <- wait_http(server, port, 200) do
       raise "llama-server (#{exe}) did not start (#{inspect(why)}); its last output:\n" <>
               port_output(server, "")
     end
@@ -188,18 +188,18 @@ defmodule Bench.Concurrent do
     }
   end
 
-  defp wait_http(_port, 0), do: {:error, :no_answer_on_its_port}
+  defp wait_http(_server, _port, 0), do: {:error, :no_answer_on_its_port}
 
-  defp wait_http(port, n) do
+  defp wait_http(server, port, n) do
     case :httpc.request(:get, {~c"http://127.0.0.1:#{port}/health", []}, [timeout: 1000], []) do
       {:ok, {{_, 200, _}, _, _}} ->
         :ok
 
       _ ->
         receive do
-          {_server, {:exit_status, status}} -> {:error, {:exited, status}}
+          {^server, {:exit_status, status}} -> {:error, {:exited, status}}
         after
-          250 -> wait_http(port, n - 1)
+          250 -> wait_http(server, port, n - 1)
         end
     end
   end

@@ -421,8 +421,8 @@ macro_rules! row_passes {
 use row_passes;
 
 /// Runs `$body` with `$h` a constant: the head dimension when it is one of the common ones
-/// (64, 128, 256), so the kernels' loops over it unroll and keep no counters, or 0 (the kernels
-/// then read the run-time `hd`).
+/// (64, 128, 256), so the kernels' loops over it unroll and keep no counters, or 0 (the
+/// kernels then read the run-time `hd`).
 #[cfg(target_arch = "x86_64")]
 macro_rules! with_head_dim {
     ($hd:expr, $h:ident, $body:block) => {
