@@ -18,6 +18,11 @@
 #                               llama.cpp's CPU backend (GPU hidden) on the same files.
 #                               A summary ends the output ($OUT/summary.txt); every log comes
 #                               back in $OUT/logs.tar.gz.
+#   scripts/gpu_check.sh probe  `examples/graph_probe.rs` alone: a decode step of candle's CUDA
+#                               ops at 1B shapes, eager and replayed as one CUDA graph.
+#   scripts/gpu_check.sh parity the parity half of `run` alone (a minute or two): after a change
+#                               to the tests or the tensor path, with the test binaries
+#                               repacked (`pack`, or `pack tests`).
 #
 # Environment (pack): CUDA_PREFIX (default ~/.cache/llama_cpp_ex/cuda13), CUDA_COMPUTE_CAP
 # (default 90: H100/H200), LLAMA_CPP_SRC (llama.cpp's unpacked source, default the one
@@ -34,7 +39,8 @@ pack() {
   source "$prefix/env.sh"
   export CARGO_TARGET_DIR="${CUDA_TARGET_DIR:-$HOME/.cache/llama_cpp_ex/cargo-target-cuda}"
   local manifest=(--quiet --manifest-path "$ROOT/native/Cargo.toml")
-  rm -rf "$PACK" && mkdir -p "$PACK"
+  [ "${1:-}" = tests ] || rm -rf "$PACK"
+  mkdir -p "$PACK"
   # test binaries: their paths from cargo's JSON messages
   cargo test "${manifest[@]}" --release -p llama_cpp_ex_engine --features cuda --no-run \
     --test arch_parity --test tensor_backend --message-format=json |
@@ -45,8 +51,12 @@ for l in sys.stdin:
         print(m["target"]["name"], m["executable"])' | while read -r name exe; do
     xz -T2 -6 -c "$exe" > "$PACK/$name.xz"
   done
-  cargo build "${manifest[@]}" --release -p llama_cpp_ex_engine --features cuda --example decode_profile
-  xz -T2 -6 -c "$CARGO_TARGET_DIR/release/examples/decode_profile" > "$PACK/decode_profile.xz"
+  [ "${1:-}" = tests ] && { du -sh "$PACK"/*; return; }
+  local ex
+  for ex in decode_profile graph_probe; do
+    cargo build "${manifest[@]}" --release -p llama_cpp_ex_engine --features cuda --example "$ex"
+    xz -T2 -6 -c "$CARGO_TARGET_DIR/release/examples/$ex" > "$PACK/$ex.xz"
+  done
   # the tokenizer of SmolLM2 without its weights, for random models made there
   local models="${LLAMA_CPP_EX_MODELS:-$HOME/.cache/llama_cpp_ex/models}"
   python3 "$ROOT/scripts/tokenizer_only_gguf.py" "$models/SmolLM2-135M-Instruct.Q4_1.gguf" "$PACK/tok.gguf"
@@ -106,27 +116,44 @@ run() {
   }
   nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader | tee "$log/gpu.txt"
   summary+="gpu: $(head -1 "$log/gpu.txt"); host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"$'\n'
-  # llama.cpp's CUDA anchor (its CPU backend too) builds in the background meanwhile
-  mkdir -p /tmp/lcp && tar -C /tmp/lcp -xJf "$PACK/lcp.tar.xz"
-  local nvcc
-  nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-  (cd /tmp/lcp && PATH="$(dirname "$nvcc"):$PATH" cmake -S . -B build -DGGML_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
-    -DLLAMA_OPENSSL=OFF -DGGML_CUDA_NCCL=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
-    -DCMAKE_BUILD_TYPE=Release > "$log/lcp_cmake.log" 2>&1 &&
-    cmake --build build -j 12 --target llama-bench llama-quantize > "$log/lcp_build.log" 2>&1) &
-  local build=$!
+  local build
+  if [ "$MODE" = run ]; then
+    # llama.cpp's CUDA anchor (its CPU backend too) builds in the background meanwhile
+    mkdir -p /tmp/lcp && tar -C /tmp/lcp -xJf "$PACK/lcp.tar.xz"
+    local nvcc
+    nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+    (cd /tmp/lcp && PATH="$(dirname "$nvcc"):$PATH" cmake -S . -B build -DGGML_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
+      -DLLAMA_OPENSSL=OFF -DGGML_CUDA_NCCL=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
+      -DCMAKE_BUILD_TYPE=Release > "$log/lcp_cmake.log" 2>&1 &&
+      cmake --build build -j 12 --target llama-bench llama-quantize > "$log/lcp_build.log" 2>&1) &
+    build=$!
+  fi
   LD_LIBRARY_PATH="$(find_cuda_libs)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export LD_LIBRARY_PATH
-  for b in arch_parity tensor_backend decode_profile; do
-    xz -dc "$PACK/$b.xz" > "$bin/$b" && chmod +x "$bin/$b"
+  for b in arch_parity tensor_backend decode_profile graph_probe; do
+    [ -f "$PACK/$b.xz" ] && xz -dc "$PACK/$b.xz" > "$bin/$b" && chmod +x "$bin/$b"
   done
-  local py=python3
+  local py=python3 gen
   [ -x /opt/torch/.venv/bin/python3 ] && py=/opt/torch/.venv/bin/python3
-  PYTHONPATH="$PACK/py" $py "$PACK/random_llama.py" "$PACK/tok.gguf" /tmp/l1b.gguf \
-    --shape llama3.2-1b > "$log/gen.log" 2>&1 &
-  local gen=$!
+  if [ "$MODE" = run ]; then
+    PYTHONPATH="$PACK/py" $py "$PACK/random_llama.py" "$PACK/tok.gguf" /tmp/l1b.gguf \
+      --shape llama3.2-1b > "$log/gen.log" 2>&1 &
+    gen=$!
+  fi
+  # a decode step of candle's ops at 1B shapes, eager and as one CUDA graph
+  graph_probe() {
+    el "graph probe"
+    timeout 120 "$bin/graph_probe" 16 100 > "$log/graph_probe.txt" 2>&1
+    summary+="graph_probe (16 layers at 1B shapes) exit $?:"$'\n'
+    summary+="$(grep -v -E '^ +[0-9]+: ' "$log/graph_probe.txt" | head -8)"$'\n'
+  }
+  if [ "$MODE" = probe ]; then
+    graph_probe
+    finish
+    return
+  fi
   el "parity on the GPU"
   for t in arch_parity tensor_backend; do
     (LLAMA_CPP_EX_FIXTURES="$ROOT/test/fixtures" LLAMA_CPP_EX_TEST_BACKEND=cuda timeout 150 "$bin/$t" \
@@ -134,6 +161,10 @@ run() {
     summary+="$t on CUDA: $r; $(grep -E '^test result' "$log/$t.log" | head -1)"$'\n'
     summary+="$(grep -E 'argmax|panicked|FAILED|failures:' "$log/$t.log" | head -30)"$'\n'
   done
+  if [ "$MODE" = parity ]; then
+    finish
+    return
+  fi
   el "random models"
   PYTHONPATH="$PACK/py" $py "$PACK/random_llama.py" "$PACK/tok.gguf" /tmp/l135.gguf \
     --shape smollm2-135m >> "$log/gen.log" 2>&1
@@ -158,10 +189,24 @@ run() {
     summary+="$name GPU, llama.cpp CUDA -ngl 99:"$'\n'"$(grep -E '^\| .*(pp|tg)' "$log/lcp_gpu_$name.md")"$'\n'
     summary+="$name GPU, ours:"$'\n'"$(tail -5 "$log/ours_gpu_$name.txt")"$'\n'
   done
+  graph_probe
+  # one decode step's kernels on the 1B file, timed by Nsight Compute: their count and GPU
+  # time against the step's wall time say how launch-bound the step is
+  local ncu
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -1)
+  if [ -n "$ncu" ]; then
+    el "ncu: one decode step"
+    NCU_STEP=1 GPU=1 TG_ONLY=1 timeout 120 "$ncu" --clock-control none --profile-from-start off \
+      --metrics gpu__time_duration.sum --csv --page raw --log-file "$log/ncu_step.csv" \
+      "$bin/decode_profile" /tmp/l1b-q4km.gguf 1 4 > "$log/ncu_run.txt" 2>&1
+    summary+="one 1B decode step under ncu: $(python3 "$ROOT/scripts/ncu_summary.py" "$log/ncu_step.csv" 2>&1)"$'\n'
+  else
+    summary+="ncu: not found"$'\n'
+  fi
   # the host's cores for issue 43's many-core targets: llama.cpp's CPU backend with the GPU
   # hidden (so no op is offloaded), against the engine's CPU path of the same binary
   local t
-  for t in 4 8 16; do
+  for t in 16 8 4; do
     for m in /tmp/l1b-q4km.gguf /tmp/l135-q41.gguf; do
       name=$(basename "$m" .gguf)
       if [ "$(date +%s)" -gt "$deadline" ]; then
@@ -180,7 +225,7 @@ run() {
 }
 
 case "$MODE" in
-  pack) pack ;;
-  run) run ;;
-  *) echo "usage: $0 pack|run" >&2; exit 2 ;;
+  pack) pack "${2:-}" ;;
+  run | parity | probe) run ;;
+  *) echo "usage: $0 pack [tests]|run|parity|probe" >&2; exit 2 ;;
 esac

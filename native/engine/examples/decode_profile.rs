@@ -86,17 +86,27 @@ fn main() {
             println!("pp512: {:.1} tok/s", 512.0 / best);
         }
 
+        // NCU_STEP=1: the first run's third step alone is bracketed for a profiler started
+        // with profiling off (`ncu --profile-from-start off`): one decode step's kernels
+        let ncu_step = std::env::var_os("NCU_STEP").is_some();
         // the median of 5 runs from an empty context (as llama-bench's tg runs) or after
         // PROMPT tokens
         let mut runs: Vec<f64> = (0..5)
-            .map(|_| {
+            .map(|run| {
                 let mut ctx = Context::new(model.clone(), params(1)).unwrap();
                 ctx.decode(&Batch::for_sequence(&prompt[..start], 0, 0))
                     .unwrap();
                 let t = Instant::now();
                 for i in 0..steps {
+                    let bracket = ncu_step && run == 0 && i == 2;
+                    if bracket {
+                        profiler(true);
+                    }
                     ctx.decode(&Batch::for_sequence(&[400 + i as u32 % 500], start + i, 0))
                         .unwrap();
+                    if bracket {
+                        profiler(false);
+                    }
                 }
                 steps as f64 / t.elapsed().as_secs_f64()
             })
@@ -130,4 +140,22 @@ fn main() {
             n / t.elapsed().as_secs_f64()
         );
     }
+}
+
+/// Turns a CUDA profiler's collection on or off (no-op in a CPU build).
+fn profiler(on: bool) {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        // SAFETY: plain driver calls without arguments; a failure only means no profiler.
+        unsafe {
+            let _ = if on {
+                sys::cuProfilerStart()
+            } else {
+                sys::cuProfilerStop()
+            };
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = on;
 }

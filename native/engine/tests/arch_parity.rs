@@ -23,6 +23,10 @@ const MAX_LOGPROB_DIFF: f64 = 2e-2;
 /// type), Q8_0…IQ4_XS 4e-2…1.1e-1: both sides quantize activations (ggml to Q8_0/Q8_K, the
 /// engine's kernels to their own 8-bit blocks), and those roundings differ.
 const MAX_QUANT_LOGPROB_DIFF: f64 = 0.15;
+/// The same on a GPU: candle's CUDA kernels quantize the activations to Q8_1 blocks and sum
+/// in another order than ggml's CPU kernels that made the fixtures. Measured on an H200:
+/// Q4_1 1.50e-1 (5.5e-2 on the CPU kernels), F16 3.5e-3, Q8_0 4.5e-2, Q4_0 4.3e-2.
+const MAX_QUANT_LOGPROB_DIFF_CUDA: f64 = 0.2;
 
 /// `test/fixtures/tiny/<file>.gguf` with its weights as stored, on the backend
 /// `LLAMA_CPP_EX_TEST_BACKEND` names (the CPU kernels by default).
@@ -41,17 +45,30 @@ fn tiny(arch: &str) -> Arc<Model> {
 }
 
 /// Argmax agreement at the required margin and the log-probability bound.
-fn assert_matches(label: &str, (agree, total, max_diff): (usize, usize, f64), bound: f64) {
+fn assert_matches(label: &str, result: (usize, usize, f64), bound: f64) {
+    if let Some(failure) = mismatch(label, result, bound) {
+        panic!("{failure}");
+    }
+}
+
+/// What fails [`assert_matches`], if anything (printed either way).
+fn mismatch(
+    label: &str,
+    (agree, total, max_diff): (usize, usize, f64),
+    bound: f64,
+) -> Option<String> {
     println!("{label}: argmax {agree}/{total} at margin >= 0.5, max |Δ logprob| {max_diff:.2e}");
-    assert!(total > 0, "{label}: no position with a clear winner");
-    assert!(
-        agree as f64 >= REQUIRED_AGREEMENT * total as f64,
-        "{label}: argmax agreement {agree}/{total}"
-    );
-    assert!(
-        max_diff <= bound,
-        "{label}: log-probabilities differ from llama.cpp's by {max_diff}"
-    );
+    if total == 0 {
+        Some(format!("{label}: no position with a clear winner"))
+    } else if (agree as f64) < REQUIRED_AGREEMENT * total as f64 {
+        Some(format!("{label}: argmax agreement {agree}/{total}"))
+    } else if max_diff > bound {
+        Some(format!(
+            "{label}: log-probabilities differ from llama.cpp's by {max_diff}"
+        ))
+    } else {
+        None
+    }
 }
 
 fn cases(arch: &str) -> Vec<serde_json::Value> {
@@ -161,15 +178,20 @@ const QUANTS: [&str; 14] = [
 #[test]
 fn every_quantization_type_matches_llama_cpp() {
     let fx = fixture("tiny/parity.json");
-    for q in QUANTS {
-        let model = load_tiny(&format!("quant-{}", q.to_lowercase()));
-        let result = compare(q, &model, fx["quants"][q].as_array().unwrap());
-        assert_matches(
-            &format!("{q} ({})", model.desc),
-            result,
-            MAX_QUANT_LOGPROB_DIFF,
-        );
-    }
+    let bound = match std::env::var("LLAMA_CPP_EX_TEST_BACKEND").as_deref() {
+        Ok("cuda") => MAX_QUANT_LOGPROB_DIFF_CUDA,
+        _ => MAX_QUANT_LOGPROB_DIFF,
+    };
+    // every type is reported before the test fails
+    let failures: Vec<String> = QUANTS
+        .iter()
+        .filter_map(|q| {
+            let model = load_tiny(&format!("quant-{}", q.to_lowercase()));
+            let result = compare(q, &model, fx["quants"][*q].as_array().unwrap());
+            mismatch(&format!("{q} ({})", model.desc), result, bound)
+        })
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]

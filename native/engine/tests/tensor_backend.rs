@@ -24,6 +24,17 @@ fn device_placement() -> Placement {
     }
 }
 
+/// How closely two evaluations of the same rows in different batches agree on the device.
+/// cuBLAS picks its f32 GEMM kernel by the number of rows, so on a GPU a row's rounding
+/// depends on its batch (6.9e-5 measured on an H200); keys read from a block that was not
+/// copied before a write differ by orders of magnitude more.
+fn same_within() -> f32 {
+    match std::env::var("LLAMA_CPP_EX_TEST_BACKEND").as_deref() {
+        Ok("cuda") => 1e-3,
+        _ => 1e-5,
+    }
+}
+
 fn tiny_on(file: &str, placement: Placement) -> Arc<Model> {
     let opts = LoadOptions {
         requantize: Requantize::Off,
@@ -80,7 +91,7 @@ fn shared_prefixes_are_copied_on_write_in_device_memory() {
         for i in 0..tail.len() {
             let got = c.logits_ith((s * tail.len() + i) as i64).unwrap();
             let d = rel_close(&alone[prefix.len() + i], got);
-            assert!(d < 1e-5, "sequence {s}, token {i}: {d}");
+            assert!(d < same_within(), "sequence {s}, token {i}: {d}");
         }
     }
     c.kv.audit().unwrap();
