@@ -24,28 +24,28 @@ use candle_core::quantized::{ggml_file::qtensor_from_ggml, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, WithDType};
 use std::ops::Range;
 
-/// Products whose outputs are consecutive slices of one result: separate matrices (Q, K, V)
-/// or one stacked matrix (Phi-3's `attn_qkv`, its gate+up `ffn_up`).
+/// Products whose outputs are consecutive slices of one result: each matrix gives one slice
+/// (Q, K, V as separate matrices), or consecutive slices when it is stacked (Phi-3's
+/// `attn_qkv`, its gate+up `ffn_up`, and neighbours of one type stacked at load).
 struct Stacked {
-    mats: Vec<QMatMul>,
-    widths: Vec<usize>,
+    /// Each matrix with the widths of the slices it gives.
+    mats: Vec<(QMatMul, Vec<usize>)>,
 }
 
 impl Stacked {
     fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        if self.mats.len() == self.widths.len() {
-            return Ok(self
-                .mats
-                .iter()
-                .map(|m| m.forward(x))
-                .collect::<candle_core::Result<_>>()?);
-        }
-        let y = self.mats[0].forward(x)?;
-        let mut at = 0;
-        let mut parts = Vec::with_capacity(self.widths.len());
-        for &w in &self.widths {
-            parts.push(y.narrow(1, at, w)?.contiguous()?);
-            at += w;
+        let mut parts = Vec::with_capacity(3);
+        for (m, widths) in &self.mats {
+            let y = m.forward(x)?;
+            if let [_] = widths[..] {
+                parts.push(y);
+                continue;
+            }
+            let mut at = 0;
+            for &w in widths {
+                parts.push(y.narrow(1, at, w)?.contiguous()?);
+                at += w;
+            }
         }
         Ok(parts)
     }
@@ -133,6 +133,8 @@ struct GroupPlan {
     attn: Vec<AttnGroup>,
     /// For each token of the batch, its row in the groups' outputs laid end to end.
     out_rows: Tensor,
+    /// `out_rows` is `0..n_tokens`: the groups' outputs are already in batch order.
+    out_in_order: bool,
 }
 
 struct AttnGroup {
@@ -142,6 +144,8 @@ struct AttnGroup {
     l_max: usize,
     /// `[n_seqs × t_max]`: the batch row of each (sequence, token); 0 for padding.
     q_rows: Tensor,
+    /// `q_rows` is the batch's rows in order: the group's queries are the batch's.
+    q_in_order: bool,
     /// `[n_seqs × l_max]`: the cache row of each (sequence, key position); 0 for padding.
     slots: Tensor,
     /// `[n_seqs, 1, 1, t_max, l_max]` (every head of a token sees the same keys): 0 where a
@@ -220,6 +224,7 @@ struct GroupRanges {
     write: Range<usize>,
     attn: Vec<AttnRanges>,
     out_rows: Range<usize>,
+    out_in_order: bool,
 }
 
 struct AttnRanges {
@@ -227,6 +232,7 @@ struct AttnRanges {
     t_max: usize,
     l_max: usize,
     q_rows: Range<usize>,
+    q_in_order: bool,
     slots: Range<usize>,
     mask: Range<usize>,
 }
@@ -243,6 +249,7 @@ impl GroupRanges {
                     t_max: t,
                     l_max: l,
                     q_rows: staged.u32s(&a.q_rows, &[g * t])?,
+                    q_in_order: a.q_in_order,
                     slots: staged.u32s(&a.slots, &[g * l])?,
                     mask: staged.f32s(&a.mask, &[g, 1, 1, t, l])?,
                 })
@@ -253,6 +260,7 @@ impl GroupRanges {
             write: staged.u32s(&self.write, &[n, kv_dim])?,
             attn,
             out_rows: staged.u32s(&self.out_rows, &[n])?,
+            out_in_order: self.out_in_order,
         })
     }
 }
@@ -282,6 +290,33 @@ impl TensorDecoder {
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<QMatMul> {
             on_device(&l.matrix(name, rows, cols)?, rows, cols)
         };
+        // Matrices that read the same input, neighbours of one type stacked into one
+        // product (a row's blocks do not depend on the other rows): on a GPU each product
+        // is an activation quantization and a kernel launch, and a decode step is bound by
+        // the launches, not by the bytes.
+        let stacked = |names: &[String], widths: &[usize]| -> Result<Stacked> {
+            let hosts = names
+                .iter()
+                .zip(widths)
+                .map(|(n, &w)| l.matrix(n, w, d))
+                .collect::<Result<Vec<_>>>()?;
+            let mut mats = Vec::new();
+            let mut i = 0;
+            while i < hosts.len() {
+                let dtype = hosts[i].dtype();
+                let run = hosts[i..].iter().take_while(|t| t.dtype() == dtype).count();
+                let mut bytes = Vec::new();
+                for t in &hosts[i..i + run] {
+                    bytes.extend_from_slice(&t.data()?);
+                }
+                let ws = widths[i..i + run].to_vec();
+                let rows = ws.iter().sum();
+                let t = qtensor_from_ggml(dtype, &bytes, vec![rows, d], device)?;
+                mats.push((QMatMul::from_qtensor(t)?, ws));
+                i += run;
+            }
+            Ok(Stacked { mats })
+        };
         let vector = |name: &str, len: usize| -> Result<Tensor> {
             Ok(Tensor::from_vec(l.vector(name, len)?, len, device)?)
         };
@@ -304,31 +339,25 @@ impl TensorDecoder {
             let has = |s: &str| l.gguf.has_tensor(&n(s));
             let qkv = if has("attn_qkv.weight") {
                 Stacked {
-                    mats: vec![matrix(&n("attn_qkv.weight"), q_dim + 2 * kv_dim, d)?],
-                    widths: vec![q_dim, kv_dim, kv_dim],
+                    mats: vec![(
+                        matrix(&n("attn_qkv.weight"), q_dim + 2 * kv_dim, d)?,
+                        vec![q_dim, kv_dim, kv_dim],
+                    )],
                 }
             } else {
-                Stacked {
-                    mats: vec![
-                        matrix(&n("attn_q.weight"), q_dim, d)?,
-                        matrix(&n("attn_k.weight"), kv_dim, d)?,
-                        matrix(&n("attn_v.weight"), kv_dim, d)?,
-                    ],
-                    widths: vec![q_dim, kv_dim, kv_dim],
-                }
+                stacked(
+                    &[n("attn_q.weight"), n("attn_k.weight"), n("attn_v.weight")],
+                    &[q_dim, kv_dim, kv_dim],
+                )?
             };
             let gate_up = if has("ffn_gate.weight") {
-                Stacked {
-                    mats: vec![
-                        matrix(&n("ffn_gate.weight"), cfg.n_ff, d)?,
-                        matrix(&n("ffn_up.weight"), cfg.n_ff, d)?,
-                    ],
-                    widths: vec![cfg.n_ff; 2],
-                }
+                stacked(&[n("ffn_gate.weight"), n("ffn_up.weight")], &[cfg.n_ff; 2])?
             } else {
                 Stacked {
-                    mats: vec![matrix(&n("ffn_up.weight"), 2 * cfg.n_ff, d)?],
-                    widths: vec![cfg.n_ff; 2],
+                    mats: vec![(
+                        matrix(&n("ffn_up.weight"), 2 * cfg.n_ff, d)?,
+                        vec![cfg.n_ff; 2],
+                    )],
                 }
             };
             let qkv_bias = if has("attn_qkv.bias") {
@@ -483,6 +512,7 @@ impl TensorDecoder {
                 n_seqs: g,
                 t_max,
                 l_max,
+                q_in_order: in_order(&q_rows, n),
                 q_rows: st.u32s(q_rows),
                 slots: st.u32s(slots),
                 mask: st.f32s(&mask),
@@ -491,6 +521,7 @@ impl TensorDecoder {
         Ok(GroupRanges {
             write,
             attn,
+            out_in_order: offset == n && in_order(&out_rows, n),
             out_rows: st.u32s(out_rows),
         })
     }
@@ -525,8 +556,14 @@ impl TensorDecoder {
         for a in &plan.attn {
             let (g, t, l) = (a.n_seqs, a.t_max, a.l_max);
             // [g × t, heads × hd] → [g × kv heads, ratio × t, hd]
-            let qs = q
-                .index_select(&a.q_rows, 0)?
+            // the gathers of rows are kernel launches: skipped where they would not move
+            // a row (a decode batch of one-token sequences, a prompt alone)
+            let qs = if a.q_in_order {
+                q.clone()
+            } else {
+                q.index_select(&a.q_rows, 0)?
+            };
+            let qs = qs
                 .reshape((g, t, n_kv, ratio, hd))?
                 .permute((0, 2, 3, 1, 4))?
                 .contiguous()?
@@ -563,12 +600,20 @@ impl TensorDecoder {
         } else {
             Tensor::cat(&outs, 0)?
         };
+        if plan.out_in_order {
+            return Ok(out);
+        }
         Ok(out.index_select(&plan.out_rows, 0)?)
     }
 
-    /// Rows `rows` of `x` (its flagged entries, staged), final-normed.
+    /// Rows `rows` of `x` (its flagged entries, staged: ascending, so as many as `x` has
+    /// are all of them, in order, and need no gather), final-normed.
     fn normed_rows(&self, x: &Tensor, rows: &Tensor) -> Result<Tensor> {
-        let h = x.index_select(rows, 0)?;
+        let h = if rows.dim(0)? == x.dim(0)? {
+            x.clone()
+        } else {
+            x.index_select(rows, 0)?
+        };
         Ok(candle_nn::ops::rms_norm(&h, &self.norm, self.cfg.eps)?)
     }
 }
@@ -617,6 +662,11 @@ fn first_argmax(logits: &Tensor, rev_index: &Tensor) -> Result<Tensor> {
     let zero = Tensor::zeros((), DType::F32, logits.device())?.broadcast_as(shape)?;
     let last = hit.where_cond(&rev, &zero)?.max(1)?;
     Ok(last.affine(-1.0, rev_index.dim(0)? as f64)?)
+}
+
+/// Whether `rows` is `0..n`.
+fn in_order(rows: &[u32], n: usize) -> bool {
+    rows.len() == n && rows.iter().enumerate().all(|(i, &r)| r as usize == i)
 }
 
 /// The flagged entries of a batch, as row indices.
