@@ -4,11 +4,11 @@
 //! replayed from a graph, both timed per step (a step ends with its result copied back, as a
 //! decode step does).
 //!
-//!     GPU=1 cargo run --release --features cuda --example graph_probe -- [LAYERS] [STEPS]
+//!     cargo run --release --features cuda --example graph_probe -- [LAYERS] [STEPS]
 //!
 //! Prints the eager and the replayed step time, the graph's node count and how many logits
-//! differ between the two results (0 when the replay computes what the eager
-//! run did).
+//! differ between the two results (0 when the replay computes what the eager run did). A
+//! CPU build runs the eager step alone on the CPU, a check of the probe's shapes.
 
 fn main() {
     if let Err(e) = probe::run() {
@@ -135,7 +135,6 @@ mod probe {
         let mut args = std::env::args().skip(1);
         let n_layers: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(16);
         let steps: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(100);
-        // a CPU build runs the eager step on the CPU (a check of the probe's shapes)
         let dev = if cfg!(feature = "cuda") {
             Device::new_cuda(0)?
         } else {
