@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, in two halves:
+# The GPU check, built here and run on the GPU machine:
 #
 #   scripts/gpu_check.sh pack   here (no GPU needed): builds the engine's GPU test binaries and
 #                               its bench with the `cuda` feature (the CUDA 13.0 toolkit from
@@ -12,15 +12,16 @@
 #                               llama.cpp's fixtures on the GPU, the device cache's sharing,
 #                               windows and batch invariance, then pp512 / tg128 of the engine
 #                               next to llama.cpp's CUDA build (made there meanwhile) on random
-#                               models at Llama 3.2 1B (Q4_K_M) and SmolLM2 135M (Q4_1) shapes;
-#                               then, while GPU_CHECK_BUDGET_S (default 420) allows, the host's
+#                               models at Llama 3.2 1B (Q4_K_M) and SmolLM2 135M (Q4_1) shapes,
+#                               32 streams next to llama-batched-bench, the graph probe, one
+#                               decode step's kernels under Nsight Compute; then, while GPU_CHECK_BUDGET_S (default 420) allows, the host's
 #                               CPU cores at 4, 8 and 16 threads: the engine's CPU path against
 #                               llama.cpp's CPU backend (GPU hidden) on the same files.
 #                               A summary ends the output ($OUT/summary.txt); every log comes
 #                               back in $OUT/logs.tar.gz.
 #   scripts/gpu_check.sh probe  `examples/graph_probe.rs` alone: a decode step of candle's CUDA
 #                               ops at 1B shapes, eager and replayed as one CUDA graph.
-#   scripts/gpu_check.sh parity the parity half of `run` alone (a minute or two): after a change
+#   scripts/gpu_check.sh parity the parity half of `run` alone (under a minute): after a change
 #                               to the tests or the tensor path, with the test binaries
 #                               repacked (`pack`, or `pack tests`).
 #
@@ -127,7 +128,8 @@ run() {
       -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
       -DLLAMA_OPENSSL=OFF -DGGML_CUDA_NCCL=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
       -DCMAKE_BUILD_TYPE=Release > "$log/lcp_cmake.log" 2>&1 &&
-      cmake --build build -j 12 --target llama-bench llama-quantize > "$log/lcp_build.log" 2>&1) &
+      cmake --build build -j 12 --target llama-bench llama-quantize llama-batched-bench \
+        > "$log/lcp_build.log" 2>&1) &
     build=$!
   fi
   LD_LIBRARY_PATH="$(find_cuda_libs)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -185,8 +187,15 @@ run() {
     el "GPU bench $name"
     timeout 90 "$lb/llama-bench" -m "$m" -ngl 99 -p 512 -n 128 -r 3 -o md > "$log/lcp_gpu_$name.md" 2>&1
     GPU=1 PP_REPS=3 timeout 90 "$bin/decode_profile" "$m" 1 128 > "$log/ours_gpu_$name.txt" 2>&1
-    GPU=1 STREAMS_ONLY=1 timeout 60 "$bin/decode_profile" "$m" 1 64 32 >> "$log/ours_gpu_$name.txt" 2>&1
+    # 32 sequences decoding together after 128-token prompts: llama.cpp's batched bench
+    # (S_TG is its decode tok/s) and ours at the same depth
+    timeout 90 "$lb/llama-batched-bench" -m "$m" -ngl 99 -c 16384 -npp 128 -ntg 128 -npl 1,32 \
+      > "$log/lcp_batched_$name.txt" 2>&1
+    GPU=1 STREAMS_ONLY=1 PROMPT=128 timeout 60 "$bin/decode_profile" "$m" 1 128 32 \
+      >> "$log/ours_gpu_$name.txt" 2>&1
     summary+="$name GPU, llama.cpp CUDA -ngl 99:"$'\n'"$(grep -E '^\| .*(pp|tg)' "$log/lcp_gpu_$name.md")"$'\n'
+    summary+="$name GPU, llama-batched-bench (PP TG B N_KV T_PP S_PP T_TG S_TG T S):"$'\n'
+    summary+="$(grep -E '^\| +128 \|' "$log/lcp_batched_$name.txt")"$'\n'
     summary+="$name GPU, ours:"$'\n'"$(tail -5 "$log/ours_gpu_$name.txt")"$'\n'
   done
   graph_probe
