@@ -149,8 +149,10 @@ struct AttnGroup {
     /// `[n_seqs × l_max]`: the cache row of each (sequence, key position); 0 for padding.
     slots: Tensor,
     /// `[n_seqs, 1, 1, t_max, l_max]` (every head of a token sees the same keys): 0 where a
-    /// query sees a key, -inf elsewhere (a padding row sees every key, so no row is empty).
-    mask: Tensor,
+    /// query sees a key, -inf elsewhere (a padding row sees every key, so no row is empty);
+    /// `None` where every query sees every key (a decode batch of sequences of one length):
+    /// adding zeros would be one more kernel launch.
+    mask: Option<Tensor>,
 }
 
 /// Host data a pass sends to the device, gathered so that it travels as one copy per element
@@ -234,7 +236,7 @@ struct AttnRanges {
     q_rows: Range<usize>,
     q_in_order: bool,
     slots: Range<usize>,
-    mask: Range<usize>,
+    mask: Option<Range<usize>>,
 }
 
 impl GroupRanges {
@@ -251,7 +253,11 @@ impl GroupRanges {
                     q_rows: staged.u32s(&a.q_rows, &[g * t])?,
                     q_in_order: a.q_in_order,
                     slots: staged.u32s(&a.slots, &[g * l])?,
-                    mask: staged.f32s(&a.mask, &[g, 1, 1, t, l])?,
+                    mask: a
+                        .mask
+                        .as_ref()
+                        .map(|m| staged.f32s(m, &[g, 1, 1, t, l]))
+                        .transpose()?,
                 })
             })
             .collect::<Result<_>>()?;
@@ -515,7 +521,7 @@ impl TensorDecoder {
                 q_in_order: in_order(&q_rows, n),
                 q_rows: st.u32s(q_rows),
                 slots: st.u32s(slots),
-                mask: st.f32s(&mask),
+                mask: mask.iter().any(|&m| m != 0.0).then(|| st.f32s(&mask)),
             });
         }
         Ok(GroupRanges {
@@ -582,10 +588,13 @@ impl TensorDecoder {
             if let Some(cap) = c.attn_softcap {
                 scores = ((scores / cap as f64)?.tanh()? * cap as f64)?;
             }
-            let scores = scores
-                .reshape((g, n_kv, ratio, t, l))?
-                .broadcast_add(&a.mask)?
-                .reshape((g * n_kv, ratio * t, l))?;
+            let scores = match &a.mask {
+                Some(mask) => scores
+                    .reshape((g, n_kv, ratio, t, l))?
+                    .broadcast_add(mask)?
+                    .reshape((g * n_kv, ratio * t, l))?,
+                None => scores,
+            };
             let probs = candle_nn::ops::softmax_last_dim(&scores)?;
             let out = probs
                 .matmul(&vs)?
