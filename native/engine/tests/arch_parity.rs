@@ -179,9 +179,10 @@ const QUANTS: [&str; 14] = [
 #[test]
 fn every_quantization_type_matches_llama_cpp() {
     let fx = fixture("tiny/parity.json");
-    let bound = match std::env::var("LLAMA_CPP_EX_TEST_BACKEND").as_deref() {
-        Ok("cuda") => MAX_QUANT_LOGPROB_DIFF_CUDA,
-        _ => MAX_QUANT_LOGPROB_DIFF,
+    let bound = if testing_on_cuda() {
+        MAX_QUANT_LOGPROB_DIFF_CUDA
+    } else {
+        MAX_QUANT_LOGPROB_DIFF
     };
     // every type is reported before the test fails
     let failures: Vec<String> = QUANTS

@@ -18,9 +18,10 @@ use std::sync::{Arc, Mutex};
 
 /// The device backend under test: `cuda` when asked, else candle's CPU device.
 fn device_placement() -> Placement {
-    match std::env::var("LLAMA_CPP_EX_TEST_BACKEND").as_deref() {
-        Ok("cuda") => test_placement(),
-        _ => Placement::Backend(Backend::Tensor(candle_core::Device::Cpu)),
+    if testing_on_cuda() {
+        test_placement()
+    } else {
+        Placement::Backend(Backend::Tensor(candle_core::Device::Cpu))
     }
 }
 
@@ -29,9 +30,10 @@ fn device_placement() -> Placement {
 /// depends on its batch (6.9e-5 measured on an H200); keys read from a block that was not
 /// copied before a write differ by orders of magnitude more.
 fn same_within() -> f32 {
-    match std::env::var("LLAMA_CPP_EX_TEST_BACKEND").as_deref() {
-        Ok("cuda") => 1e-3,
-        _ => 1e-5,
+    if testing_on_cuda() {
+        1e-3
+    } else {
+        1e-5
     }
 }
 

@@ -61,6 +61,12 @@ pub fn test_placement() -> Placement {
     }
 }
 
+/// Whether `LLAMA_CPP_EX_TEST_BACKEND` puts the tests on a GPU (`cuda`): the bounds that
+/// depend on the device's arithmetic read it.
+pub fn testing_on_cuda() -> bool {
+    std::env::var("LLAMA_CPP_EX_TEST_BACKEND").as_deref() == Ok("cuda")
+}
+
 pub fn load(file: &str, requantize: Requantize) -> Arc<Model> {
     let opts = LoadOptions {
         requantize,
