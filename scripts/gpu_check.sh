@@ -14,7 +14,8 @@
 #                               next to llama.cpp's CUDA build (made there meanwhile) on random
 #                               models at Llama 3.2 1B (Q4_K_M) and SmolLM2 135M (Q4_1) shapes,
 #                               32 streams next to llama-batched-bench, the graph probe, one
-#                               decode step's kernels under Nsight Compute; then, while GPU_CHECK_BUDGET_S (default 420) allows, the host's
+#                               decode step's kernels under Nsight Compute; then, while
+#                               GPU_CHECK_BUDGET_S (default 420) allows, the host's
 #                               CPU cores at 4, 8 and 16 threads: the engine's CPU path against
 #                               llama.cpp's CPU backend (GPU hidden) on the same files.
 #                               A summary ends the output ($OUT/summary.txt); every log comes
