@@ -3,8 +3,9 @@
 //!
 //!     cargo run --release --example decode_profile -- MODEL.gguf [THREADS] [STEPS] [STREAMS]
 //!
-//! prints pp512 (one 512-token prompt), tg (STEPS one-token decodes) and, with STREAMS > 1,
-//! batched decode (STREAMS sequences at different positions, one token each per pass).
+//! prints the load time, pp512 (one 512-token prompt), tg (STEPS one-token decodes) and,
+//! with STREAMS > 1, batched decode (STREAMS sequences at different positions, one token each
+//! per pass).
 //! Environment: `PROMPT=N` starts decoding after N prompt tokens (decode at depth N, as
 //! llama-bench's `-d N`), `PP_REPS=N` prints the best of N pp512 runs, `TG_ONLY=1` skips pp512,
 //! `STREAMS_ONLY=1` runs only the batched decode, `KV_TYPE=f16|f32|q8_0|q4_0` sets the cache's
@@ -37,8 +38,14 @@ fn main() {
             Placement::default()
         },
     };
+    let t = Instant::now();
     let model = Arc::new(Model::load(std::path::Path::new(&path), &opts).unwrap());
-    println!("{} on {}", model.desc, model.backend.name());
+    println!(
+        "{} on {}, loaded in {:.0} ms",
+        model.desc,
+        model.backend.name(),
+        t.elapsed().as_secs_f64() * 1e3
+    );
     // PROMPT=N: decoding starts after N prompt tokens (stream s of the batched run after
     // N + 7 * s), to measure decode at a longer context; default 1 (an empty context)
     let start: usize = std::env::var("PROMPT")

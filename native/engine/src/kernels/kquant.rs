@@ -126,17 +126,10 @@ impl PackedMatrix {
             return None;
         }
         let per_row = n_in / QK_K;
-        // `build` asks for blocks in order, so each super-block is decoded once
-        let mut last: Option<(usize, [RowBlock; BLOCKS])> = None;
-        Some(Self::build(kind.target(), n_out, n_in, |o, b| {
-            let sb = o * per_row + b / BLOCKS;
-            match &last {
-                Some((at, blocks)) if *at == sb => blocks[b % BLOCKS],
-                _ => {
-                    let blocks = decode(kind, &bytes[sb * bb..(sb + 1) * bb]);
-                    last = Some((sb, blocks));
-                    blocks[b % BLOCKS]
-                }
+        Some(Self::build(kind.target(), n_out, n_in, |o, blocks| {
+            for (s, out) in blocks.chunks_exact_mut(BLOCKS).enumerate() {
+                let sb = o * per_row + s;
+                out.copy_from_slice(&decode(kind, &bytes[sb * bb..(sb + 1) * bb]));
             }
         }))
     }

@@ -444,6 +444,10 @@ impl PackedMatrix {
     /// Appends `other`'s rows below this matrix's; `None` (and nothing changes) unless both
     /// have the same type and input width and this matrix fills its last row group.
     pub fn append(&mut self, other: PackedMatrix) -> Option<()> {
+        self.append_copy(&other)
+    }
+
+    fn append_copy(&mut self, other: &PackedMatrix) -> Option<()> {
         if other.kind != self.kind || other.n_in != self.n_in || !self.n_out.is_multiple_of(GROUP) {
             return None;
         }
@@ -462,13 +466,38 @@ impl PackedMatrix {
         if parts.iter().any(|p| p.n_in != n_in || p.kind != kind) {
             return None;
         }
+        let n_out = parts.iter().map(|p| p.n_out).sum();
+        if parts[..parts.len() - 1]
+            .iter()
+            .all(|p| p.n_out.is_multiple_of(GROUP))
+        {
+            // row groups are laid out one after another, so whole ones are copied as they
+            // are (repacking every row again was a quarter of a 1B model's load)
+            let mut out = PackedMatrix {
+                n_out: 0,
+                n_in,
+                kind,
+                nb: first.nb,
+                d: Scales::new(Vec::new()),
+                m: Scales::new(Vec::new()),
+                qs: Vec::new().into(),
+                qh: Vec::new().into(),
+            };
+            out.reserve_rows(n_out);
+            for p in parts {
+                out.append_copy(p)?;
+            }
+            return Some(out);
+        }
         let mut owner = Vec::new();
         for (pi, p) in parts.iter().enumerate() {
             owner.extend((0..p.n_out).map(|o| (pi, o)));
         }
-        Some(Self::build(kind, owner.len(), n_in, |o, b| {
+        Some(Self::build(kind, n_out, n_in, |o, blocks| {
             let (pi, row) = owner[o];
-            parts[pi].row_block(row, b)
+            for (b, blk) in blocks.iter_mut().enumerate() {
+                *blk = parts[pi].row_block(row, b);
+            }
         }))
     }
 

@@ -15,7 +15,7 @@ impl PackedMatrix {
             return None;
         }
         let nb = n_in / QK4_1;
-        Some(Self::build(kind, n_out, n_in, |o, b| {
+        let block = |o: usize, b: usize| {
             let block = &bytes[(o * nb + b) * bb..][..bb];
             let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
             let mut at = 2;
@@ -42,74 +42,112 @@ impl PackedMatrix {
                 vals[i + PACKED] = (byte >> 4) | (((high >> (i + PACKED)) & 1) << 4) as u8;
             }
             RowBlock::new(d, m, vals)
+        };
+        Some(Self::build(kind, n_out, n_in, |o, blocks| {
+            for (b, blk) in blocks.iter_mut().enumerate() {
+                *blk = block(o, b);
+            }
         }))
     }
+
+    /// Packs the rows `row_blocks(o, blocks)` writes (all `n_in / 32` blocks of row `o`),
+    /// row groups in parallel on the calling thread's share of the pool: repacking is most
+    /// of a model's load, and the threads that write the packed pages first also fault them
+    /// in.
     pub(crate) fn build(
         kind: PackedType,
         n_out: usize,
         n_in: usize,
-        mut row_block: impl FnMut(usize, usize) -> RowBlock,
+        row_blocks: impl Fn(usize, &mut [RowBlock]) + Sync,
     ) -> Self {
         let nb = n_in / QK4_1;
-        let blocks = n_out.div_ceil(GROUP) * nb;
+        let groups = n_out.div_ceil(GROUP);
         let halves = kind.halves();
-        let mut d = Vec::with_capacity(blocks * GROUP * halves);
-        let mut m = Vec::with_capacity(if kind.has_min() {
-            blocks * GROUP * halves
-        } else {
-            0
-        });
-        let mut qs = Vec::with_capacity(blocks * kind.group_block_bytes());
-        let mut qh = Vec::with_capacity(if kind.has_high_bits() {
-            blocks * GROUP
-        } else {
-            0
-        });
-        let mut rows = [RowBlock::new(0.0, 0.0, [0; QK4_1]); GROUP];
-        for g in 0..n_out.div_ceil(GROUP) {
-            for b in 0..nb {
-                for (j, row) in rows.iter_mut().enumerate() {
-                    let o = g * GROUP + j;
-                    if o < n_out {
-                        *row = row_block(o, b);
+        let scales = nb * GROUP * halves;
+        let gbb = kind.group_block_bytes();
+        let (has_min, high) = (kind.has_min(), kind.has_high_bits());
+        let mut d = Vec::<f32>::with_capacity(groups * scales);
+        let mut m = Vec::<f32>::with_capacity(if has_min { groups * scales } else { 0 });
+        let mut qs = Vec::<u8>::with_capacity(groups * nb * gbb);
+        let mut qh = Vec::<u32>::with_capacity(if high { groups * nb * GROUP } else { 0 });
+        let out = Spare {
+            d: d.as_mut_ptr(),
+            m: m.as_mut_ptr(),
+            qs: qs.as_mut_ptr(),
+            qh: qh.as_mut_ptr(),
+        };
+        let zero = RowBlock::new(0.0, 0.0, [0; QK4_1]);
+        crate::pool::for_each_chunk(groups, |range| {
+            let mut rows = vec![zero; GROUP * nb];
+            for g in range {
+                for (j, blocks) in rows.chunks_exact_mut(nb).enumerate() {
+                    if g * GROUP + j < n_out {
+                        row_blocks(g * GROUP + j, blocks);
                     } else {
-                        *row = RowBlock::new(0.0, 0.0, [0; QK4_1]);
+                        blocks.fill(zero);
                     }
                 }
-                for h in 0..halves {
-                    d.extend(rows.iter().map(|r| r.d[h]));
-                    if kind.has_min() {
-                        m.extend(rows.iter().map(|r| r.m[h]));
-                    }
-                }
-                if kind.byte_values() {
-                    for q in 0..QK8_0 / 4 {
-                        for RowBlock { vals, .. } in &rows {
-                            qs.extend_from_slice(&vals[4 * q..4 * q + 4]);
+                // SAFETY: group `g` writes only its own ranges of the four arrays, each
+                // within the capacity reserved above; no other task has the same `g`.
+                unsafe {
+                    let (mut di, mut qi, mut hi) = (g * scales, g * nb * gbb, g * nb * GROUP);
+                    for b in 0..nb {
+                        let row = |j: usize| &rows[j * nb + b];
+                        for h in 0..halves {
+                            for j in 0..GROUP {
+                                out.d().add(di).write(row(j).d[h]);
+                                if has_min {
+                                    out.m().add(di).write(row(j).m[h]);
+                                }
+                                di += 1;
+                            }
+                        }
+                        if kind.byte_values() {
+                            for q in 0..QK8_0 / 4 {
+                                for j in 0..GROUP {
+                                    for t in 0..4 {
+                                        out.qs().add(qi).write(row(j).vals[4 * q + t]);
+                                        qi += 1;
+                                    }
+                                }
+                            }
+                            continue;
+                        }
+                        for c in 0..4 {
+                            for j in 0..GROUP {
+                                let vals = &row(j).vals;
+                                for t in 0..4 {
+                                    let (lo, hi) = (vals[4 * c + t], vals[PACKED + 4 * c + t]);
+                                    out.qs().add(qi).write((lo & 0x0F) | (hi & 0x0F) << 4);
+                                    qi += 1;
+                                }
+                            }
+                        }
+                        if high {
+                            for j in 0..GROUP {
+                                let mut w = 0u32;
+                                for (i, &v) in row(j).vals.iter().enumerate() {
+                                    let (q, t) = (i / 4, i % 4);
+                                    let pos = if q < 4 { 8 * t + 4 + q } else { 8 * t + q - 4 };
+                                    w |= ((v as u32 >> 4) & 1) << pos;
+                                }
+                                out.qh().add(hi).write(w);
+                                hi += 1;
+                            }
                         }
                     }
-                    continue;
                 }
-                for c in 0..4 {
-                    for RowBlock { vals, .. } in &rows {
-                        for t in 0..4 {
-                            qs.push(
-                                (vals[4 * c + t] & 0x0F) | (vals[PACKED + 4 * c + t] & 0x0F) << 4,
-                            );
-                        }
-                    }
-                }
-                if kind.has_high_bits() {
-                    for RowBlock { vals, .. } in &rows {
-                        let mut w = 0u32;
-                        for (i, &v) in vals.iter().enumerate() {
-                            let (q, t) = (i / 4, i % 4);
-                            let pos = if q < 4 { 8 * t + 4 + q } else { 8 * t + q - 4 };
-                            w |= ((v as u32 >> 4) & 1) << pos;
-                        }
-                        qh.push(w);
-                    }
-                }
+            }
+        });
+        // SAFETY: the groups together wrote every element up to these lengths.
+        unsafe {
+            d.set_len(groups * scales);
+            if has_min {
+                m.set_len(groups * scales);
+            }
+            qs.set_len(groups * nb * gbb);
+            if high {
+                qh.set_len(groups * nb * GROUP);
             }
         }
         PackedMatrix {
@@ -124,3 +162,33 @@ impl PackedMatrix {
         }
     }
 }
+
+/// Where [`PackedMatrix::build`]'s tasks write: the arrays' reserved, not yet initialised
+/// memory.
+#[derive(Clone, Copy)]
+struct Spare {
+    d: *mut f32,
+    m: *mut f32,
+    qs: *mut u8,
+    qh: *mut u32,
+}
+
+impl Spare {
+    // (methods, so that closures capture the whole `Spare`, not its raw pointers)
+    fn d(&self) -> *mut f32 {
+        self.d
+    }
+    fn m(&self) -> *mut f32 {
+        self.m
+    }
+    fn qs(&self) -> *mut u8 {
+        self.qs
+    }
+    fn qh(&self) -> *mut u32 {
+        self.qh
+    }
+}
+
+// SAFETY: each task writes a disjoint range (its row groups'), see `build`.
+unsafe impl Send for Spare {}
+unsafe impl Sync for Spare {}
