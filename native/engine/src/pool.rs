@@ -83,7 +83,12 @@ pub fn stats() -> PoolStats {
     let p = pool();
     PoolStats {
         workers: p.call.lock().map(|w| w.len()).unwrap_or(0),
-        wakeups: p.shared.wakeups.load(Ordering::Relaxed),
+        wakeups: p
+            .shared
+            .wakeups
+            .iter()
+            .map(|w| w.0.load(Ordering::Relaxed))
+            .sum(),
     }
 }
 
@@ -97,19 +102,36 @@ struct Job {
 /// Bits of [`Shared::state`] holding the number of workers a call uses; the epoch is above.
 const ACTIVE_BITS: u32 = 16;
 
+/// A value alone on its cache lines (128 bytes: Intel cores fetch lines in adjacent pairs).
+#[repr(align(128))]
+struct Line<T>(T);
+
+/// What the caller and the workers share, each field written by different threads on its own
+/// lines: with `state`, which idle workers poll, on the lines every worker's decrement of
+/// `pending` (and its count of wakeups) wrote, each write of a call stalled all the polling
+/// workers, a cost that grows with the threads.
 struct Shared {
     /// `(epoch << ACTIVE_BITS) | active`: bumped once per call, with the number of workers
     /// (`0..active`) that take part, so a worker learns whether a call is its own without
-    /// reading the job.
-    state: AtomicU64,
-    job: UnsafeCell<Job>,
+    /// reading the job. Written by the caller only, like `job` beside it.
+    state: Line<(AtomicU64, UnsafeCell<Job>)>,
     /// Active workers that have not finished the current job.
-    pending: AtomicUsize,
+    pending: Line<AtomicUsize>,
     /// Per worker: parked, waiting for an unpark.
-    asleep: Vec<AtomicBool>,
-    /// Times a worker stopped waiting (see [`stats`]).
-    wakeups: AtomicUsize,
+    asleep: Vec<Line<AtomicBool>>,
+    /// Per worker: times it stopped waiting (see [`stats`]).
+    wakeups: Vec<Line<AtomicUsize>>,
     panic: Mutex<Option<Box<dyn Any + Send>>>,
+}
+
+impl Shared {
+    fn state(&self) -> &AtomicU64 {
+        &self.state.0 .0
+    }
+
+    fn job(&self) -> &UnsafeCell<Job> {
+        &self.state.0 .1
+    }
 }
 
 // SAFETY: `job` is written only by the thread holding the pool's call lock, before it bumps
@@ -130,14 +152,20 @@ fn pool() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
     POOL.get_or_init(|| Pool {
         shared: Arc::new(Shared {
-            state: AtomicU64::new(0),
-            job: UnsafeCell::new(Job {
-                call: noop,
-                data: std::ptr::null(),
-            }),
-            pending: AtomicUsize::new(0),
-            asleep: (0..MAX_WORKERS).map(|_| AtomicBool::new(false)).collect(),
-            wakeups: AtomicUsize::new(0),
+            state: Line((
+                AtomicU64::new(0),
+                UnsafeCell::new(Job {
+                    call: noop,
+                    data: std::ptr::null(),
+                }),
+            )),
+            pending: Line(AtomicUsize::new(0)),
+            asleep: (0..MAX_WORKERS)
+                .map(|_| Line(AtomicBool::new(false)))
+                .collect(),
+            wakeups: (0..MAX_WORKERS)
+                .map(|_| Line(AtomicUsize::new(0)))
+                .collect(),
             panic: Mutex::new(None),
         }),
         call: Mutex::new(Vec::new()),
@@ -156,7 +184,7 @@ fn worker(shared: Arc<Shared>, id: usize, mut seen: u64) {
     let mut spin = true;
     loop {
         seen = wait_for_call(&shared, id, seen, spin);
-        shared.wakeups.fetch_add(1, Ordering::Relaxed);
+        shared.wakeups[id].0.fetch_add(1, Ordering::Relaxed);
         // a call this worker is not part of: straight back to sleep (no spinning), so the
         // workers one context with many threads started cost nothing to later calls
         spin = id < (seen & ((1 << ACTIVE_BITS) - 1)) as usize;
@@ -165,12 +193,12 @@ fn worker(shared: Arc<Shared>, id: usize, mut seen: u64) {
         }
         // SAFETY: see `Shared`: this worker is active for this state, so the job stays
         // valid until its decrement of `pending` below.
-        let job = unsafe { *shared.job.get() };
+        let job = unsafe { *shared.job().get() };
         if let Err(payload) = catch_unwind(AssertUnwindSafe(|| unsafe { (job.call)(job.data) })) {
             let mut slot = shared.panic.lock().unwrap_or_else(|e| e.into_inner());
             slot.get_or_insert(payload);
         }
-        shared.pending.fetch_sub(1, Ordering::AcqRel);
+        shared.pending.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -181,7 +209,7 @@ fn wait_for_call(shared: &Shared, id: usize, seen: u64, spin: bool) -> u64 {
         let start = Instant::now();
         let mut polls = 0u32;
         loop {
-            let state = shared.state.load(Ordering::Acquire);
+            let state = shared.state().load(Ordering::Acquire);
             if state != seen {
                 return state;
             }
@@ -195,10 +223,10 @@ fn wait_for_call(shared: &Shared, id: usize, seen: u64, spin: bool) -> u64 {
     loop {
         // announced before the check: a caller that publishes after it sees the flag and
         // unparks this thread (an unpark before the park makes the park return at once)
-        shared.asleep[id].store(true, Ordering::SeqCst);
-        let state = shared.state.load(Ordering::SeqCst);
+        shared.asleep[id].0.store(true, Ordering::SeqCst);
+        let state = shared.state().load(Ordering::SeqCst);
         if state != seen && id < (state & ((1 << ACTIVE_BITS) - 1)) as usize {
-            shared.asleep[id].store(false, Ordering::SeqCst);
+            shared.asleep[id].0.store(false, Ordering::SeqCst);
             return state;
         }
         std::thread::park();
@@ -209,7 +237,7 @@ fn wait_for_call(shared: &Shared, id: usize, seen: u64, spin: bool) -> u64 {
 fn run_on_workers<F: Fn() + Sync>(p: &Pool, started: &mut Vec<Thread>, helpers: usize, f: &F) {
     let shared = &p.shared;
     // stable while the call lock is held
-    let before = shared.state.load(Ordering::Acquire);
+    let before = shared.state().load(Ordering::Acquire);
     while started.len() < helpers {
         let (shared, id) = (shared.clone(), started.len());
         let spawned = std::thread::Builder::new()
@@ -224,24 +252,24 @@ fn run_on_workers<F: Fn() + Sync>(p: &Pool, started: &mut Vec<Thread>, helpers: 
     // SAFETY: the call lock is held and the previous job's `pending` reached zero, so no
     // worker reads `job` now; `f` outlives this function, which waits for every helper.
     unsafe {
-        *shared.job.get() = Job {
+        *shared.job().get() = Job {
             call: call_erased::<F>,
             data: f as *const F as *const (),
         };
     }
-    shared.pending.store(helpers, Ordering::Release);
+    shared.pending.0.store(helpers, Ordering::Release);
     let epoch = (before >> ACTIVE_BITS) + 1;
     shared
-        .state
+        .state()
         .store((epoch << ACTIVE_BITS) | helpers as u64, Ordering::SeqCst);
     for (id, thread) in started.iter().enumerate().take(helpers) {
-        if shared.asleep[id].swap(false, Ordering::SeqCst) {
+        if shared.asleep[id].0.swap(false, Ordering::SeqCst) {
             thread.unpark();
         }
     }
     let own = catch_unwind(AssertUnwindSafe(f));
     let mut polls = 0u32;
-    while shared.pending.load(Ordering::Acquire) != 0 {
+    while shared.pending.0.load(Ordering::Acquire) != 0 {
         polls += 1;
         // a helper still busy may have been preempted; let it have this core
         if polls.is_multiple_of(SPINS_PER_CLOCK_READ) {
@@ -280,9 +308,10 @@ pub fn for_each_chunk(n_items: usize, f: impl Fn(std::ops::Range<usize>) + Sync)
         Err(TryLockError::Poisoned(e)) => e.into_inner(),
     };
     let chunk = n_items.div_ceil(threads * GRABS_PER_THREAD).max(1);
-    let cursor = AtomicUsize::new(0);
+    // (on its own lines: every grab writes it, while the others read `chunk` and `f`)
+    let cursor = Line(AtomicUsize::new(0));
     let grab = || loop {
-        let start = cursor.fetch_add(chunk, Ordering::Relaxed);
+        let start = cursor.0.fetch_add(chunk, Ordering::Relaxed);
         if start >= n_items {
             break;
         }
