@@ -99,7 +99,7 @@ impl Linear {
                         first.reserve_rows(n_out);
                         whole = Some(first);
                     }
-                    Some(w) => w.append(part)?,
+                    Some(w) => w.append(&part)?,
                 }
             }
             whole.map(Kernel::Packed)

@@ -443,11 +443,7 @@ impl PackedMatrix {
 
     /// Appends `other`'s rows below this matrix's; `None` (and nothing changes) unless both
     /// have the same type and input width and this matrix fills its last row group.
-    pub fn append(&mut self, other: PackedMatrix) -> Option<()> {
-        self.append_copy(&other)
-    }
-
-    fn append_copy(&mut self, other: &PackedMatrix) -> Option<()> {
+    pub fn append(&mut self, other: &PackedMatrix) -> Option<()> {
         if other.kind != self.kind || other.n_in != self.n_in || !self.n_out.is_multiple_of(GROUP) {
             return None;
         }
@@ -485,7 +481,7 @@ impl PackedMatrix {
             };
             out.reserve_rows(n_out);
             for p in parts {
-                out.append_copy(p)?;
+                out.append(p)?;
             }
             return Some(out);
         }
