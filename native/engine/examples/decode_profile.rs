@@ -98,6 +98,7 @@ fn main() {
         let ncu_step = std::env::var_os("NCU_STEP").is_some();
         // the median of 5 runs from an empty context (as llama-bench's tg runs) or after
         // PROMPT tokens
+        let pool_before = llama_cpp_ex_engine::pool::stats();
         let mut runs: Vec<f64> = (0..5)
             .map(|run| {
                 let mut ctx = Context::new(model.clone(), params(1)).unwrap();
@@ -125,6 +126,14 @@ fn main() {
             String::new()
         };
         println!("tg{steps}{at}: {:.1} tok/s", runs[2]);
+        // (the 5 runs' prompts included: a few calls against hundreds of steps)
+        let pool = llama_cpp_ex_engine::pool::stats();
+        let per_step = |n: usize| n as f64 / (5 * steps) as f64;
+        println!(
+            "pool per step: {:.1} worker wake-ups, {:.2} unparks",
+            per_step(pool.wakeups - pool_before.wakeups),
+            per_step(pool.unparks - pool_before.unparks)
+        );
     }
 
     if streams > 1 {

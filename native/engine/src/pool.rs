@@ -76,6 +76,9 @@ pub struct PoolStats {
     /// Times a worker stopped waiting: once per call it takes part in, plus calls it noticed
     /// while spinning after its last one.
     pub wakeups: usize,
+    /// Times a call had to unpark a sleeping worker (a system call, then the scheduler's
+    /// latency before the worker runs).
+    pub unparks: usize,
 }
 
 /// The pool's counters.
@@ -89,6 +92,7 @@ pub fn stats() -> PoolStats {
             .iter()
             .map(|w| w.0.load(Ordering::Relaxed))
             .sum(),
+        unparks: p.shared.unparks.0.load(Ordering::Relaxed),
     }
 }
 
@@ -99,8 +103,47 @@ struct Job {
     data: *const (),
 }
 
-/// Bits of [`Shared::state`] holding the number of workers a call uses; the epoch is above.
-const ACTIVE_BITS: u32 = 16;
+/// Bits of each count in [`Shared::state`]: the workers a call uses in the lowest, its
+/// caller's team above them, the epoch above both.
+const COUNT_BITS: u32 = 16;
+const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
+
+/// A call's state word: its epoch, the workers that take part (`0..active`) and the workers
+/// of the calling thread's share (`0..team`, see [`with_threads`]).
+fn state_word(epoch: u64, active: usize, team: usize) -> u64 {
+    (epoch << (2 * COUNT_BITS)) | ((team as u64) << COUNT_BITS) | active as u64
+}
+
+fn epoch_of(state: u64) -> u64 {
+    state >> (2 * COUNT_BITS)
+}
+
+/// What a call's state asks of worker `id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// Run the job.
+    Work,
+    /// Sit this call out but keep polling: the call had fewer items than its caller has
+    /// threads (attention over 3 KV heads, a short product), and the caller's next call,
+    /// microseconds away, will want this worker. Parking here cost every such call a
+    /// wake-up per idle worker on the next one (futex calls, then the scheduler's latency),
+    /// a cost that grows with the threads.
+    Standby,
+    /// Not in the caller's share (another context's threads): sleep, so the workers a
+    /// context with many threads started cost nothing to later calls.
+    Sleep,
+}
+
+fn role(state: u64, id: usize) -> Role {
+    let id = id as u64;
+    if id < state & COUNT_MASK {
+        Role::Work
+    } else if id < (state >> COUNT_BITS) & COUNT_MASK {
+        Role::Standby
+    } else {
+        Role::Sleep
+    }
+}
 
 /// A value alone on its cache lines (128 bytes: Intel cores fetch lines in adjacent pairs).
 #[repr(align(128))]
@@ -111,9 +154,9 @@ struct Line<T>(T);
 /// `pending` (and its count of wakeups) wrote, each write of a call stalled all the polling
 /// workers, a cost that grows with the threads.
 struct Shared {
-    /// `(epoch << ACTIVE_BITS) | active`: bumped once per call, with the number of workers
-    /// (`0..active`) that take part, so a worker learns whether a call is its own without
-    /// reading the job. Written by the caller only, like `job` beside it.
+    /// [`state_word`]: a new epoch per call, with the workers that take part and the
+    /// caller's team, so a worker learns its [`Role`] without reading the job. Written by
+    /// the caller only, like `job` beside it.
     state: Line<(AtomicU64, UnsafeCell<Job>)>,
     /// Active workers that have not finished the current job.
     pending: Line<AtomicUsize>,
@@ -121,6 +164,8 @@ struct Shared {
     asleep: Vec<Line<AtomicBool>>,
     /// Per worker: times it stopped waiting (see [`stats`]).
     wakeups: Vec<Line<AtomicUsize>>,
+    /// Unparks by callers (see [`stats`]).
+    unparks: Line<AtomicUsize>,
     panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
@@ -166,6 +211,7 @@ fn pool() -> &'static Pool {
             wakeups: (0..MAX_WORKERS)
                 .map(|_| Line(AtomicUsize::new(0)))
                 .collect(),
+            unparks: Line(AtomicUsize::new(0)),
             panic: Mutex::new(None),
         }),
         call: Mutex::new(Vec::new()),
@@ -185,10 +231,9 @@ fn worker(shared: Arc<Shared>, id: usize, mut seen: u64) {
     loop {
         seen = wait_for_call(&shared, id, seen, spin);
         shared.wakeups[id].0.fetch_add(1, Ordering::Relaxed);
-        // a call this worker is not part of: straight back to sleep (no spinning), so the
-        // workers one context with many threads started cost nothing to later calls
-        spin = id < (seen & ((1 << ACTIVE_BITS) - 1)) as usize;
-        if !spin {
+        let role = role(seen, id);
+        spin = role != Role::Sleep;
+        if role != Role::Work {
             continue;
         }
         // SAFETY: see `Shared`: this worker is active for this state, so the job stays
@@ -225,7 +270,7 @@ fn wait_for_call(shared: &Shared, id: usize, seen: u64, spin: bool) -> u64 {
         // unparks this thread (an unpark before the park makes the park return at once)
         shared.asleep[id].0.store(true, Ordering::SeqCst);
         let state = shared.state().load(Ordering::SeqCst);
-        if state != seen && id < (state & ((1 << ACTIVE_BITS) - 1)) as usize {
+        if state != seen && role(state, id) == Role::Work {
             shared.asleep[id].0.store(false, Ordering::SeqCst);
             return state;
         }
@@ -233,8 +278,15 @@ fn wait_for_call(shared: &Shared, id: usize, seen: u64, spin: bool) -> u64 {
     }
 }
 
-/// Runs `f` on the caller and `helpers` workers, returning when all have finished.
-fn run_on_workers<F: Fn() + Sync>(p: &Pool, started: &mut Vec<Thread>, helpers: usize, f: &F) {
+/// Runs `f` on the caller and `helpers` workers, returning when all have finished; `team`
+/// (at least `helpers`) is the caller's share of workers.
+fn run_on_workers<F: Fn() + Sync>(
+    p: &Pool,
+    started: &mut Vec<Thread>,
+    helpers: usize,
+    team: usize,
+    f: &F,
+) {
     let shared = &p.shared;
     // stable while the call lock is held
     let before = shared.state().load(Ordering::Acquire);
@@ -258,13 +310,12 @@ fn run_on_workers<F: Fn() + Sync>(p: &Pool, started: &mut Vec<Thread>, helpers: 
         };
     }
     shared.pending.0.store(helpers, Ordering::Release);
-    let epoch = (before >> ACTIVE_BITS) + 1;
-    shared
-        .state()
-        .store((epoch << ACTIVE_BITS) | helpers as u64, Ordering::SeqCst);
+    let word = state_word(epoch_of(before) + 1, helpers, team);
+    shared.state().store(word, Ordering::SeqCst);
     for (id, thread) in started.iter().enumerate().take(helpers) {
         if shared.asleep[id].0.swap(false, Ordering::SeqCst) {
             thread.unpark();
+            shared.unparks.0.fetch_add(1, Ordering::Relaxed);
         }
     }
     let own = catch_unwind(AssertUnwindSafe(f));
@@ -297,7 +348,8 @@ pub fn for_each_chunk(n_items: usize, f: impl Fn(std::ops::Range<usize>) + Sync)
     if n_items == 0 {
         return;
     }
-    let threads = threads().min(n_items).min(MAX_WORKERS + 1);
+    let team = threads().min(MAX_WORKERS + 1);
+    let threads = team.min(n_items);
     if threads <= 1 {
         return f(0..n_items);
     }
@@ -317,7 +369,7 @@ pub fn for_each_chunk(n_items: usize, f: impl Fn(std::ops::Range<usize>) + Sync)
         }
         f(start..n_items.min(start + chunk));
     };
-    run_on_workers(p, &mut started, threads - 1, &grab);
+    run_on_workers(p, &mut started, threads - 1, team - 1, &grab);
 }
 
 #[cfg(test)]
@@ -339,6 +391,22 @@ mod tests {
                 }
             });
         }
+    }
+
+    #[test]
+    fn a_call_with_few_items_keeps_the_callers_other_workers_polling() {
+        let word = state_word(5, 2, 7);
+        assert_eq!(epoch_of(word), 5);
+        let roles: Vec<Role> = (0..9).map(|id| role(word, id)).collect();
+        use Role::*;
+        assert_eq!(
+            roles,
+            [Work, Work, Standby, Standby, Standby, Standby, Standby, Sleep, Sleep]
+        );
+        // the most workers a call can have fit in a count
+        let full = state_word(u32::MAX as u64, MAX_WORKERS, MAX_WORKERS);
+        assert_eq!(role(full, MAX_WORKERS - 1), Work);
+        assert_eq!(epoch_of(full), u32::MAX as u64);
     }
 
     #[test]

@@ -90,27 +90,63 @@ pub fn has_avx2() -> bool {
 /// Below this many multiply-adds a product runs on the calling thread.
 pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 16;
 
-/// Runs `tile(o0, rows)` over every tile of `tile_rows` output rows, on the worker pool when
-/// the product is large enough to pay for waking it.
+/// Fewest activation rows a prompt's product gives one task (see [`for_each_tile`]): each
+/// task unpacks its tile's weights again, which a shorter run of rows would not repay.
+const MIN_SPLIT_ROWS: usize = 64;
+
+/// Runs `tile(o0, rows, act)` over every tile of `tile_rows` output rows and every run
+/// `act` of activation rows it is split into, on the worker pool when the product is large
+/// enough to pay for waking it. A batch of `m` rows is split only when that finishes
+/// sooner on the pool's threads: with tasks of equal cost, the time is the rounds of tasks
+/// the busiest thread runs, so a 576-row product's 18 tiles take 2 rounds on 16 threads
+/// (1.125 of work), 4 runs of each tile's rows 5 rounds of a quarter (1.25 rounds).
+/// Results do not depend on the split: every output is one row's dot products, whichever
+/// task computes it.
 pub(crate) fn for_each_tile(
     n_out: usize,
     tile_rows: usize,
+    m: usize,
     macs: usize,
-    tile: impl Fn(usize, usize) + Sync,
+    tile: impl Fn(usize, usize, std::ops::Range<usize>) + Sync,
 ) {
     let n_tiles = n_out.div_ceil(tile_rows);
-    let run = |tiles: std::ops::Range<usize>| {
-        for t in tiles {
-            let o0 = t * tile_rows;
-            tile(o0, tile_rows.min(n_out - o0));
+    // below this many multiply-adds, waking the worker pool costs more than it saves
+    let threads = if macs < PARALLEL_MIN_MACS {
+        1
+    } else {
+        crate::pool::threads()
+    };
+    let runs = row_runs(n_tiles, m, threads);
+    let per_run = m.div_ceil(runs);
+    let run = |tasks: std::ops::Range<usize>| {
+        for t in tasks {
+            let (o0, r0) = (t / runs * tile_rows, t % runs * per_run);
+            if r0 < m || m == 0 {
+                tile(o0, tile_rows.min(n_out - o0), r0..m.min(r0 + per_run));
+            }
         }
     };
-    // below this many multiply-adds, waking the worker pool costs more than it saves
-    if macs < PARALLEL_MIN_MACS {
+    if threads == 1 {
         run(0..n_tiles);
     } else {
-        crate::pool::for_each_chunk(n_tiles, run);
+        crate::pool::for_each_chunk(n_tiles * runs, run);
     }
+}
+
+/// Into how many runs [`for_each_tile`] splits `m` activation rows of `n_tiles` tiles on
+/// `threads` threads: the fewest that give the least time in rounds, runs of at least
+/// [`MIN_SPLIT_ROWS`] rows.
+fn row_runs(n_tiles: usize, m: usize, threads: usize) -> usize {
+    let rounds = |runs: usize| (n_tiles * runs).div_ceil(threads) as f64 / runs as f64;
+    let mut best = 1;
+    let mut runs = 2;
+    while m.div_ceil(runs) >= MIN_SPLIT_ROWS && runs <= threads {
+        if rounds(runs) < rounds(best) {
+            best = runs;
+        }
+        runs *= 2;
+    }
+    best
 }
 
 /// Output pointer shared by tasks that write disjoint elements.
@@ -157,4 +193,22 @@ pub(crate) fn lcg(seed: &mut u64) -> f32 {
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);
     ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_split_their_rows_only_where_that_finishes_sooner() {
+        // two threads, an even number of tiles: nothing to gain
+        assert_eq!(row_runs(18, 512, 2), 1);
+        // 18 tiles on 16 threads: 2 rounds whole, 36 tasks 3 rounds of half, 72 tasks
+        // 5 rounds of a quarter; eighths would be 9 rounds of an eighth (1.125)
+        assert_eq!(row_runs(18, 512, 16), 8);
+        assert_eq!(row_runs(18, 256, 16), 4, "runs of at least 64 rows");
+        // a decode batch is never split
+        assert_eq!(row_runs(3, 8, 16), 1);
+        assert_eq!(row_runs(96, 512, 16), 1, "tiles already divide evenly");
+    }
 }

@@ -104,9 +104,10 @@ pub fn rotate_and_store(
 ) {
     let q_dim = p.n_head * p.head_dim;
     let kv_dim = p.n_kv_heads * p.head_dim;
-    for t in 0..batch.len() {
-        rope.apply(t, &mut q[t * q_dim..(t + 1) * q_dim], p.head_dim, neox);
-        rope.apply(t, &mut k[t * kv_dim..(t + 1) * kv_dim], p.head_dim, neox);
+    let n = batch.len();
+    rope.apply_rows(&mut q[..n * q_dim], q_dim, p.head_dim, neox);
+    rope.apply_rows(&mut k[..n * kv_dim], kv_dim, p.head_dim, neox);
+    for t in 0..n {
         kv.write(
             layer,
             batch.seq[t],

@@ -34,6 +34,7 @@ use vnni::{group_kernel_vnni, pair_kernel_vnni, wide_kernel_vnni};
 use super::q8::{Q8Activations, QK8_0};
 use super::weights::{PinStore, Pinnable, Store};
 use half::f16;
+use std::ops::Range;
 
 /// Elements per block (same as Q8_0, so activation blocks line up).
 pub const QK4_1: usize = QK8_0;
@@ -565,16 +566,23 @@ impl PackedMatrix {
         let shared = &shared;
         let macs = m * self.n_out * self.n_in;
         Q8Activations::with_quantized(x, m, self.n_in, self.kind.folded_offset(), |a| {
-            super::for_each_tile(half, self.tile_rows(m), macs, |o0, rows| {
+            super::for_each_tile(half, self.tile_rows(half, m), m, macs, |o0, rows, run| {
                 GATED_TILE.with_borrow_mut(|buf| {
                     // sized once per thread: zeroing it per tile cost more than the fusion saved
                     if buf.len() < 2 * m * rows {
                         buf.resize(2 * m * rows, 0.0);
                     }
                     let (gate, up) = buf[..2 * m * rows].split_at_mut(m * rows);
-                    self.tile(a, o0, rows, &Dest::window(gate, o0, rows));
-                    self.tile(a, half + o0, rows, &Dest::window(up, half + o0, rows));
-                    for r in 0..m {
+                    // (a decode batch: one run of every row, see `for_each_tile`)
+                    self.tile(a, run.clone(), o0, rows, &Dest::window(gate, o0, rows));
+                    self.tile(
+                        a,
+                        run.clone(),
+                        half + o0,
+                        rows,
+                        &Dest::window(up, half + o0, rows),
+                    );
+                    for r in run {
                         let (g, u) = (&mut gate[r * rows..][..rows], &up[r * rows..][..rows]);
                         act(g, u);
                         // SAFETY: tiles write disjoint columns `o0..o0 + rows` of each row
@@ -597,55 +605,70 @@ impl PackedMatrix {
         assert_eq!(x.len(), m * self.n_in);
         let macs = m * self.n_out * self.n_in;
         Q8Activations::with_quantized(x, m, self.n_in, self.kind.folded_offset(), |a| {
-            super::for_each_tile(self.n_out, self.tile_rows(m), macs, |o0, rows| {
-                self.tile(a, o0, rows, shared)
+            let tile_rows = self.tile_rows(self.n_out, m);
+            super::for_each_tile(self.n_out, tile_rows, m, macs, |o0, rows, act| {
+                self.tile(a, act, o0, rows, shared)
             })
         });
     }
 
-    /// Output rows per tile of a product of `m` activation rows: one row group, or two on
-    /// the VNNI path.
-    fn tile_rows(&self, m: usize) -> usize {
-        if self.pairs_groups(m) || self.wide_groups() {
-            2 * GROUP
-        } else {
+    /// Output rows per tile of `n` output rows times `m` activation rows: one row group, or
+    /// two on the VNNI path — unless one a tile finishes a short batch's product sooner on
+    /// the pool's threads (a 576-row product: 18 tiles of two groups take 2 rounds on 16
+    /// threads, 36 of one group 3 rounds of half the work). A prompt's tiles stay two groups
+    /// wide, its activation rows split instead ([`super::for_each_tile`]).
+    fn tile_rows(&self, n: usize, m: usize) -> usize {
+        if self.pairs_groups(m) {
+            return 2 * GROUP;
+        }
+        if !self.wide_groups() {
+            return GROUP;
+        }
+        let threads = crate::pool::threads();
+        let time = |rows: usize| n.div_ceil(rows).div_ceil(threads) * rows;
+        if time(GROUP) < time(2 * GROUP) {
             GROUP
+        } else {
+            2 * GROUP
         }
     }
 
     /// The tile of output rows `o0..o0 + rows` (`rows` ≤ [`Self::tile_rows`], `o0` a whole
-    /// row group) on the kernel the batch size and the CPU select.
-    fn tile(&self, a: &Q8Activations, o0: usize, rows: usize, out: &Dest) {
+    /// row group) times activation rows `act`, on the kernel the batch size and the CPU
+    /// select.
+    fn tile(&self, a: &Q8Activations, act: Range<usize>, o0: usize, rows: usize, out: &Dest) {
+        // (the kernels' offsets stay inside the activations for runs within the batch)
+        assert!(act.end <= a.m);
         let g = o0 / GROUP;
         if self.pairs_groups(a.m) {
-            self.group_pair(a, g, rows, out)
+            self.group_pair(a, act, g, rows, out)
         } else if self.wide_groups() {
-            self.group_wide(a, g, rows, out)
+            self.group_wide(a, act, g, rows, out)
         } else {
-            self.group(a, g, out)
+            self.group(a, act, g, out)
         }
     }
 
-    fn group(&self, a: &Q8Activations, g: usize, out: &Dest) {
+    fn group(&self, a: &Q8Activations, act: Range<usize>, g: usize, out: &Dest) {
         #[cfg(target_arch = "x86_64")]
         {
             // SAFETY: the features were detected at run time; every offset stays inside the
             // matrices and the activations (checked by the asserts in `matmul`), and row
             // group `g` writes only its own output columns.
             if super::has_vnni() {
-                return unsafe { group_kernel_vnni(self, a, g, out) };
+                return unsafe { group_kernel_vnni(self, a, act, g, out) };
             }
             if super::has_avx2() {
                 return unsafe {
                     if self.kind == PackedType::Q8_0 {
-                        group_kernel_avx2_q8(self, a, g, out)
+                        group_kernel_avx2_q8(self, a, act, g, out)
                     } else {
-                        group_kernel_avx2(self, a, g, out)
+                        group_kernel_avx2(self, a, act, g, out)
                     }
                 };
             }
         }
-        self.group_scalar(a, g, out);
+        self.group_scalar(a, act, g, out);
     }
 
     /// Whether a product of `m` activation rows runs on pairs of row groups
@@ -667,30 +690,30 @@ impl PackedMatrix {
 
     /// Row groups `g` and `g + 1` in 512-bit vectors (a tile of `rows` output rows: one
     /// group, in 256-bit vectors, when it is the last and alone).
-    fn group_wide(&self, a: &Q8Activations, g: usize, rows: usize, out: &Dest) {
+    fn group_wide(&self, a: &Q8Activations, act: Range<usize>, g: usize, rows: usize, out: &Dest) {
         #[cfg(target_arch = "x86_64")]
         if rows > GROUP {
             // SAFETY: only called when VNNI was detected (`wide_groups`); both groups exist
             // (the tile has more than one group's rows) and write only their own output
             // columns; offsets as in `group`.
-            return unsafe { wide_kernel_vnni(self, a, g, out) };
+            return unsafe { wide_kernel_vnni(self, a, act, g, out) };
         }
         let _ = rows;
-        self.group(a, g, out)
+        self.group(a, act, g, out)
     }
 
     /// Row groups `g` and `g + 1` (a tile of `rows` output rows: one group when it is the
     /// last and alone).
-    fn group_pair(&self, a: &Q8Activations, g: usize, rows: usize, out: &Dest) {
+    fn group_pair(&self, a: &Q8Activations, act: Range<usize>, g: usize, rows: usize, out: &Dest) {
         #[cfg(target_arch = "x86_64")]
         if rows > GROUP {
             // SAFETY: only called when VNNI was detected (`pairs_groups`); both groups
             // exist (the tile has more than one group's rows) and write only their own
             // output columns; offsets as in `group`.
-            return unsafe { pair_kernel_vnni(self, a, g, out) };
+            return unsafe { pair_kernel_vnni(self, a, act, g, out) };
         }
         let _ = rows;
-        self.group(a, g, out)
+        self.group(a, act, g, out)
     }
 }
 #[cfg(test)]
@@ -817,7 +840,8 @@ pub(crate) mod tests {
         }
     }
 
-    /// The scalar, AVX2 and VNNI paths give bitwise the same products.
+    /// The scalar, AVX2 and VNNI paths give bitwise the same products, whether a tile
+    /// computes every activation row or runs of them (the SIMD paths take two runs here).
     pub(crate) fn assert_paths_agree(w12: &PackedMatrix, seed: &mut u64) {
         #[cfg(target_arch = "x86_64")]
         let kind = w12.kind;
@@ -829,8 +853,10 @@ pub(crate) mod tests {
             let mut scalar = vec![0f32; m * n_out];
             let s = Dest::one(&mut scalar, n_out);
             for g in 0..groups {
-                w12.group_scalar(&a, g, &s);
+                w12.group_scalar(&a, 0..m, g, &s);
             }
+            #[cfg(target_arch = "x86_64")]
+            let runs = [0..m / 2, m / 2..m];
             #[cfg(target_arch = "x86_64")]
             for (path, available) in [
                 ("avx2", crate::kernels::has_avx2()),
@@ -841,15 +867,15 @@ pub(crate) mod tests {
                 }
                 let mut simd = vec![0f32; m * n_out];
                 let p = Dest::one(&mut simd, n_out);
-                for g in 0..groups {
+                for (g, act) in (0..groups).flat_map(|g| runs.clone().map(|r| (g, r))) {
                     // SAFETY: the feature was detected above.
                     unsafe {
                         if path == "avx2" && kind == PackedType::Q8_0 {
-                            group_kernel_avx2_q8(w12, &a, g, &p)
+                            group_kernel_avx2_q8(w12, &a, act, g, &p)
                         } else if path == "avx2" {
-                            group_kernel_avx2(w12, &a, g, &p)
+                            group_kernel_avx2(w12, &a, act, g, &p)
                         } else {
-                            group_kernel_vnni(w12, &a, g, &p)
+                            group_kernel_vnni(w12, &a, act, g, &p)
                         }
                     }
                 }
@@ -860,13 +886,16 @@ pub(crate) mod tests {
             if crate::kernels::has_vnni() {
                 let mut pairs = vec![0f32; m * n_out];
                 let p = Dest::one(&mut pairs, n_out);
-                for g in (0..groups).step_by(2) {
+                for (g, act) in (0..groups)
+                    .step_by(2)
+                    .flat_map(|g| runs.clone().map(|r| (g, r)))
+                {
                     // SAFETY: VNNI was detected above; group g + 1 exists when called.
                     unsafe {
                         if g + 1 < groups {
-                            pair_kernel_vnni(w12, &a, g, &p)
+                            pair_kernel_vnni(w12, &a, act, g, &p)
                         } else {
-                            group_kernel_vnni(w12, &a, g, &p)
+                            group_kernel_vnni(w12, &a, act, g, &p)
                         }
                     }
                 }
@@ -874,13 +903,16 @@ pub(crate) mod tests {
                 // decode batches' 512-bit pairs of row groups
                 let mut wide = vec![0f32; m * n_out];
                 let p = Dest::one(&mut wide, n_out);
-                for g in (0..groups).step_by(2) {
+                for (g, act) in (0..groups)
+                    .step_by(2)
+                    .flat_map(|g| runs.clone().map(|r| (g, r)))
+                {
                     // SAFETY: VNNI was detected above; group g + 1 exists when called.
                     unsafe {
                         if g + 1 < groups {
-                            wide_kernel_vnni(w12, &a, g, &p)
+                            wide_kernel_vnni(w12, &a, act, g, &p)
                         } else {
-                            group_kernel_vnni(w12, &a, g, &p)
+                            group_kernel_vnni(w12, &a, act, g, &p)
                         }
                     }
                 }
@@ -921,6 +953,27 @@ pub(crate) mod tests {
             assert!(odd
                 .matmul_parts(&x, 1, &[13, 16], &mut [&mut a, &mut b])
                 .is_none());
+        }
+    }
+
+    #[test]
+    fn products_are_bitwise_the_same_however_the_threads_split_them() {
+        // 96 rows: three two-group tiles, which 8 threads run as six one-group tiles
+        // (decode) or as two runs of each tile's activation rows (a prompt)
+        let mut seed = 29;
+        for kind in [PackedType::Q4_1, PackedType::Q5_0, PackedType::Q8_0] {
+            let (bytes, _) = random_blocks(kind, 96, 128, &mut seed);
+            let w = PackedMatrix::from_bytes(kind, &bytes, 96, 128).unwrap();
+            for m in [8usize, 256] {
+                let x: Vec<f32> = (0..m * 128).map(|_| lcg(&mut seed)).collect();
+                let mut one = vec![0f32; m * 96];
+                crate::pool::with_threads(1, || w.matmul(&x, m, &mut one));
+                for threads in [2, 3, 8] {
+                    let mut many = vec![0f32; m * 96];
+                    crate::pool::with_threads(threads, || w.matmul(&x, m, &mut many));
+                    assert_eq!(many, one, "{kind:?} m={m} threads={threads}");
+                }
+            }
         }
     }
 
@@ -989,7 +1042,7 @@ pub(crate) mod tests {
                     let mut scalar = vec![0f32; m * n_out];
                     let s = Dest::one(&mut scalar, n_out);
                     for g in 0..n_out / GROUP {
-                        w.group_scalar(&a, g, &s);
+                        w.group_scalar(&a, 0..m, g, &s);
                     }
                     // d·(15 - 8)·Σx (Q4_0) or (d·15 - 1)·Σx (Q4_1), up to the activations'
                     // f16 scale
@@ -1001,7 +1054,7 @@ pub(crate) mod tests {
                         let p = Dest::one(&mut simd, n_out);
                         for g in 0..n_out / GROUP {
                             // SAFETY: AVX2 was detected above.
-                            unsafe { group_kernel_avx2(&w, &a, g, &p) };
+                            unsafe { group_kernel_avx2(&w, &a, 0..m, g, &p) };
                         }
                         assert_eq!(simd, scalar, "{kind:?} m={m} sign={sign}");
                     }

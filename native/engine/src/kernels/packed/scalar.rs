@@ -5,7 +5,13 @@ use super::*;
 use crate::kernels::q8::Q8Activations;
 
 impl PackedMatrix {
-    pub(super) fn group_scalar(&self, a: &Q8Activations, g: usize, out: &Dest) {
+    pub(super) fn group_scalar(
+        &self,
+        a: &Q8Activations,
+        act: std::ops::Range<usize>,
+        g: usize,
+        out: &Dest,
+    ) {
         thread_local! {
             /// One row's blocks, decoded once for every activation row (reused: no allocation
             /// per product once grown).
@@ -18,16 +24,23 @@ impl PackedMatrix {
             for o in g * GROUP..self.n_out.min((g + 1) * GROUP) {
                 blocks.clear();
                 blocks.extend((0..self.nb).map(|b| self.row_block(o, b)));
-                self.row_scalar(a, o, &blocks, out);
+                self.row_scalar(a, act.clone(), o, &blocks, out);
             }
         });
     }
     /// Output row `o` (its blocks decoded in `blocks`) for every activation row, with the
     /// SIMD paths' arithmetic in the same order (integer dots are exact, then the same fused
     /// multiply-adds), so every path gives bitwise the same results.
-    pub(super) fn row_scalar(&self, a: &Q8Activations, o: usize, blocks: &[RowBlock], out: &Dest) {
+    pub(super) fn row_scalar(
+        &self,
+        a: &Q8Activations,
+        act: std::ops::Range<usize>,
+        o: usize,
+        blocks: &[RowBlock],
+        out: &Dest,
+    ) {
         let (k, nb) = (self.n_in, self.nb);
-        for r in 0..a.m {
+        for r in act {
             let mut acc = 0f32;
             for (b, blk) in blocks.iter().enumerate() {
                 let x = &a.quants[r * k + b * QK4_1..][..QK4_1];

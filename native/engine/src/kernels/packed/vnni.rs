@@ -111,17 +111,23 @@ macro_rules! by_rows {
 /// results are bitwise the same.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl")]
-pub(super) unsafe fn wide_kernel_vnni(w: &PackedMatrix, a: &Q8Activations, g: usize, out: &Dest) {
+pub(super) unsafe fn wide_kernel_vnni(
+    w: &PackedMatrix,
+    a: &Q8Activations,
+    act: std::ops::Range<usize>,
+    g: usize,
+    out: &Dest,
+) {
     let (p, valid) = GroupRef::pair(w, g);
-    let mut r0 = 0;
-    while r0 < a.m {
-        let rows = (a.m - r0).min(WIDE_ROWS);
+    let mut r0 = act.start;
+    while r0 < act.end {
+        let rows = (act.end - r0).min(WIDE_ROWS);
         // the first pass asks for the next tile's blocks while computing this one's: unlike
         // one group's blocks, read as one sequential stream, two groups' blocks are read as
         // two streams that jump ahead by a group at every tile, which the hardware
         // prefetchers do not follow (without these prefetches a 512-bit pass over Gemma 3's
         // head read 12-13 GB/s on one core, 256-bit ones 18-21)
-        let prefetch = r0 == 0;
+        let prefetch = r0 == act.start;
         by_rows!(rows, |R, C| if prefetch {
             wide_pass_vnni::<R, C, true, false>(w, &p, &[], a, r0, valid, g, out)
         } else {
@@ -145,14 +151,20 @@ thread_local! {
 /// rows reads them from there. Results are bitwise those of `group_kernel_vnni`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl")]
-pub(super) unsafe fn pair_kernel_vnni(w: &PackedMatrix, a: &Q8Activations, g: usize, out: &Dest) {
+pub(super) unsafe fn pair_kernel_vnni(
+    w: &PackedMatrix,
+    a: &Q8Activations,
+    act: std::ops::Range<usize>,
+    g: usize,
+    out: &Dest,
+) {
     let (p, valid) = GroupRef::pair(w, g);
     let run = |buffered: &mut Vec<[std::arch::x86_64::__m512i; 8]>| {
         buffered.clear();
         buffered.extend((0..w.nb).map(|b| wide_block(&p, b)));
-        let mut r0 = 0;
-        while r0 < a.m {
-            let rows = (a.m - r0).min(PAIR_ROWS);
+        let mut r0 = act.start;
+        while r0 < act.end {
+            let rows = (act.end - r0).min(PAIR_ROWS);
             by_rows!(rows, |R, C| wide_pass_vnni::<R, C, false, true>(
                 w, &p, buffered, a, r0, valid, g, out
             ));

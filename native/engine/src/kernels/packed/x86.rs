@@ -212,7 +212,13 @@ macro_rules! group_kernel {
      $signed:literal, $buffer_5bit:literal, $narrow:literal, $rows:literal, [$($r:literal),*]) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
-        pub(super) unsafe fn $name(w: &PackedMatrix, a: &Q8Activations, g: usize, out: &Dest) {
+        pub(super) unsafe fn $name(
+            w: &PackedMatrix,
+            a: &Q8Activations,
+            act: std::ops::Range<usize>,
+            g: usize,
+            out: &Dest,
+        ) {
             let p = GroupRef::new(w, g, $signed);
             let run = |buffered: &mut Vec<[std::arch::x86_64::__m256i; 8]>| {
                 buffered.clear();
@@ -223,15 +229,15 @@ macro_rules! group_kernel {
                     chunk = BUFFERED_ROWS;
                 }
                 let valid = GROUP.min(w.n_out - g * GROUP);
-                let mut r0 = 0;
-                while r0 < a.m {
-                    let rows = (a.m - r0).min(chunk);
+                let mut r0 = act.start;
+                while r0 < act.end {
+                    let rows = (act.end - r0).min(chunk);
                     // the first pass over a group of a small batch asks for the next
                     // group's blocks while computing this one's, so the next unpack (or
                     // buffer fill) reads from cache instead of stalling on memory with no
                     // products in flight; a long batch computes long enough per group for
                     // the hardware prefetcher, and the extra loads only cost it
-                    let prefetch = r0 == 0 && a.m <= PREFETCH_MAX_ROWS;
+                    let prefetch = r0 == act.start && a.m <= PREFETCH_MAX_ROWS;
                     // 4-bit values (no fifth bits, not stored as bytes), on a path whose
                     // dot products gain from knowing it
                     let narrow = $narrow && !p.bytes8 && p.h.is_none();
