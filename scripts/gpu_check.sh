@@ -228,7 +228,7 @@ run() {
         > "$log/lcp_cpu_${name}_$t.md" 2>&1
       timeout 60 "$bin/decode_profile" "$m" "$t" 128 > "$log/ours_cpu_${name}_$t.txt" 2>&1
       summary+="CPU $name $t threads: llama.cpp $(grep -E '^\| .*(pp|tg)' "$log/lcp_cpu_${name}_$t.md" |
-        awk -F'|' '{printf "%s %s; ", $(NF-2), $(NF-1)}') ours $(grep -E '^(pp|tg)' "$log/ours_cpu_${name}_$t.txt" | tr '\n' ' ')"$'\n'
+        awk -F'|' '{printf "%s %s; ", $(NF-2), $(NF-1)}') ours $(grep -E '^(pp|tg|pool)' "$log/ours_cpu_${name}_$t.txt" | tr '\n' ' ')"$'\n'
     done
   done
   finish
