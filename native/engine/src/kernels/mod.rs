@@ -98,8 +98,8 @@ const MIN_SPLIT_ROWS: usize = 64;
 /// `act` of activation rows it is split into, on the worker pool when the product is large
 /// enough to pay for waking it. A batch of `m` rows is split only when that finishes
 /// sooner on the pool's threads: with tasks of equal cost, the time is the rounds of tasks
-/// the busiest thread runs, so a 576-row product's 18 tiles take 2 rounds on 16 threads
-/// (1.125 of work), 4 runs of each tile's rows 5 rounds of a quarter (1.25 rounds).
+/// the busiest thread runs, so a 576-row product's 36 tiles of 16 rows take 3 rounds on 16
+/// threads (2.25 of work), 4 runs of each tile's rows 9 rounds of a quarter (2.25).
 /// Results do not depend on the split: every output is one row's dot products, whichever
 /// task computes it.
 pub(crate) fn for_each_tile(
@@ -202,9 +202,11 @@ mod tests {
     #[test]
     fn prompts_split_their_rows_only_where_that_finishes_sooner() {
         // two threads, an even number of tiles: nothing to gain
-        assert_eq!(row_runs(18, 512, 2), 1);
-        // 18 tiles on 16 threads: 2 rounds whole, 36 tasks 3 rounds of half, 72 tasks
-        // 5 rounds of a quarter; eighths would be 9 rounds of an eighth (1.125)
+        assert_eq!(row_runs(36, 512, 2), 1);
+        // 36 tiles on 16 threads: 3 rounds whole, 72 tasks 5 rounds of half (2.5), 144
+        // tasks 9 rounds of a quarter (2.25, every thread busy); eighths gain nothing more
+        assert_eq!(row_runs(36, 512, 16), 4);
+        // 18 tiles: 2 rounds whole; eighths 9 rounds of an eighth (1.125)
         assert_eq!(row_runs(18, 512, 16), 8);
         assert_eq!(row_runs(18, 256, 16), 4, "runs of at least 64 rows");
         // a decode batch is never split

@@ -614,8 +614,8 @@ impl PackedMatrix {
 
     /// Output rows per tile of `n` output rows times `m` activation rows: one row group, or
     /// two on the VNNI path — unless one a tile finishes a short batch's product sooner on
-    /// the pool's threads (a 576-row product: 18 tiles of two groups take 2 rounds on 16
-    /// threads, 36 of one group 3 rounds of half the work). A prompt's tiles stay two groups
+    /// the pool's threads (a 576-row product: 36 tiles of two groups take 3 rounds on 16
+    /// threads, 72 of one group 5 rounds of half the work). A prompt's tiles stay two groups
     /// wide, its activation rows split instead ([`super::for_each_tile`]).
     fn tile_rows(&self, n: usize, m: usize) -> usize {
         if self.pairs_groups(m) {
@@ -958,18 +958,22 @@ pub(crate) mod tests {
 
     #[test]
     fn products_are_bitwise_the_same_however_the_threads_split_them() {
-        // 96 rows: three two-group tiles, which 8 threads run as six one-group tiles
-        // (decode) or as two runs of each tile's activation rows (a prompt)
+        // 48 rows: three two-group tiles, which 8 threads run as six one-group tiles on
+        // the VNNI path (decode) or as two runs of each tile's activation rows (a prompt)
         let mut seed = 29;
         for kind in [PackedType::Q4_1, PackedType::Q5_0, PackedType::Q8_0] {
-            let (bytes, _) = random_blocks(kind, 96, 128, &mut seed);
-            let w = PackedMatrix::from_bytes(kind, &bytes, 96, 128).unwrap();
+            let (bytes, _) = random_blocks(kind, 48, 256, &mut seed);
+            let w = PackedMatrix::from_bytes(kind, &bytes, 48, 256).unwrap();
+            if w.wide_groups() {
+                let rows = crate::pool::with_threads(8, || w.tile_rows(48, 8));
+                assert_eq!(rows, GROUP, "decode on 8 threads: one-group tiles");
+            }
             for m in [8usize, 256] {
-                let x: Vec<f32> = (0..m * 128).map(|_| lcg(&mut seed)).collect();
-                let mut one = vec![0f32; m * 96];
+                let x: Vec<f32> = (0..m * 256).map(|_| lcg(&mut seed)).collect();
+                let mut one = vec![0f32; m * 48];
                 crate::pool::with_threads(1, || w.matmul(&x, m, &mut one));
                 for threads in [2, 3, 8] {
-                    let mut many = vec![0f32; m * 96];
+                    let mut many = vec![0f32; m * 48];
                     crate::pool::with_threads(threads, || w.matmul(&x, m, &mut many));
                     assert_eq!(many, one, "{kind:?} m={m} threads={threads}");
                 }
