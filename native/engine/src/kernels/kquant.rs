@@ -121,17 +121,39 @@ fn decode(kind: KQuant, sb: &[u8]) -> [RowBlock; BLOCKS] {
 impl PackedMatrix {
     /// From GGUF/ggml K-quant bytes; `None` when the sizes do not match.
     pub fn from_k_quant(kind: KQuant, bytes: &[u8], n_out: usize, n_in: usize) -> Option<Self> {
+        Self::from_k_quant_releasing(kind, bytes, n_out, n_in, &|_| {})
+    }
+
+    /// [`PackedMatrix::from_k_quant`], handing each packed run of rows' bytes to `release`
+    /// (see [`PackedMatrix::build`]).
+    pub fn from_k_quant_releasing(
+        kind: KQuant,
+        bytes: &[u8],
+        n_out: usize,
+        n_in: usize,
+        release: &(dyn Fn(&[u8]) + Sync),
+    ) -> Option<Self> {
         let bb = kind.block_bytes();
         if n_out == 0 || !n_in.is_multiple_of(QK_K) || bytes.len() != n_out * n_in / QK_K * bb {
             return None;
         }
         let per_row = n_in / QK_K;
-        Some(Self::build(kind.target(), n_out, n_in, |o, blocks| {
-            for (s, out) in blocks.chunks_exact_mut(BLOCKS).enumerate() {
-                let sb = o * per_row + s;
-                out.copy_from_slice(&decode(kind, &bytes[sb * bb..(sb + 1) * bb]));
-            }
-        }))
+        let row_bytes = per_row * bb;
+        let packed = |rows: std::ops::Range<usize>| {
+            release(&bytes[rows.start * row_bytes..rows.end * row_bytes])
+        };
+        Some(Self::build(
+            kind.target(),
+            n_out,
+            n_in,
+            |o, blocks| {
+                for (s, out) in blocks.chunks_exact_mut(BLOCKS).enumerate() {
+                    let sb = o * per_row + s;
+                    out.copy_from_slice(&decode(kind, &bytes[sb * bb..(sb + 1) * bb]));
+                }
+            },
+            &packed,
+        ))
     }
 }
 

@@ -37,9 +37,6 @@ pub(crate) fn own_kernels_enabled() -> bool {
     })
 }
 
-/// Rows converted to the kernel layout per step when loading (a multiple of the row group).
-const CONVERT_ROWS: usize = 4096;
-
 impl Linear {
     pub fn new(t: QTensor) -> Result<Self> {
         Self::from_arc(Arc::new(t))
@@ -72,40 +69,27 @@ impl Linear {
         Self::from_file_bytes_releasing(dtype, bytes, n_out, n_in, &|_| {})
     }
 
-    /// [`Linear::from_file_bytes`], converting [`CONVERT_ROWS`] rows at a time and handing
-    /// each converted part of `bytes` to `release`, so a large matrix read from a mapping
-    /// (a 262k-row output head) is never resident in both layouts at once.
+    /// [`Linear::from_file_bytes`], handing each converted run of rows of `bytes` to
+    /// `release` ([`PackedMatrix::build`]), so a large matrix read from a mapping (a 262k-row
+    /// output head) is never resident in both layouts at once.
     pub fn from_file_bytes_releasing(
         dtype: GgmlDType,
         bytes: &[u8],
         n_out: usize,
         n_in: usize,
-        release: &dyn Fn(&[u8]),
+        release: &(dyn Fn(&[u8]) + Sync),
     ) -> Option<Self> {
         if !own_kernels_enabled() || n_out == 0 || !bytes.len().is_multiple_of(n_out) {
             return None;
         }
-        let row_bytes = bytes.len() / n_out;
-        let in_parts = |convert: &dyn Fn(&[u8], usize) -> Option<PackedMatrix>| {
-            let mut whole: Option<PackedMatrix> = None;
-            for r0 in (0..n_out).step_by(CONVERT_ROWS) {
-                let rows = CONVERT_ROWS.min(n_out - r0);
-                let part_bytes = &bytes[r0 * row_bytes..(r0 + rows) * row_bytes];
-                let part = convert(part_bytes, rows)?;
-                release(part_bytes);
-                match whole.as_mut() {
-                    None => {
-                        let mut first = part;
-                        first.reserve_rows(n_out);
-                        whole = Some(first);
-                    }
-                    Some(w) => w.append(&part)?,
-                }
-            }
-            whole.map(Kernel::Packed)
+        let nibble = |kind| {
+            PackedMatrix::from_bytes_releasing(kind, bytes, n_out, n_in, release)
+                .map(Kernel::Packed)
         };
-        let nibble = |kind| in_parts(&|b, rows| PackedMatrix::from_bytes(kind, b, rows, n_in));
-        let k_quant = |kind| in_parts(&|b, rows| PackedMatrix::from_k_quant(kind, b, rows, n_in));
+        let k_quant = |kind| {
+            PackedMatrix::from_k_quant_releasing(kind, bytes, n_out, n_in, release)
+                .map(Kernel::Packed)
+        };
         let kernel = match dtype {
             GgmlDType::Q8_0 => nibble(PackedType::Q8_0),
             GgmlDType::Q4_0 => nibble(PackedType::Q4_0),

@@ -490,12 +490,18 @@ impl PackedMatrix {
         for (pi, p) in parts.iter().enumerate() {
             owner.extend((0..p.n_out).map(|o| (pi, o)));
         }
-        Some(Self::build(kind, n_out, n_in, |o, blocks| {
-            let (pi, row) = owner[o];
-            for (b, blk) in blocks.iter_mut().enumerate() {
-                *blk = parts[pi].row_block(row, b);
-            }
-        }))
+        Some(Self::build(
+            kind,
+            n_out,
+            n_in,
+            |o, blocks| {
+                let (pi, row) = owner[o];
+                for (b, blk) in blocks.iter_mut().enumerate() {
+                    *blk = parts[pi].row_block(row, b);
+                }
+            },
+            &|_| {},
+        ))
     }
 
     /// `out[r * n_out + o] = Σ_i w[o, i] · x[r, i]` for `m` rows of `x`.

@@ -3,9 +3,25 @@
 
 use super::*;
 
+/// Most rows [`PackedMatrix::build`] packs before it reports them packed (with one such run in
+/// flight per thread, the bound on a matrix resident in both layouts while it loads).
+const RELEASE_ROWS: usize = 4096;
+
 impl PackedMatrix {
     /// From GGUF/ggml block bytes of `kind`.
     pub fn from_bytes(kind: PackedType, bytes: &[u8], n_out: usize, n_in: usize) -> Option<Self> {
+        Self::from_bytes_releasing(kind, bytes, n_out, n_in, &|_| {})
+    }
+
+    /// [`PackedMatrix::from_bytes`], handing each packed run of rows' bytes to `release`
+    /// (see [`PackedMatrix::build`]).
+    pub fn from_bytes_releasing(
+        kind: PackedType,
+        bytes: &[u8],
+        n_out: usize,
+        n_in: usize,
+        release: &(dyn Fn(&[u8]) + Sync),
+    ) -> Option<Self> {
         let bb = kind.block_bytes();
         if kind == PackedType::Q6K
             || n_out == 0
@@ -43,22 +59,37 @@ impl PackedMatrix {
             }
             RowBlock::new(d, m, vals)
         };
-        Some(Self::build(kind, n_out, n_in, |o, blocks| {
-            for (b, blk) in blocks.iter_mut().enumerate() {
-                *blk = block(o, b);
-            }
-        }))
+        let row_bytes = nb * bb;
+        let packed = |rows: std::ops::Range<usize>| {
+            release(&bytes[rows.start * row_bytes..rows.end * row_bytes])
+        };
+        Some(Self::build(
+            kind,
+            n_out,
+            n_in,
+            |o, blocks| {
+                for (b, blk) in blocks.iter_mut().enumerate() {
+                    *blk = block(o, b);
+                }
+            },
+            &packed,
+        ))
     }
 
     /// Packs the rows `row_blocks(o, blocks)` writes (all `n_in / 32` blocks of row `o`),
     /// row groups in parallel on the calling thread's share of the pool: repacking is most
     /// of a model's load, and the threads that write the packed pages first also fault them
-    /// in.
+    /// in. `packed(rows)` is told each run of at most [`RELEASE_ROWS`] rows once it is
+    /// packed, so a caller reading a mapping can drop the run's pages: a large matrix (a
+    /// 262k-row output head) is then never resident in both layouts at once, and it is
+    /// packed in one piece (packed in parts and appended, the copies were a fifth of a 1B
+    /// model's load).
     pub(crate) fn build(
         kind: PackedType,
         n_out: usize,
         n_in: usize,
         row_blocks: impl Fn(usize, &mut [RowBlock]) + Sync,
+        packed: &(dyn Fn(std::ops::Range<usize>) + Sync),
     ) -> Self {
         let nb = n_in / QK4_1;
         let groups = n_out.div_ceil(GROUP);
@@ -77,8 +108,7 @@ impl PackedMatrix {
             qh: qh.as_mut_ptr(),
         };
         let zero = RowBlock::new(0.0, 0.0, [0; QK4_1]);
-        crate::pool::for_each_chunk(groups, |range| {
-            let mut rows = vec![zero; GROUP * nb];
+        let pack_groups = |range: std::ops::Range<usize>, rows: &mut [RowBlock]| {
             for g in range {
                 for (j, blocks) in rows.chunks_exact_mut(nb).enumerate() {
                     if g * GROUP + j < n_out {
@@ -137,6 +167,19 @@ impl PackedMatrix {
                         }
                     }
                 }
+            }
+        };
+        // steps of a few groups per thread, for balance, and of at most `RELEASE_ROWS`
+        let threads = crate::pool::threads();
+        let step = (RELEASE_ROWS / GROUP)
+            .min(groups.div_ceil(4 * threads))
+            .max(1);
+        crate::pool::for_each_chunk(groups.div_ceil(step), |steps| {
+            let mut rows = vec![zero; GROUP * nb];
+            for s in steps {
+                let range = s * step..groups.min((s + 1) * step);
+                pack_groups(range.clone(), &mut rows);
+                packed(range.start * GROUP..n_out.min(range.end * GROUP));
             }
         });
         // SAFETY: the groups together wrote every element up to these lengths.
