@@ -138,10 +138,6 @@ impl PackedMatrix {
             return None;
         }
         let per_row = n_in / QK_K;
-        let row_bytes = per_row * bb;
-        let packed = |rows: std::ops::Range<usize>| {
-            release(&bytes[rows.start * row_bytes..rows.end * row_bytes])
-        };
         Some(Self::build(
             kind.target(),
             n_out,
@@ -152,7 +148,7 @@ impl PackedMatrix {
                     out.copy_from_slice(&decode(kind, &bytes[sb * bb..(sb + 1) * bb]));
                 }
             },
-            &packed,
+            (bytes, release),
         ))
     }
 }

@@ -121,7 +121,7 @@ pub(crate) fn for_each_tile(
     let run = |tasks: std::ops::Range<usize>| {
         for t in tasks {
             let (o0, r0) = (t / runs * tile_rows, t % runs * per_run);
-            if r0 < m || m == 0 {
+            if r0 < m {
                 tile(o0, tile_rows.min(n_out - o0), r0..m.min(r0 + per_run));
             }
         }

@@ -500,7 +500,7 @@ impl PackedMatrix {
                     *blk = parts[pi].row_block(row, b);
                 }
             },
-            &|_| {},
+            (&[], &|_| {}),
         ))
     }
 

@@ -59,10 +59,6 @@ impl PackedMatrix {
             }
             RowBlock::new(d, m, vals)
         };
-        let row_bytes = nb * bb;
-        let packed = |rows: std::ops::Range<usize>| {
-            release(&bytes[rows.start * row_bytes..rows.end * row_bytes])
-        };
         Some(Self::build(
             kind,
             n_out,
@@ -72,25 +68,27 @@ impl PackedMatrix {
                     *blk = block(o, b);
                 }
             },
-            &packed,
+            (bytes, release),
         ))
     }
 
     /// Packs the rows `row_blocks(o, blocks)` writes (all `n_in / 32` blocks of row `o`),
     /// row groups in parallel on the calling thread's share of the pool: repacking is most
     /// of a model's load, and the threads that write the packed pages first also fault them
-    /// in. `packed(rows)` is told each run of at most [`RELEASE_ROWS`] rows once it is
-    /// packed, so a caller reading a mapping can drop the run's pages: a large matrix (a
-    /// 262k-row output head) is then never resident in both layouts at once, and it is
-    /// packed in one piece (packed in parts and appended, the copies were a fifth of a 1B
-    /// model's load).
+    /// in. `(source, release)`: the rows' bytes in the file, equal runs per row (empty when
+    /// there is no file), and what is handed each run of at most [`RELEASE_ROWS`] rows of
+    /// them once packed, so a caller reading a mapping can drop the run's pages: a large
+    /// matrix (a 262k-row output head) is then never resident in both layouts at once, and
+    /// it is packed in one piece (packed in parts and appended, the copies were a fifth of
+    /// a 1B model's load).
     pub(crate) fn build(
         kind: PackedType,
         n_out: usize,
         n_in: usize,
         row_blocks: impl Fn(usize, &mut [RowBlock]) + Sync,
-        packed: &(dyn Fn(std::ops::Range<usize>) + Sync),
+        (source, release): (&[u8], &(dyn Fn(&[u8]) + Sync)),
     ) -> Self {
+        let row_bytes = source.len() / n_out;
         let nb = n_in / QK4_1;
         let groups = n_out.div_ceil(GROUP);
         let halves = kind.halves();
@@ -179,7 +177,8 @@ impl PackedMatrix {
             for s in steps {
                 let range = s * step..groups.min((s + 1) * step);
                 pack_groups(range.clone(), &mut rows);
-                packed(range.start * GROUP..n_out.min(range.end * GROUP));
+                let done = range.start * GROUP..n_out.min(range.end * GROUP);
+                release(&source[done.start * row_bytes..done.end * row_bytes]);
             }
         });
         // SAFETY: the groups together wrote every element up to these lengths.
