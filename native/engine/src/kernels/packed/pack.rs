@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// The file bytes [`PackedMatrix::build`] packs rows from, and what it hands each packed run
+/// of them.
+pub(crate) type Source<'a> = (&'a [u8], &'a (dyn Fn(&[u8]) + Sync));
+
 /// Most rows [`PackedMatrix::build`] packs before it reports them packed (with one such run in
 /// flight per thread, the bound on a matrix resident in both layouts while it loads).
 const RELEASE_ROWS: usize = 4096;
@@ -86,7 +90,7 @@ impl PackedMatrix {
         n_out: usize,
         n_in: usize,
         row_blocks: impl Fn(usize, &mut [RowBlock]) + Sync,
-        (source, release): (&[u8], &(dyn Fn(&[u8]) + Sync)),
+        (source, release): Source,
     ) -> Self {
         let row_bytes = source.len() / n_out;
         let nb = n_in / QK4_1;
