@@ -10,6 +10,9 @@
 //! llama-bench's `-d N`), `PP_REPS=N` prints the best of N pp512 runs, `TG_ONLY=1` skips pp512,
 //! `STREAMS_ONLY=1` runs only the batched decode, `KV_TYPE=f16|f32|q8_0|q4_0` sets the cache's
 //! type (default f16), `GPU=1` places the model on GPU 0 (a build with the `cuda` feature).
+//! `CEILING=N` runs only N rounds of a memory read-rate probe followed by a decode run, and
+//! prints each round's share of the read ceiling (weight bytes × tok/s ÷ read rate) and their
+//! median: on a machine whose bandwidth drifts between runs, a share from the same moment.
 
 use llama_cpp_ex_engine::kv::KvType;
 use llama_cpp_ex_engine::{
@@ -71,6 +74,47 @@ fn main() {
     let prompt: Vec<u32> = (0..(start + 7 * streams).max(512) as u32)
         .map(|i| 300 + i % 1000)
         .collect();
+    let decode_run = |ctx: &mut Context, run: usize, ncu_step: bool| {
+        ctx.decode(&Batch::for_sequence(&prompt[..start], 0, 0))
+            .unwrap();
+        let t = Instant::now();
+        for i in 0..steps {
+            let bracket = ncu_step && run == 0 && i == 2;
+            if bracket {
+                profiler(true);
+            }
+            ctx.decode(&Batch::for_sequence(&[400 + i as u32 % 500], start + i, 0))
+                .unwrap();
+            if bracket {
+                profiler(false);
+            }
+        }
+        steps as f64 / t.elapsed().as_secs_f64()
+    };
+    if let Some(rounds) = std::env::var("CEILING").ok().and_then(|v| v.parse().ok()) {
+        let probe = llama_cpp_ex_engine::membw::Probe::new(1024);
+        let gb = model.size_bytes as f64 / 1e9;
+        let mut shares: Vec<f64> = (0..rounds)
+            .map(|round| {
+                let rate = probe.read_rate(threads, 3);
+                let mut ctx = Context::new(model.clone(), params(1)).unwrap();
+                let tps = decode_run(&mut ctx, 1, false);
+                let share = 100.0 * gb * tps / rate;
+                println!(
+                    "round {round}: tg{steps} {tps:.1} tok/s x {:.1} MB = {:.2} GB/s of {rate:.2} GB/s read: {share:.0}% of the ceiling ({:.1} tok/s)",
+                    gb * 1e3,
+                    gb * tps,
+                    rate / gb
+                );
+                share
+            })
+            .collect();
+        shares.sort_by(f64::total_cmp);
+        if !shares.is_empty() {
+            println!("median share: {:.0}%", shares[shares.len() / 2]);
+        }
+        return;
+    }
     // STREAMS_ONLY=1: only the batched decode (for profiling it alone)
     let single = std::env::var_os("STREAMS_ONLY").is_none();
     if single {
@@ -102,21 +146,7 @@ fn main() {
         let mut runs: Vec<f64> = (0..5)
             .map(|run| {
                 let mut ctx = Context::new(model.clone(), params(1)).unwrap();
-                ctx.decode(&Batch::for_sequence(&prompt[..start], 0, 0))
-                    .unwrap();
-                let t = Instant::now();
-                for i in 0..steps {
-                    let bracket = ncu_step && run == 0 && i == 2;
-                    if bracket {
-                        profiler(true);
-                    }
-                    ctx.decode(&Batch::for_sequence(&[400 + i as u32 % 500], start + i, 0))
-                        .unwrap();
-                    if bracket {
-                        profiler(false);
-                    }
-                }
-                steps as f64 / t.elapsed().as_secs_f64()
+                decode_run(&mut ctx, run, ncu_step)
             })
             .collect();
         runs.sort_by(f64::total_cmp);

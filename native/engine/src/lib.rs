@@ -23,6 +23,7 @@ pub mod kernels;
 pub mod kv;
 pub mod limits;
 pub mod math;
+pub mod membw;
 pub mod model;
 pub mod pages;
 pub mod pool;
