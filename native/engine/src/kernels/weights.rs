@@ -1,13 +1,14 @@
 //! Where the kernels' repacked weights live once a model is loaded.
 //!
-//! Matrices are built in `Vec`s (converted from the file in parts, appended, stacked), then
+//! Matrices are built in `Vec`s (packed from the file's bytes, stacked), then
 //! [`pin`] copies all of a model's into one allocation aligned to and advised for 2 MB pages.
 //! Decode streams every weight once per token, most of them in matrices of 0.2–2 MB (a layer's
 //! Q/K/V, output, gate/up and down products); in 4 KB pages each product starts on pages
 //! the TLB has never seen. Gemma 3's single-stream decode on the AVX2 path ran 23–28% faster
 //! inside the BEAM with the host's transparent huge pages set to `always`; this gets that
-//! under the default `madvise` setting. Off Linux, or when the
-//! allocation fails, the matrices keep their `Vec`s.
+//! under the default `madvise` setting. On a machine with several NUMA nodes a large region's
+//! pages are spread over them (every thread reads every weight each token). Off Linux, or
+//! when the allocation fails, the matrices keep their `Vec`s.
 
 use std::alloc::Layout;
 use std::marker::PhantomData;
@@ -15,6 +16,8 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 const HUGE_PAGE: usize = 2 << 20;
+/// The smallest region whose pages are spread over NUMA nodes ([`crate::pages::spread_over_nodes`]).
+const SPREAD_MIN: usize = 64 << 20;
 /// Each array starts on a cache line.
 const ALIGN: usize = 64;
 
@@ -42,6 +45,12 @@ impl Region {
         // (no THP in the kernel) changes nothing else.
         unsafe {
             libc::madvise(ptr.as_ptr().cast(), size, libc::MADV_HUGEPAGE);
+        }
+        // Only regions above glibc's largest mmap threshold (32 MB) are surely fresh mappings
+        // of their own rather than reused heap; smaller models stay in the caches anyway.
+        if size >= SPREAD_MIN {
+            // SAFETY: as above, this allocation's pages are untouched.
+            unsafe { crate::pages::spread_over_nodes(ptr.as_ptr(), size) };
         }
         Some(Region { ptr, layout })
     }
