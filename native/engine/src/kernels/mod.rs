@@ -90,6 +90,11 @@ pub fn has_avx2() -> bool {
 /// Below this many multiply-adds a product runs on the calling thread.
 pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 16;
 
+/// Below this many multiply-adds per thread a product's tiles are split one range per
+/// thread, with no shared cursor ([`crate::pool::for_each_chunk_in`]): a few microseconds of
+/// work each, where handing tiles out one by one on many threads queued on the cursor.
+const SHORT_CALL_MACS_PER_THREAD: usize = 1 << 18;
+
 /// Fewest activation rows a prompt's product gives one task (see [`for_each_tile`]): each
 /// task unpacks its tile's weights again, which a shorter run of rows would not repay.
 const MIN_SPLIT_ROWS: usize = 64;
@@ -128,6 +133,8 @@ pub(crate) fn for_each_tile(
     };
     if threads == 1 {
         run(0..n_tiles);
+    } else if macs / threads < SHORT_CALL_MACS_PER_THREAD {
+        crate::pool::for_each_chunk_in(n_tiles * runs, 1, run);
     } else {
         crate::pool::for_each_chunk(n_tiles * runs, run);
     }
