@@ -216,12 +216,68 @@ unsafe fn interleave(from: *mut u8, len: usize, mask: &[libc::c_ulong; NODE_WORD
     ) == 0
 }
 
+/// Parses a kernel CPU or node list (`0-3,8,10-11`) into the numbers it names; `None` if it
+/// is not one.
+#[cfg(target_os = "linux")]
+fn parse_list(list: &str) -> Option<Vec<usize>> {
+    let mut out = Vec::new();
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        let (a, b): (usize, usize) = match part.split_once('-') {
+            Some((a, b)) => (a.parse().ok()?, b.parse().ok()?),
+            None => {
+                let n = part.parse().ok()?;
+                (n, n)
+            }
+        };
+        if b < a || b - a > 1 << 16 {
+            return None;
+        }
+        out.extend(a..=b);
+    }
+    Some(out)
+}
+
+/// Drops from `mask` the nodes none of whose CPUs this process may run on (a VM pinned to
+/// one socket with `taskset` or `numactl --cpunodebind`): their memory is remote to every
+/// thread. Leaves `mask` as it is where the system does not say.
+#[cfg(target_os = "linux")]
+fn keep_nodes_with_our_cpus(mask: &mut [libc::c_ulong; NODE_WORDS]) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set, filled by sched_getaffinity.
+    let mut cpus: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: the size passed is the set's own.
+    let r =
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut cpus) };
+    if r != 0 {
+        return;
+    }
+    let bits = libc::c_ulong::BITS as usize;
+    for node in 0..NODE_WORDS * bits {
+        if mask[node / bits] & (1 << (node % bits)) == 0 {
+            continue;
+        }
+        let path = format!("/sys/devices/system/node/node{node}/cpulist");
+        let Some(list) = std::fs::read_to_string(path)
+            .ok()
+            .and_then(|l| parse_list(&l))
+        else {
+            continue;
+        };
+        let ours = list.iter().any(|&cpu| {
+            // SAFETY: CPU_ISSET only reads the set; out-of-range CPUs are checked first.
+            cpu < libc::CPU_SETSIZE as usize && unsafe { libc::CPU_ISSET(cpu, &cpus) }
+        });
+        if !ours {
+            mask[node / bits] &= !(1 << (node % bits));
+        }
+    }
+}
+
 /// On a machine with several NUMA nodes, spreads the pages of a fresh range over every node
-/// the process may use, so that threads on all of them read a model's weights at the
-/// combined bandwidth of every node's memory rather than through the one node whose threads
-/// happened to touch each page first. Does nothing on one node, or when the process runs
-/// under a memory policy of its own (`numactl`), which then decides. Returns whether the
-/// pages were spread.
+/// the process may use (its memory and some of its CPUs), so that threads on all of them
+/// read a model's weights at the combined bandwidth of every node's memory rather than
+/// through the one node whose threads happened to touch each page first. Does nothing on
+/// one node, or when the process runs under a memory policy of its own (`numactl`), which
+/// then decides. Returns whether the pages were spread.
 ///
 /// # Safety
 /// As [`interleave`]: `len` bytes from the page-aligned `from` are an untouched mapping of
@@ -229,14 +285,11 @@ unsafe fn interleave(from: *mut u8, len: usize, mask: &[libc::c_ulong; NODE_WORD
 pub unsafe fn spread_over_nodes(from: *mut u8, len: usize) -> bool {
     #[cfg(target_os = "linux")]
     {
-        match allowed_nodes() {
-            Some(mask)
-                if default_policy() && mask.iter().map(|w| w.count_ones()).sum::<u32>() > 1 =>
-            {
-                interleave(from, len, &mask)
-            }
-            _ => false,
-        }
+        let Some(mut mask) = allowed_nodes().filter(|_| default_policy()) else {
+            return false;
+        };
+        keep_nodes_with_our_cpus(&mut mask);
+        mask.iter().map(|w| w.count_ones()).sum::<u32>() > 1 && interleave(from, len, &mask)
     }
     #[cfg(not(target_os = "linux"))]
     {
@@ -248,6 +301,31 @@ pub unsafe fn spread_over_nodes(from: *mut u8, len: usize) -> bool {
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_cpu_and_node_lists_parse() {
+        assert_eq!(
+            parse_list("0-3,8,10-11\n"),
+            Some(vec![0, 1, 2, 3, 8, 10, 11])
+        );
+        assert_eq!(parse_list("5"), Some(vec![5]));
+        assert_eq!(parse_list(""), Some(vec![]));
+        assert_eq!(parse_list("3-1"), None);
+        assert_eq!(parse_list("a-b"), None);
+    }
+
+    #[test]
+    fn the_nodes_of_this_machine_with_our_cpus_are_kept() {
+        let Some(mut mask) = allowed_nodes() else {
+            eprintln!("memory-policy calls unavailable here: not checked");
+            return;
+        };
+        let before = mask;
+        keep_nodes_with_our_cpus(&mut mask);
+        // every node kept was allowed, and this process runs somewhere
+        assert!(mask.iter().zip(&before).all(|(m, b)| m & !b == 0));
+        assert!(mask.iter().any(|&w| w != 0), "no node with our CPUs");
+    }
 
     #[test]
     fn the_memory_policy_calls_are_well_formed() {
