@@ -155,6 +155,9 @@ pub unsafe fn release_pages(from: *const u8, len: usize) {
 /// Node-mask words passed to the memory-policy calls: up to 1024 NUMA nodes.
 #[cfg(target_os = "linux")]
 const NODE_WORDS: usize = 16;
+/// The calls' `maxnode` for a mask of [`NODE_WORDS`]: the kernel reads one bit fewer.
+#[cfg(target_os = "linux")]
+const MAX_NODE: libc::c_ulong = (NODE_WORDS * libc::c_ulong::BITS as usize + 1) as libc::c_ulong;
 
 /// The NUMA nodes this process may allocate from (its cpuset's), as a bit mask, or `None`
 /// where the system does not say (no NUMA support, or the call is filtered).
@@ -170,7 +173,7 @@ fn allowed_nodes() -> Option<[libc::c_ulong; NODE_WORDS]> {
             libc::SYS_get_mempolicy,
             std::ptr::null_mut::<libc::c_int>(),
             mask.as_mut_ptr(),
-            (NODE_WORDS * libc::c_ulong::BITS as usize + 1) as libc::c_ulong,
+            MAX_NODE,
             std::ptr::null_mut::<libc::c_void>(),
             MEMS_ALLOWED,
         )
@@ -211,7 +214,7 @@ unsafe fn interleave(from: *mut u8, len: usize, mask: &[libc::c_ulong; NODE_WORD
         len as libc::c_ulong,
         libc::MPOL_INTERLEAVE as libc::c_ulong,
         mask.as_ptr(),
-        (NODE_WORDS * libc::c_ulong::BITS as usize + 1) as libc::c_ulong,
+        MAX_NODE,
         0 as libc::c_ulong,
     ) == 0
 }
@@ -285,11 +288,14 @@ fn keep_nodes_with_our_cpus(mask: &mut [libc::c_ulong; NODE_WORDS]) {
 pub unsafe fn spread_over_nodes(from: *mut u8, len: usize) -> bool {
     #[cfg(target_os = "linux")]
     {
-        let Some(mut mask) = allowed_nodes().filter(|_| default_policy()) else {
+        let nodes =
+            |mask: &[libc::c_ulong; NODE_WORDS]| mask.iter().map(|w| w.count_ones()).sum::<u32>();
+        // (one node, as most machines have: no reads of the nodes' CPU lists)
+        let Some(mut mask) = allowed_nodes().filter(|m| nodes(m) > 1 && default_policy()) else {
             return false;
         };
         keep_nodes_with_our_cpus(&mut mask);
-        mask.iter().map(|w| w.count_ones()).sum::<u32>() > 1 && interleave(from, len, &mask)
+        nodes(&mask) > 1 && interleave(from, len, &mask)
     }
     #[cfg(not(target_os = "linux"))]
     {

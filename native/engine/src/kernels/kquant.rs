@@ -131,7 +131,7 @@ impl PackedMatrix {
         bytes: &[u8],
         n_out: usize,
         n_in: usize,
-        release: &(dyn Fn(&[u8]) + Sync),
+        release: super::packed::Release,
     ) -> Option<Self> {
         let bb = kind.block_bytes();
         if n_out == 0 || !n_in.is_multiple_of(QK_K) || bytes.len() != n_out * n_in / QK_K * bb {

@@ -77,7 +77,7 @@ impl Linear {
         bytes: &[u8],
         n_out: usize,
         n_in: usize,
-        release: &(dyn Fn(&[u8]) + Sync),
+        release: crate::kernels::packed::Release,
     ) -> Option<Self> {
         if !own_kernels_enabled() || n_out == 0 || !bytes.len().is_multiple_of(n_out) {
             return None;

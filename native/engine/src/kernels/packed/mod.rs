@@ -20,6 +20,7 @@
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 mod pack;
+pub use pack::Release;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod vnni;

@@ -3,9 +3,13 @@
 
 use super::*;
 
+/// What [`PackedMatrix::build`] hands each packed run of rows' file bytes (so that a caller
+/// reading a mapping can drop their pages).
+pub type Release<'a> = &'a (dyn Fn(&[u8]) + Sync);
+
 /// The file bytes [`PackedMatrix::build`] packs rows from, and what it hands each packed run
 /// of them.
-pub(crate) type Source<'a> = (&'a [u8], &'a (dyn Fn(&[u8]) + Sync));
+pub(crate) type Source<'a> = (&'a [u8], Release<'a>);
 
 /// Most rows [`PackedMatrix::build`] packs before it reports them packed (with one such run in
 /// flight per thread, the bound on a matrix resident in both layouts while it loads).
@@ -24,7 +28,7 @@ impl PackedMatrix {
         bytes: &[u8],
         n_out: usize,
         n_in: usize,
-        release: &(dyn Fn(&[u8]) + Sync),
+        release: Release,
     ) -> Option<Self> {
         let bb = kind.block_bytes();
         if kind == PackedType::Q6K
