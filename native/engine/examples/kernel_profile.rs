@@ -10,12 +10,48 @@
 //!
 //! Shapes are the ones that dominate the two real models' decode: Gemma 3's tied Q8_0 output
 //! head (262144 × 640) and Q5_0 FFN (2048 × 640, 640 × 2048), SmolLM2's Q4_1 FFN (3072 × 576,
-//! 576 × 1536), and a Llama 3.2 1B layer's FFN (16384 × 2048, 2048 × 8192; its Q4_K weights
-//! run as Q4_1 blocks).
+//! 576 × 1536), and a Llama 3.2 1B layer's FFN (16384 × 2048, 2048 × 8192) in Q4_1 and in
+//! its file's Q4_K and Q6_K (run as Q4_1 and Q6_K blocks with factored scales). GB/s counts
+//! the file's bytes.
 
 use half::f16;
+use llama_cpp_ex_engine::kernels::kquant::KQuant;
 use llama_cpp_ex_engine::kernels::packed::{PackedMatrix, PackedType};
 use std::time::Instant;
+
+/// Random K-quant super-blocks: small positive f16 scales, random 6-bit sub-block scales
+/// and values.
+fn random_k_bytes(kind: KQuant, n_out: usize, n_in: usize) -> Vec<u8> {
+    let mut seed = 9u64;
+    let mut next = move || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as u32
+    };
+    let bb = kind.block_bytes();
+    let mut bytes = Vec::with_capacity(n_out * n_in / 256 * bb);
+    for _ in 0..n_out * n_in / 256 {
+        let start = bytes.len();
+        bytes.extend((0..bb).map(|_| next() as u8));
+        let d = f16::from_f32(1e-3 + (next() % 100) as f32 * 1e-5).to_le_bytes();
+        // Q4_K/Q5_K: d and dmin lead; Q6_K: d ends the block
+        match kind {
+            KQuant::Q6K => bytes[start + bb - 2..start + bb].copy_from_slice(&d),
+            _ => {
+                bytes[start..start + 2].copy_from_slice(&d);
+                bytes[start + 2..start + 4].copy_from_slice(&d);
+            }
+        }
+    }
+    bytes
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Plain(PackedType),
+    K(KQuant),
+}
 
 fn random_bytes(kind: PackedType, n_out: usize, n_in: usize) -> Vec<u8> {
     let block = match kind {
@@ -57,14 +93,52 @@ fn main() {
         llama_cpp_ex_engine::kernels::simd_level().name()
     );
     let shapes = [
-        ("gemma head q8_0", PackedType::Q8_0, 262144, 640),
-        ("gemma ffn_up q5_0", PackedType::Q5_0, 2048, 640),
-        ("gemma ffn_down q5_0", PackedType::Q5_0, 640, 2048),
-        ("smollm2 gate_up q4_1", PackedType::Q4_1, 3072, 576),
-        ("smollm2 down q4_1", PackedType::Q4_1, 576, 1536),
-        // a Llama 3.2 1B layer's FFN (its Q4_K weights run as Q4_1 blocks)
-        ("llama1b gate_up q4_1", PackedType::Q4_1, 16384, 2048),
-        ("llama1b down q4_1", PackedType::Q4_1, 2048, 8192),
+        (
+            "gemma head q8_0",
+            Kind::Plain(PackedType::Q8_0),
+            262144,
+            640,
+        ),
+        (
+            "gemma ffn_up q5_0",
+            Kind::Plain(PackedType::Q5_0),
+            2048,
+            640,
+        ),
+        (
+            "gemma ffn_down q5_0",
+            Kind::Plain(PackedType::Q5_0),
+            640,
+            2048,
+        ),
+        (
+            "smollm2 gate_up q4_1",
+            Kind::Plain(PackedType::Q4_1),
+            3072,
+            576,
+        ),
+        (
+            "smollm2 down q4_1",
+            Kind::Plain(PackedType::Q4_1),
+            576,
+            1536,
+        ),
+        // a Llama 3.2 1B layer's FFN
+        (
+            "llama1b gate_up q4_1",
+            Kind::Plain(PackedType::Q4_1),
+            16384,
+            2048,
+        ),
+        (
+            "llama1b down q4_1",
+            Kind::Plain(PackedType::Q4_1),
+            2048,
+            8192,
+        ),
+        ("llama1b gate_up q4_k", Kind::K(KQuant::Q4K), 16384, 2048),
+        ("llama1b down q4_k", Kind::K(KQuant::Q4K), 2048, 8192),
+        ("llama1b down q6_k", Kind::K(KQuant::Q6K), 2048, 8192),
     ];
     // SHAPES=text: only the shapes whose label contains it (e.g. `ffn` skips the head)
     let only = std::env::var("SHAPES").unwrap_or_default();
@@ -72,7 +146,10 @@ fn main() {
         if !label.contains(only.as_str()) {
             continue;
         }
-        let bytes = random_bytes(kind, n_out, n_in);
+        let bytes = match kind {
+            Kind::Plain(kind) => random_bytes(kind, n_out, n_in),
+            Kind::K(kind) => random_k_bytes(kind, n_out, n_in),
+        };
         // (at most 512 MB of copies: the head alone is 178 MB)
         let copies: usize = std::env::var("COPIES")
             .ok()
@@ -81,7 +158,11 @@ fn main() {
             .min((512 << 20) / bytes.len())
             .max(1);
         let ws: Vec<PackedMatrix> = (0..copies)
-            .map(|_| PackedMatrix::from_bytes(kind, &bytes, n_out, n_in).unwrap())
+            .map(|_| match kind {
+                Kind::Plain(kind) => PackedMatrix::from_bytes(kind, &bytes, n_out, n_in),
+                Kind::K(kind) => PackedMatrix::from_k_quant(kind, &bytes, n_out, n_in),
+            })
+            .map(Option::unwrap)
             .collect();
         let mut next = 0;
         let mut w = || {

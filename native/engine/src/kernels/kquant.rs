@@ -10,7 +10,7 @@
 //! on how many activation rows share the call (batch-invariant, unlike candle's separate
 //! single-row and tiled paths).
 
-use super::packed::{PackedMatrix, PackedType, RowBlock, QK4_1};
+use super::packed::{Factors, PackedMatrix, PackedType, RowBlock, QK4_1};
 use half::f16;
 
 /// Values per super-block.
@@ -45,8 +45,8 @@ impl KQuant {
     }
 }
 
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+fn f16_raw(b: &[u8], at: usize) -> f16 {
+    f16::from_le_bytes([b[at], b[at + 1]])
 }
 
 /// Scale and minimum of sub-block `j` from the packed table (ggml's `get_scale_min_k4`).
@@ -66,7 +66,8 @@ fn decode(kind: KQuant, sb: &[u8]) -> [RowBlock; BLOCKS] {
     let mut out = [RowBlock::new(0.0, 0.0, [0; QK4_1]); BLOCKS];
     match kind {
         KQuant::Q4K | KQuant::Q5K => {
-            let (d, dmin) = (f16_at(sb, 0), f16_at(sb, 2));
+            let (d16, dmin16) = (f16_raw(sb, 0), f16_raw(sb, 2));
+            let (d, dmin) = (d16.to_f32(), dmin16.to_f32());
             let scales = &sb[4..4 + K_SCALE_BYTES];
             let mut at = 4 + K_SCALE_BYTES;
             let qh = (kind == KQuant::Q5K).then(|| {
@@ -89,12 +90,20 @@ fn decode(kind: KQuant, sb: &[u8]) -> [RowBlock; BLOCKS] {
                 }
                 blk.d = [d * sc as f32; 2];
                 blk.m = [-(dmin * mn as f32); 2];
+                // (6-bit integers: they fit an i8)
+                blk.factors = Some(Factors {
+                    d_base: d16,
+                    d_mul: [sc as i8; 2],
+                    m_base: -dmin16,
+                    m_mul: mn as i8,
+                });
             }
         }
         KQuant::Q6K => {
             let (ql, qh) = (&sb[..QK_K / 2], &sb[QK_K / 2..QK_K / 2 + QK_K / 4]);
             let sc = &sb[QK_K / 2 + QK_K / 4..QK_K / 2 + QK_K / 4 + QK_K / 16];
-            let d = f16_at(sb, QK_K / 2 + QK_K / 4 + QK_K / 16);
+            let d16 = f16_raw(sb, QK_K / 2 + QK_K / 4 + QK_K / 16);
+            let d = d16.to_f32();
             // each half of the super-block: 64 bytes of low nibbles, 32 of high bit pairs
             for n in 0..2 {
                 let (ql, qh, sc) = (&ql[n * 64..], &qh[n * 32..], &sc[n * 8..]);
@@ -111,6 +120,11 @@ fn decode(kind: KQuant, sb: &[u8]) -> [RowBlock; BLOCKS] {
                         blk.d[h] = d * sc[2 * k + h] as i8 as f32;
                         blk.m[h] = -32.0 * blk.d[h];
                     }
+                    blk.factors = Some(Factors {
+                        d_mul: [sc[2 * k] as i8, sc[2 * k + 1] as i8],
+                        d_base: d16,
+                        ..Factors::ZERO
+                    });
                 }
             }
         }
@@ -142,6 +156,7 @@ impl PackedMatrix {
             kind.target(),
             n_out,
             n_in,
+            true,
             |o, blocks| {
                 for (s, out) in blocks.chunks_exact_mut(BLOCKS).enumerate() {
                     let sb = o * per_row + s;
@@ -193,6 +208,42 @@ mod tests {
             }
             assert!(PackedMatrix::from_k_quant(kind, &bytes[1..], 9, 512).is_none());
             assert!(PackedMatrix::from_k_quant(kind, &bytes, 9, 500).is_none());
+        }
+    }
+
+    #[test]
+    fn scales_stay_factored_and_take_about_the_files_bytes() {
+        let mut seed = 24;
+        for kind in KINDS {
+            let (bytes, _) = quantized(kind, 16, 512, &mut seed);
+            let w = PackedMatrix::from_k_quant(kind, &bytes, 16, 512).unwrap();
+            assert!(w.factored(), "{kind:?}");
+            // a byte per block (or half) and 2 bytes per super-block for each of d and m,
+            // against 4 bytes per block each as f32 values
+            let held = w.resident_bytes() as f64 / bytes.len() as f64;
+            let most = match kind {
+                KQuant::Q6K => 1.31, // its 6-bit values are held as bytes
+                _ => 1.03,
+            };
+            assert!(held <= most, "{kind:?}: {held:.3} of the file's bytes");
+            // stacked with a part of the same kind (whole row groups or not) it stays
+            // factored and keeps every value
+            let (more, _) = quantized(kind, 5, 512, &mut seed);
+            let tail = PackedMatrix::from_k_quant(kind, &more, 5, 512).unwrap();
+            for parts in [[&w, &tail], [&tail, &w]] {
+                let both = PackedMatrix::concat(&parts).unwrap();
+                assert!(both.factored(), "{kind:?}");
+                let mut row = 0;
+                for p in parts {
+                    for o in 0..p.n_out {
+                        for b in 0..512 / QK4_1 {
+                            let (x, y) = (p.row_block(o, b), both.row_block(row, b));
+                            assert_eq!((x.d, x.m, x.vals), (y.d, y.m, y.vals), "{kind:?}");
+                        }
+                        row += 1;
+                    }
+                }
+            }
         }
     }
 

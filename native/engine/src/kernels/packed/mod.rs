@@ -215,6 +215,10 @@ impl Pinnable for PackedMatrix {
             match s {
                 Scales::F16(v) => f(v),
                 Scales::F32(v) => f(v),
+                Scales::Factored { base, mult, .. } => {
+                    f(base);
+                    f(mult);
+                }
             }
         }
         f(&mut self.qs);
@@ -222,15 +226,29 @@ impl Pinnable for PackedMatrix {
     }
 }
 
+/// Blocks per ggml K-quant super-block: the run of blocks whose scales share one factor in
+/// [`Scales::Factored`].
+pub(crate) const SUPER_BLOCKS: usize = 8;
+
 /// A matrix's block scales (or minimums): f16 when every one of them is an f16 value, which
-/// the native types' always are (they come from the file's f16 fields), else f32 (K-quant
-/// sub-block scales `d·sc_j`). Decode reads every weight byte once per token, and f32 copies
-/// of f16 scales made it read 15.6% (SmolLM2 Q4_1) and 9.8% (Gemma 3 Q4_K_M) more than the
-/// file holds.
+/// the native types' always are (they come from the file's f16 fields); K-quants' sub-block
+/// scales `d·sc_j` as their two factors; else f32. Decode reads every weight byte once per
+/// token, and f32 copies of f16 scales made it read 15.6% (SmolLM2 Q4_1) and 9.8% (Gemma 3
+/// Q4_K_M) more than the file holds.
 #[derive(Debug, Clone)]
 enum Scales {
     F16(Store<f16>),
     F32(Store<f32>),
+    /// Value `i` is `base[(i / GROUP >> shift) · GROUP + i % GROUP] · mult[i]`: per row, a
+    /// super-block's f16 factor (`d`, or `-dmin` for minimums) times each of its
+    /// `1 << shift` blocks' (or halves') 8-bit integer, a product exact in f32. As f32 values
+    /// a Q4_K matrix was 6 bits a weight in memory, a third more than its file's 4.5, and a
+    /// 1B Q4_K_M decode read 927 MB a token for the file's 667; factored it is 4.6 bits.
+    Factored {
+        base: Store<f16>,
+        mult: Store<i8>,
+        shift: u32,
+    },
 }
 
 impl Scales {
@@ -249,10 +267,49 @@ impl Scales {
         }
     }
 
+    /// No values, in the same form.
+    fn empty_like(&self) -> Self {
+        match self {
+            Scales::F16(_) => Scales::F16(Vec::new().into()),
+            Scales::F32(_) => Scales::F32(Vec::new().into()),
+            Scales::Factored { shift, .. } => Scales::Factored {
+                base: Vec::new().into(),
+                mult: Vec::new().into(),
+                shift: *shift,
+            },
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Scales::F16(v) => v.len(),
+            Scales::F32(v) => v.len(),
+            Scales::Factored { mult, .. } => mult.len(),
+        }
+    }
+
+    /// Where value `i`'s factor sits in `base` (factored scales).
+    fn base_index(i: usize, shift: u32) -> usize {
+        ((i / GROUP) >> shift) * GROUP + i % GROUP
+    }
+
     fn get(&self, i: usize) -> f32 {
         match self {
             Scales::F16(v) => v[i].to_f32(),
             Scales::F32(v) => v[i],
+            Scales::Factored { base, mult, shift } => {
+                base[Self::base_index(i, *shift)].to_f32() * mult[i] as f32
+            }
+        }
+    }
+
+    /// Value `i`'s two factors, when the scales are kept factored.
+    fn factors(&self, i: usize) -> Option<(f16, i8)> {
+        match self {
+            Scales::Factored { base, mult, shift } => {
+                Some((base[Self::base_index(i, *shift)], mult[i]))
+            }
+            _ => None,
         }
     }
 
@@ -260,35 +317,62 @@ impl Scales {
         match self {
             Scales::F16(v) => v.vec_mut().reserve_exact(n),
             Scales::F32(v) => v.vec_mut().reserve_exact(n),
+            Scales::Factored { base, mult, shift } => {
+                mult.vec_mut().reserve_exact(n);
+                base.vec_mut().reserve_exact(n >> *shift);
+            }
         }
     }
 
-    /// Appends `other`'s values (both in f32 unless both are f16).
+    /// Appends `other`'s values (in f32 unless both are f16, or both factored alike).
     fn extend(&mut self, other: &Scales) {
         match (&mut *self, other) {
             (Scales::F16(a), Scales::F16(b)) => a.vec_mut().extend_from_slice(b),
             (Scales::F32(a), Scales::F32(b)) => a.vec_mut().extend_from_slice(b),
-            (Scales::F32(a), Scales::F16(b)) => a.vec_mut().extend(b.iter().map(|h| h.to_f32())),
-            (Scales::F16(a), Scales::F32(b)) => {
-                let mut all: Vec<f32> = a.iter().map(|h| h.to_f32()).collect();
-                all.extend_from_slice(b);
+            (
+                Scales::Factored { base, mult, shift },
+                Scales::Factored {
+                    base: b,
+                    mult: m,
+                    shift: s,
+                },
+            ) if shift == s => {
+                base.vec_mut().extend_from_slice(b);
+                mult.vec_mut().extend_from_slice(m);
+            }
+            (Scales::F32(a), b) => a.vec_mut().extend((0..b.len()).map(|i| b.get(i))),
+            (a, b) => {
+                let mut all: Vec<f32> = (0..a.len()).map(|i| a.get(i)).collect();
+                all.extend((0..b.len()).map(|i| b.get(i)));
                 *self = Scales::F32(all.into());
             }
         }
     }
 
-    /// Where value `i` lies, for the kernels.
+    /// Where value `i` lies, for the kernels (`None` for factored scales: see
+    /// [`Self::factors_at`]).
     #[cfg(target_arch = "x86_64")]
-    fn at(&self, i: usize) -> ScalePtr {
+    fn at(&self, i: usize) -> Option<ScalePtr> {
         match self {
-            Scales::F16(v) => ScalePtr {
+            Scales::F16(v) => Some(ScalePtr {
                 at: v.as_ptr().wrapping_add(i) as *const u8,
                 half: true,
-            },
-            Scales::F32(v) => ScalePtr {
-                at: v.as_ptr().wrapping_add(i) as *const u8,
-                half: false,
-            },
+            }),
+            Scales::F32(v) => Some(ScalePtr::f32(v.as_ptr().wrapping_add(i))),
+            Scales::Factored { .. } => None,
+        }
+    }
+
+    /// Where factored value `i` and its factor lie, for the kernels (`i` a multiple of
+    /// [`GROUP`]).
+    #[cfg(target_arch = "x86_64")]
+    fn factors_at(&self, i: usize) -> Option<FactorPtr> {
+        match self {
+            Scales::Factored { base, mult, shift } => Some(FactorPtr {
+                mult: mult.as_ptr().wrapping_add(i),
+                base: base.as_ptr().wrapping_add(Self::base_index(i, *shift)),
+            }),
+            _ => None,
         }
     }
 }
@@ -303,6 +387,13 @@ struct ScalePtr {
 
 #[cfg(target_arch = "x86_64")]
 impl ScalePtr {
+    fn f32(at: *const f32) -> Self {
+        ScalePtr {
+            at: at as *const u8,
+            half: false,
+        }
+    }
+
     /// `n` values further on (may point past the end: only ever prefetched there).
     #[inline(always)]
     fn add(self, n: usize) -> Self {
@@ -337,6 +428,66 @@ impl ScalePtr {
     }
 }
 
+/// A row group's first factored scales ([`Scales::Factored`]) for the kernels: its 8-bit
+/// integers, and the factor of its first super-block (the next ones follow, [`GROUP`] a
+/// super-block).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct FactorPtr {
+    mult: *const i8,
+    base: *const f16,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl FactorPtr {
+    /// The 8 values of run `unit` (a block, or a half of one for split types) of
+    /// super-block `sb`, multiplied out: bitwise the f32 values, the products being exact.
+    ///
+    /// # Safety
+    /// The run lies inside the matrix; AVX2 and F16C are available.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn load8(self, unit: usize, sb: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let f = _mm256_cvtph_ps(_mm_loadu_si128(self.base.add(sb * GROUP) as *const __m128i));
+        let n = _mm_loadl_epi64(self.mult.add(unit * GROUP) as *const __m128i);
+        _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(n)))
+    }
+
+    /// Asks for the lines of run `unit` of super-block `sb` to be loaded into the caches
+    /// `HINT` names.
+    #[inline(always)]
+    fn prefetch<const HINT: i32>(self, unit: usize, sb: usize) {
+        // SAFETY: a prefetch is a hint that never faults, whatever the address.
+        unsafe {
+            use std::arch::x86_64::_mm_prefetch;
+            _mm_prefetch::<HINT>(self.mult.wrapping_add(unit * GROUP) as *const i8);
+            _mm_prefetch::<HINT>(self.base.wrapping_add(sb * GROUP) as *const i8);
+        }
+    }
+}
+
+/// A K-quant block's scale and offset as their super-block's f16 factors times the block's
+/// 8-bit integers (`d = d_base · d_mul[h]`, `m = m_base · m_mul`), which
+/// [`PackedMatrix::build`] keeps factored ([`Scales::Factored`]).
+#[derive(Clone, Copy)]
+pub(crate) struct Factors {
+    pub d_base: f16,
+    pub d_mul: [i8; 2],
+    pub m_base: f16,
+    pub m_mul: i8,
+}
+
+impl Factors {
+    /// A zero scale and offset (the padding rows of a matrix's last row group).
+    pub(crate) const ZERO: Factors = Factors {
+        d_base: f16::ZERO,
+        d_mul: [0; 2],
+        m_base: f16::ZERO,
+        m_mul: 0,
+    };
+}
+
 /// One block of one row: scale and offset (per half of 16 values for split types; both
 /// entries equal otherwise) and the 32 unsigned values.
 #[derive(Clone, Copy)]
@@ -344,6 +495,8 @@ pub(crate) struct RowBlock {
     pub d: [f32; 2],
     pub m: [f32; 2],
     pub vals: [u8; QK4_1],
+    /// `d` and `m` as factors (K-quants), when the matrix keeps them so.
+    pub factors: Option<Factors>,
 }
 
 impl RowBlock {
@@ -352,6 +505,7 @@ impl RowBlock {
             d: [d; 2],
             m: [m; 2],
             vals,
+            factors: None,
         }
     }
 
@@ -388,11 +542,40 @@ impl PackedMatrix {
         let halves = self.kind.halves();
         let at = |h: usize| (gb * halves + h) * GROUP + j;
         let last = halves - 1;
+        let factors = self.d.factors(at(0)).map(|(d_base, d0)| {
+            let (m_base, m_mul) = match self.kind.has_min() {
+                true => self.m.factors(at(0)).unwrap_or((f16::ZERO, 0)),
+                false => (f16::ZERO, 0),
+            };
+            let d1 = self.d.factors(at(last)).map_or(d0, |(_, d1)| d1);
+            Factors {
+                d_base,
+                d_mul: [d0, d1],
+                m_base,
+                m_mul,
+            }
+        });
         RowBlock {
             d: [self.d.get(at(0)), self.d.get(at(last))],
             m: [self.offset(at(0)), self.offset(at(last))],
             vals,
+            factors,
         }
+    }
+
+    /// Bytes the matrix's arrays hold (what a decode step reads of it).
+    pub fn resident_bytes(&self) -> usize {
+        let scales = |s: &Scales| match s {
+            Scales::F16(v) => 2 * v.len(),
+            Scales::F32(v) => 4 * v.len(),
+            Scales::Factored { base, mult, .. } => 2 * base.len() + mult.len(),
+        };
+        scales(&self.d) + scales(&self.m) + self.qs.len() + 4 * self.qh.len()
+    }
+
+    /// Whether the scales are kept factored ([`Scales::Factored`]).
+    pub(crate) fn factored(&self) -> bool {
+        matches!(self.d, Scales::Factored { .. })
     }
 
     /// The offset of the scale at `at` in `d`: stored for types with a minimum, else implied
@@ -476,8 +659,8 @@ impl PackedMatrix {
                 n_in,
                 kind,
                 nb: first.nb,
-                d: Scales::new(Vec::new()),
-                m: Scales::new(Vec::new()),
+                d: first.d.empty_like(),
+                m: first.m.empty_like(),
                 qs: Vec::new().into(),
                 qh: Vec::new().into(),
             };
@@ -495,6 +678,7 @@ impl PackedMatrix {
             kind,
             n_out,
             n_in,
+            parts.iter().all(|p| p.factored()),
             |o, blocks| {
                 let (pi, row) = owner[o];
                 for (b, blk) in blocks.iter_mut().enumerate() {

@@ -71,6 +71,7 @@ impl PackedMatrix {
             kind,
             n_out,
             n_in,
+            false,
             |o, blocks| {
                 for (b, blk) in blocks.iter_mut().enumerate() {
                     *blk = block(o, b);
@@ -88,11 +89,13 @@ impl PackedMatrix {
     /// them once packed, so a caller reading a mapping can drop the run's pages: a large
     /// matrix (a 262k-row output head) is then never resident in both layouts at once, and
     /// it is packed in one piece (packed in parts and appended, the copies were a fifth of
-    /// a 1B model's load).
+    /// a 1B model's load). `factored`: every block carries [`Factors`] (K-quants, whose rows
+    /// are whole super-blocks), kept as [`Scales::Factored`].
     pub(crate) fn build(
         kind: PackedType,
         n_out: usize,
         n_in: usize,
+        factored: bool,
         row_blocks: impl Fn(usize, &mut [RowBlock]) + Sync,
         (source, release): Source,
     ) -> Self {
@@ -103,17 +106,37 @@ impl PackedMatrix {
         let scales = nb * GROUP * halves;
         let gbb = kind.group_block_bytes();
         let (has_min, high) = (kind.has_min(), kind.has_high_bits());
-        let mut d = Vec::<f32>::with_capacity(groups * scales);
-        let mut m = Vec::<f32>::with_capacity(if has_min { groups * scales } else { 0 });
+        assert!(!factored || nb.is_multiple_of(SUPER_BLOCKS));
+        // a factor per row and run of `per` scales (a super-block's blocks, or halves)
+        let per = SUPER_BLOCKS * halves;
+        let (n_plain, n_factored) = if factored {
+            (0, groups * scales)
+        } else {
+            (groups * scales, 0)
+        };
+        let with_min = |n: usize| if has_min { n } else { 0 };
+        let mut d = Vec::<f32>::with_capacity(n_plain);
+        let mut m = Vec::<f32>::with_capacity(with_min(n_plain));
+        let mut d_mul = Vec::<i8>::with_capacity(n_factored);
+        let mut d_base = Vec::<f16>::with_capacity(n_factored / per);
+        let mut m_mul = Vec::<i8>::with_capacity(with_min(n_factored));
+        let mut m_base = Vec::<f16>::with_capacity(with_min(n_factored / per));
         let mut qs = Vec::<u8>::with_capacity(groups * nb * gbb);
         let mut qh = Vec::<u32>::with_capacity(if high { groups * nb * GROUP } else { 0 });
         let out = Spare {
             d: d.as_mut_ptr(),
             m: m.as_mut_ptr(),
+            d_mul: d_mul.as_mut_ptr(),
+            d_base: d_base.as_mut_ptr(),
+            m_mul: m_mul.as_mut_ptr(),
+            m_base: m_base.as_mut_ptr(),
             qs: qs.as_mut_ptr(),
             qh: qh.as_mut_ptr(),
         };
-        let zero = RowBlock::new(0.0, 0.0, [0; QK4_1]);
+        let zero = RowBlock {
+            factors: factored.then_some(Factors::ZERO),
+            ..RowBlock::new(0.0, 0.0, [0; QK4_1])
+        };
         let pack_groups = |range: std::ops::Range<usize>, rows: &mut [RowBlock]| {
             for g in range {
                 for (j, blocks) in rows.chunks_exact_mut(nb).enumerate() {
@@ -131,9 +154,32 @@ impl PackedMatrix {
                         let row = |j: usize| &rows[j * nb + b];
                         for h in 0..halves {
                             for j in 0..GROUP {
-                                out.d().add(di).write(row(j).d[h]);
-                                if has_min {
-                                    out.m().add(di).write(row(j).m[h]);
+                                let r = row(j);
+                                if let (true, Some(f)) = (factored, r.factors) {
+                                    // the factor once per run (the first of its scales)
+                                    let at = (di / GROUP)
+                                        .is_multiple_of(per)
+                                        .then(|| (di / GROUP / per) * GROUP + j);
+                                    debug_assert_eq!(
+                                        (f.d_base.to_f32() * f.d_mul[h] as f32).to_bits(),
+                                        r.d[h].to_bits()
+                                    );
+                                    out.d_mul().add(di).write(f.d_mul[h]);
+                                    if let Some(at) = at {
+                                        out.d_base().add(at).write(f.d_base);
+                                    }
+                                    if has_min {
+                                        out.m_mul().add(di).write(f.m_mul);
+                                        if let Some(at) = at {
+                                            out.m_base().add(at).write(f.m_base);
+                                        }
+                                    }
+                                } else {
+                                    assert!(!factored, "a factored matrix's block without factors");
+                                    out.d().add(di).write(r.d[h]);
+                                    if has_min {
+                                        out.m().add(di).write(r.m[h]);
+                                    }
                                 }
                                 di += 1;
                             }
@@ -191,22 +237,41 @@ impl PackedMatrix {
         });
         // SAFETY: the groups together wrote every element up to these lengths.
         unsafe {
-            d.set_len(groups * scales);
-            if has_min {
-                m.set_len(groups * scales);
-            }
+            d.set_len(n_plain);
+            m.set_len(with_min(n_plain));
+            d_mul.set_len(n_factored);
+            d_base.set_len(n_factored / per);
+            m_mul.set_len(with_min(n_factored));
+            m_base.set_len(with_min(n_factored / per));
             qs.set_len(groups * nb * gbb);
             if high {
                 qh.set_len(groups * nb * GROUP);
             }
         }
+        let shift = per.trailing_zeros();
+        let (d, m) = if factored {
+            (
+                Scales::Factored {
+                    base: d_base.into(),
+                    mult: d_mul.into(),
+                    shift,
+                },
+                Scales::Factored {
+                    base: m_base.into(),
+                    mult: m_mul.into(),
+                    shift,
+                },
+            )
+        } else {
+            (Scales::new(d), Scales::new(m))
+        };
         PackedMatrix {
             n_out,
             n_in,
             kind,
             nb,
-            d: Scales::new(d),
-            m: Scales::new(m),
+            d,
+            m,
             qs: qs.into(),
             qh: qh.into(),
         }
@@ -219,6 +284,10 @@ impl PackedMatrix {
 struct Spare {
     d: *mut f32,
     m: *mut f32,
+    d_mul: *mut i8,
+    d_base: *mut f16,
+    m_mul: *mut i8,
+    m_base: *mut f16,
     qs: *mut u8,
     qh: *mut u32,
 }
@@ -230,6 +299,18 @@ impl Spare {
     }
     fn m(&self) -> *mut f32 {
         self.m
+    }
+    fn d_mul(&self) -> *mut i8 {
+        self.d_mul
+    }
+    fn d_base(&self) -> *mut f16 {
+        self.d_base
+    }
+    fn m_mul(&self) -> *mut i8 {
+        self.m_mul
+    }
+    fn m_base(&self) -> *mut f16 {
+        self.m_base
     }
     fn qs(&self) -> *mut u8 {
         self.qs

@@ -119,6 +119,24 @@ pub(super) unsafe fn wide_kernel_vnni(
     out: &Dest,
 ) {
     let (p, valid) = GroupRef::pair(w, g);
+    if act.len() > WIDE_ROWS {
+        return with_plain_scales(&p, w.nb, |p| wide_passes(w, a, act, g, p, valid, out));
+    }
+    wide_passes(w, a, act, g, &p, valid, out)
+}
+
+/// [`wide_kernel_vnni`]'s passes over groups `p`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl")]
+unsafe fn wide_passes(
+    w: &PackedMatrix,
+    a: &Q8Activations,
+    act: std::ops::Range<usize>,
+    g: usize,
+    p: &[GroupRef; 2],
+    valid: [usize; 2],
+    out: &Dest,
+) {
     let mut r0 = act.start;
     while r0 < act.end {
         let rows = (act.end - r0).min(WIDE_ROWS);
@@ -128,10 +146,16 @@ pub(super) unsafe fn wide_kernel_vnni(
         // prefetchers do not follow (without these prefetches a 512-bit pass over Gemma 3's
         // head read 12-13 GB/s on one core, 256-bit ones 18-21)
         let prefetch = r0 == act.start;
-        by_rows!(rows, |R, C| if prefetch {
-            wide_pass_vnni::<R, C, true, false>(w, &p, &[], a, r0, valid, g, out)
-        } else {
-            wide_pass_vnni::<R, C, false, false>(w, &p, &[], a, r0, valid, g, out)
+        // (factored scales only reach here in a single pass: see `wide_kernel_vnni`)
+        by_rows!(rows, |R, C| match (prefetch, p[0].factored) {
+            (true, false) =>
+                wide_pass_vnni::<R, C, true, false, false>(w, p, &[], a, r0, valid, g, out),
+            (false, false) =>
+                wide_pass_vnni::<R, C, false, false, false>(w, p, &[], a, r0, valid, g, out),
+            (true, true) =>
+                wide_pass_vnni::<R, C, true, false, true>(w, p, &[], a, r0, valid, g, out),
+            (false, true) =>
+                wide_pass_vnni::<R, C, false, false, true>(w, p, &[], a, r0, valid, g, out),
         });
         r0 += rows;
     }
@@ -162,14 +186,16 @@ pub(super) unsafe fn pair_kernel_vnni(
     let run = |buffered: &mut Vec<[std::arch::x86_64::__m512i; 8]>| {
         buffered.clear();
         buffered.extend((0..w.nb).map(|b| wide_block(&p, b)));
-        let mut r0 = act.start;
-        while r0 < act.end {
-            let rows = (act.end - r0).min(PAIR_ROWS);
-            by_rows!(rows, |R, C| wide_pass_vnni::<R, C, false, true>(
-                w, &p, buffered, a, r0, valid, g, out
-            ));
-            r0 += rows;
-        }
+        with_plain_scales(&p, w.nb, |p| {
+            let mut r0 = act.start;
+            while r0 < act.end {
+                let rows = (act.end - r0).min(PAIR_ROWS);
+                by_rows!(rows, |R, C| wide_pass_vnni::<R, C, false, true, false>(
+                    w, p, buffered, a, r0, valid, g, out
+                ));
+                r0 += rows;
+            }
+        })
     };
     WIDE_BUFFERED.with(|cell| match cell.try_borrow_mut() {
         Ok(mut buffered) => run(&mut buffered),
@@ -178,9 +204,10 @@ pub(super) unsafe fn pair_kernel_vnni(
 }
 
 /// `R` activation rows (from `r0`) times both row groups, their blocks unpacked in
-/// registers or (`BUFFERED`) read from `buffered`: `R · C` independent `vpdpbusd` chains,
-/// the whole pass in one function so that the accumulators stay in registers. Integer sums
-/// are exact in any order, and the float steps are those of `group_kernel_vnni`.
+/// registers or (`BUFFERED`) read from `buffered`, their scales multiplied out from their
+/// factors when `F`: `R · C` independent `vpdpbusd` chains, the whole pass in one function
+/// so that the accumulators stay in registers. Integer sums are exact in any order, and the
+/// float steps are those of `group_kernel_vnni`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl")]
 #[allow(clippy::too_many_arguments)]
@@ -189,6 +216,7 @@ unsafe fn wide_pass_vnni<
     const C: usize,
     const PREFETCH: bool,
     const BUFFERED: bool,
+    const F: bool,
 >(
     w: &PackedMatrix,
     p: &[GroupRef; 2],
@@ -235,11 +263,8 @@ unsafe fn wide_pass_vnni<
         };
         if p[0].halves == 2 {
             // (split types have implied offsets, folded into the integers)
-            let dv = join_ps(p[0].d.add(b * GROUP * 2), p[1].d.add(b * GROUP * 2));
-            let dv1 = join_ps(
-                p[0].d.add(b * GROUP * 2 + GROUP),
-                p[1].d.add(b * GROUP * 2 + GROUP),
-            );
+            let dv = join_ps(p[0].d8::<F>(b, 0), p[1].d8::<F>(b, 0));
+            let dv1 = join_ps(p[0].d8::<F>(b, 1), p[1].d8::<F>(b, 1));
             let lo = dots(
                 0..4,
                 std::array::from_fn(|i| *a.folded_halves.get_unchecked(2 * at(i))),
@@ -256,10 +281,10 @@ unsafe fn wide_pass_vnni<
             }
             continue;
         }
-        let dv = join_ps(p[0].d.add(b * GROUP), p[1].d.add(b * GROUP));
-        match (p[0].m, p[1].m) {
-            (Some(m0), Some(m1)) => {
-                let mv = join_ps(m0.add(b * GROUP), m1.add(b * GROUP));
+        let dv = join_ps(p[0].d8::<F>(b, 0), p[1].d8::<F>(b, 0));
+        match p[0].has_min {
+            true => {
+                let mv = join_ps(p[0].m8::<F>(b), p[1].m8::<F>(b));
                 let s = dots(0..8, [0; R]);
                 for (i, acc) in acc.iter_mut().enumerate() {
                     let dot = _mm512_cvtepi32_ps(s[i]);
@@ -269,7 +294,7 @@ unsafe fn wide_pass_vnni<
                     *acc = _mm512_fmadd_ps(mv, sx, *acc);
                 }
             }
-            _ => {
+            false => {
                 let s = dots(
                     0..8,
                     std::array::from_fn(|i| *a.folded.get_unchecked(at(i))),
@@ -303,15 +328,16 @@ pub(super) unsafe fn join_si(
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
 }
 
-/// Group `g`'s 8 scales at `lo` and group `g + 1`'s at `hi` as one vector.
+/// Group `g`'s 8 scales `lo` and group `g + 1`'s `hi` as one vector.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx,f16c,avx512f")]
+#[target_feature(enable = "avx,avx512f")]
 #[inline]
-pub(super) unsafe fn join_ps(lo: ScalePtr, hi: ScalePtr) -> std::arch::x86_64::__m512 {
+pub(super) unsafe fn join_ps(
+    lo: std::arch::x86_64::__m256,
+    hi: std::arch::x86_64::__m256,
+) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
-    let lo = _mm256_castps_si256(lo.load8());
-    let hi = _mm256_castps_si256(hi.load8());
-    _mm512_castsi512_ps(join_si(lo, hi))
+    _mm512_castsi512_ps(join_si(_mm256_castps_si256(lo), _mm256_castps_si256(hi)))
 }
 
 /// The 8 quads of block `b` of both row groups: vector `q` holds values `4q..4q + 4` of

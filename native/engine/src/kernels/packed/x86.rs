@@ -72,14 +72,97 @@ thread_local! {
         const { std::cell::RefCell::new(Vec::new()) };
 }
 
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// f32 copies of the factored scales of the row groups a product is computing (see
+    /// [`with_plain_scales`]).
+    static PLAIN_SCALES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with `refs` reading their factored scales ([`Scales::Factored`]) from f32
+/// copies made here: a kernel that passes over a row group's blocks once per few activation
+/// rows (a prompt, a longer decode batch) would otherwise multiply the factors out again in
+/// every pass, on the vector ports its products are bound by. The copies are the values
+/// [`FactorPtr::load8`] computes, so results are bitwise the same. Groups whose scales are
+/// not factored are read as they are.
+///
+/// # Safety
+/// The groups are inside their matrix (as for the kernels); AVX2 and F16C are available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn with_plain_scales<const N: usize, R>(
+    refs: &[GroupRef; N],
+    nb: usize,
+    f: impl FnOnce(&[GroupRef; N]) -> R,
+) -> R {
+    use std::arch::x86_64::_mm256_storeu_ps;
+    if !refs.iter().any(|p| p.factored) {
+        return f(refs);
+    }
+    let run = |buf: &mut Vec<f32>| {
+        // per group, its `d` then its `m` (when it has one): `units` runs of GROUP values
+        let units = nb * refs[0].halves;
+        buf.clear();
+        for p in refs {
+            for min in [false, true] {
+                if min && !p.has_min {
+                    continue;
+                }
+                for u in 0..units {
+                    let (b, h) = (u / p.halves, u % p.halves);
+                    let v = if min {
+                        p.m8::<true>(b)
+                    } else {
+                        p.d8::<true>(b, h)
+                    };
+                    let mut lanes = [0f32; GROUP];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), v);
+                    buf.extend_from_slice(&lanes);
+                }
+            }
+        }
+        // (pointers taken once the buffer no longer grows)
+        let mut at = 0;
+        let mut next = || {
+            let s = ScalePtr::f32(buf.as_ptr().wrapping_add(at));
+            at += units * GROUP;
+            s
+        };
+        let plain = refs.map(|p| {
+            let d = next();
+            let m = if p.has_min { next() } else { p.m };
+            GroupRef {
+                d,
+                m,
+                factored: false,
+                ..p
+            }
+        });
+        f(&plain)
+    };
+    PLAIN_SCALES.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => run(&mut buf),
+        Err(_) => run(&mut Vec::new()),
+    })
+}
+
 /// Where one row group's blocks live.
 #[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
 pub(super) struct GroupRef {
     pub(super) q: *const u8,
     pub(super) h: Option<*const u32>,
+    /// The scales and minimums (unused when `factored`, or the minimums without
+    /// `has_min`).
     pub(super) d: ScalePtr,
-    /// `None` for types whose offset is implied by the scale.
-    pub(super) m: Option<ScalePtr>,
+    pub(super) m: ScalePtr,
+    /// The factored scales and minimums ([`Scales::Factored`]; unused unless `factored`).
+    fd: FactorPtr,
+    fm: FactorPtr,
+    /// Whether the kernels read `fd`/`fm` (their `F` parameter) instead of `d`/`m`.
+    pub(super) factored: bool,
+    /// `false` for types whose offset is implied by the scale.
+    pub(super) has_min: bool,
     pub(super) gbb: usize,
     pub(super) bytes8: bool,
     /// Byte values are flipped from `q + 128` back to signed `q` when loaded (the AVX2 Q8_0
@@ -92,13 +175,27 @@ pub(super) struct GroupRef {
 impl GroupRef {
     pub(super) fn new(w: &PackedMatrix, g: usize, signed: bool) -> Self {
         let (nb, gbb, halves) = (w.nb, w.kind.group_block_bytes(), w.kind.halves());
+        let at = g * nb * GROUP * halves;
+        let none = ScalePtr::f32(std::ptr::null());
+        let no_factors = FactorPtr {
+            mult: std::ptr::null(),
+            base: std::ptr::null(),
+        };
+        let has_min = w.kind.has_min();
         // SAFETY: group `g` exists, so these offsets are inside the matrix's buffers.
         unsafe {
             GroupRef {
                 q: w.qs.as_ptr().add(g * nb * gbb),
                 h: (!w.qh.is_empty()).then(|| w.qh.as_ptr().add(g * nb * GROUP)),
-                d: w.d.at(g * nb * GROUP * halves),
-                m: w.kind.has_min().then(|| w.m.at(g * nb * GROUP * halves)),
+                d: w.d.at(at).unwrap_or(none),
+                m: has_min.then(|| w.m.at(at)).flatten().unwrap_or(none),
+                fd: w.d.factors_at(at).unwrap_or(no_factors),
+                fm: has_min
+                    .then(|| w.m.factors_at(at))
+                    .flatten()
+                    .unwrap_or(no_factors),
+                factored: w.factored(),
+                has_min,
                 gbb,
                 bytes8: w.kind.byte_values(),
                 signed,
@@ -114,6 +211,36 @@ impl GroupRef {
         (refs, [GROUP, GROUP.min(w.n_out - (g + 1) * GROUP)])
     }
 
+    /// The 8 rows' scales of half `h` of block `b` (`h` = 0 for types with one scale a
+    /// block), from the factors when `F` (which must then be `self.factored`).
+    ///
+    /// # Safety
+    /// Block `b` is inside the matrix; AVX2 and F16C are available.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    pub(super) unsafe fn d8<const F: bool>(&self, b: usize, h: usize) -> std::arch::x86_64::__m256 {
+        let unit = b * self.halves + h;
+        if F {
+            self.fd.load8(unit, b / SUPER_BLOCKS)
+        } else {
+            self.d.add(unit * GROUP).load8()
+        }
+    }
+
+    /// The 8 rows' minimums of block `b` (types with a stored one), as [`Self::d8`].
+    ///
+    /// # Safety
+    /// As [`Self::d8`].
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    pub(super) unsafe fn m8<const F: bool>(&self, b: usize) -> std::arch::x86_64::__m256 {
+        if F {
+            self.fm.load8(b, b / SUPER_BLOCKS)
+        } else {
+            self.m.add(b * GROUP).load8()
+        }
+    }
+
     /// Starts loading block `b` of the next row group (laid out right after this one's `nb`
     /// blocks) into L1.
     #[inline(always)]
@@ -122,21 +249,32 @@ impl GroupRef {
     }
 
     /// Starts loading the block `at` blocks after this group's first (the row groups are
-    /// laid out one after the other) into the caches `HINT` names.
+    /// laid out one after the other, their scales and factors too) into the caches `HINT`
+    /// names.
     #[inline(always)]
     pub(super) fn prefetch_block<const HINT: i32>(&self, at: usize) {
-        let per_block = GROUP * self.halves;
         prefetch_span::<HINT>(self.q.wrapping_add(at * self.gbb), self.gbb);
-        // a block's scales (and minimums) are 16–64 bytes: the lines of their first and last
-        // byte cover them (a loop over a span whose length is known only at run time cost
-        // more than the prefetches saved)
-        for s in [Some(self.d), self.m].into_iter().flatten() {
-            let from = s.add(at * per_block).at;
-            let last = from.wrapping_add(s.bytes_per() * per_block - 1);
-            // SAFETY: a prefetch is a hint that never faults, whatever the address.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<HINT>(from as *const i8);
-                std::arch::x86_64::_mm_prefetch::<HINT>(last as *const i8);
+        if self.factored {
+            // 8 or 16 bytes of integers and the super-block's factors
+            self.fd
+                .prefetch::<HINT>(at * self.halves, at / SUPER_BLOCKS);
+            if self.has_min {
+                self.fm.prefetch::<HINT>(at, at / SUPER_BLOCKS);
+            }
+        } else {
+            let per_block = GROUP * self.halves;
+            let mins = self.has_min.then_some(self.m);
+            for s in [Some(self.d), mins].into_iter().flatten() {
+                // a block's scales (and minimums) are 16–64 bytes: the lines of their first
+                // and last byte cover them (a loop over a span whose length is known only
+                // at run time cost more than the prefetches saved)
+                let from = s.add(at * per_block).at;
+                let last = from.wrapping_add(s.bytes_per() * per_block - 1);
+                // SAFETY: a prefetch is a hint that never faults, whatever the address.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<HINT>(from as *const i8);
+                    std::arch::x86_64::_mm_prefetch::<HINT>(last as *const i8);
+                }
             }
         }
         if let Some(h) = self.h {
@@ -220,14 +358,7 @@ macro_rules! group_kernel {
             out: &Dest,
         ) {
             let p = GroupRef::new(w, g, $signed);
-            let run = |buffered: &mut Vec<[std::arch::x86_64::__m256i; 8]>| {
-                buffered.clear();
-                let mut chunk = $rows;
-                let dear_unpack = $buffer_5bit && p.h.is_some();
-                if a.m > $rows && (a.m > UNPACK_MAX_ROWS || dear_unpack) {
-                    buffered.extend((0..w.nb).map(|b| group_block(&p, b)));
-                    chunk = BUFFERED_ROWS;
-                }
+            let passes = |p: &GroupRef, buffered: &[[std::arch::x86_64::__m256i; 8]], chunk: usize| {
                 let valid = GROUP.min(w.n_out - g * GROUP);
                 let mut r0 = act.start;
                 while r0 < act.end {
@@ -241,18 +372,41 @@ macro_rules! group_kernel {
                     // 4-bit values (no fifth bits, not stored as bytes), on a path whose
                     // dot products gain from knowing it
                     let narrow = $narrow && !p.bytes8 && p.h.is_none();
-                    match (rows, prefetch, narrow) {
-                        $(($r, true, true) =>
-                            $pass::<$r, true, true>(w, &p, buffered, a, r0, valid, g, out),
-                          ($r, true, false) =>
-                            $pass::<$r, true, false>(w, &p, buffered, a, r0, valid, g, out),
-                          ($r, false, true) =>
-                            $pass::<$r, false, true>(w, &p, buffered, a, r0, valid, g, out),
-                          ($r, false, false) =>
-                            $pass::<$r, false, false>(w, &p, buffered, a, r0, valid, g, out),)*
+                    // (factored scales are read as such only by single passes: see `run`)
+                    match (rows, prefetch, narrow, p.factored) {
+                        $(($r, true, true, false) =>
+                            $pass::<$r, true, true, false>(w, p, buffered, a, r0, valid, g, out),
+                          ($r, true, false, false) =>
+                            $pass::<$r, true, false, false>(w, p, buffered, a, r0, valid, g, out),
+                          ($r, false, true, false) =>
+                            $pass::<$r, false, true, false>(w, p, buffered, a, r0, valid, g, out),
+                          ($r, false, false, false) =>
+                            $pass::<$r, false, false, false>(w, p, buffered, a, r0, valid, g, out),
+                          ($r, true, true, true) =>
+                            $pass::<$r, true, true, true>(w, p, buffered, a, r0, valid, g, out),
+                          ($r, true, false, true) =>
+                            $pass::<$r, true, false, true>(w, p, buffered, a, r0, valid, g, out),
+                          ($r, false, true, true) =>
+                            $pass::<$r, false, true, true>(w, p, buffered, a, r0, valid, g, out),
+                          ($r, false, false, true) =>
+                            $pass::<$r, false, false, true>(w, p, buffered, a, r0, valid, g, out),)*
                         _ => unreachable!(),
                     }
                     r0 += rows;
+                }
+            };
+            let run = |buffered: &mut Vec<[std::arch::x86_64::__m256i; 8]>| {
+                buffered.clear();
+                let mut chunk = $rows;
+                let dear_unpack = $buffer_5bit && p.h.is_some();
+                if a.m > $rows && (a.m > UNPACK_MAX_ROWS || dear_unpack) {
+                    buffered.extend((0..w.nb).map(|b| group_block(&p, b)));
+                    chunk = BUFFERED_ROWS;
+                }
+                if act.len() > chunk {
+                    with_plain_scales(&[p], w.nb, |[p]| passes(p, buffered, chunk))
+                } else {
+                    passes(&p, buffered, chunk)
                 }
             };
             // one buffer per thread, grown once: a batch's products used to allocate and
@@ -266,7 +420,7 @@ macro_rules! group_kernel {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $pass<const R: usize, const PREFETCH: bool, const NARROW: bool>(
+        unsafe fn $pass<const R: usize, const PREFETCH: bool, const NARROW: bool, const F: bool>(
             w: &PackedMatrix,
             p: &GroupRef,
             buffered: &[[std::arch::x86_64::__m256i; 8]],
@@ -291,8 +445,8 @@ macro_rules! group_kernel {
                 let at = |i: usize| (r0 + i) * nb + b;
                 if p.halves == 2 {
                     // (split types have implied offsets, folded into the integers)
-                    let dv = p.d.add(b * GROUP * 2).load8();
-                    let dv1 = p.d.add(b * GROUP * 2 + GROUP).load8();
+                    let dv = p.d8::<F>(b, 0);
+                    let dv1 = p.d8::<F>(b, 1);
                     for (i, acc) in acc.iter_mut().enumerate() {
                         let f = a.folded_halves.as_ptr().add(2 * at(i));
                         let f = [*f, *f.add(1)];
@@ -308,7 +462,7 @@ macro_rules! group_kernel {
                     }
                     continue;
                 }
-                let dv = p.d.add(b * GROUP).load8();
+                let dv = p.d8::<F>(b, 0);
                 let dot = |i: usize, folded: i32| {
                     if $signed {
                         block_dot_avx2_signed(&v, x(i))
@@ -320,9 +474,9 @@ macro_rules! group_kernel {
                         $dot::<4, NARROW>(&v, x(i), folded)
                     }
                 };
-                match p.m {
-                    Some(m) => {
-                        let mv = m.add(b * GROUP).load8();
+                match p.has_min {
+                    true => {
+                        let mv = p.m8::<F>(b);
                         for (i, acc) in acc.iter_mut().enumerate() {
                             let dot = _mm256_cvtepi32_ps(dot(i, 0));
                             let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
@@ -331,7 +485,7 @@ macro_rules! group_kernel {
                             *acc = _mm256_fmadd_ps(mv, sx, *acc);
                         }
                     }
-                    None => {
+                    false => {
                         for (i, acc) in acc.iter_mut().enumerate() {
                             let folded = *a.folded.get_unchecked(at(i));
                             let dot = _mm256_cvtepi32_ps(dot(i, folded));
