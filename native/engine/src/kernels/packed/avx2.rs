@@ -88,7 +88,8 @@ group_kernel!(
     true,
     true,
     4,
-    [1, 2, 3, 4]
+    [1, 2, 3, 4],
+    all
 );
 group_kernel!(
     group_kernel_avx2_q8,
@@ -100,5 +101,6 @@ group_kernel!(
     false,
     false,
     4,
-    [1, 2, 3, 4]
+    [1, 2, 3, 4],
+    q8
 );

@@ -58,22 +58,22 @@ pub enum PackedType {
 }
 
 impl PackedType {
-    fn has_min(self) -> bool {
+    const fn has_min(self) -> bool {
         matches!(self, PackedType::Q4_1 | PackedType::Q5_1)
     }
 
-    fn has_high_bits(self) -> bool {
+    const fn has_high_bits(self) -> bool {
         matches!(self, PackedType::Q5_0 | PackedType::Q5_1)
     }
 
     /// Values stored one per byte rather than packed in nibbles.
-    fn byte_values(self) -> bool {
+    const fn byte_values(self) -> bool {
         matches!(self, PackedType::Q8_0 | PackedType::Q6K)
     }
 
     /// Scales (and offsets) per block: 2 when each half of 16 values has its own.
-    pub(crate) fn halves(self) -> usize {
-        if self == PackedType::Q6K {
+    pub(crate) const fn halves(self) -> usize {
+        if matches!(self, PackedType::Q6K) {
             2
         } else {
             1
@@ -88,7 +88,7 @@ impl PackedType {
     }
 
     /// Bytes of one block of a row group in the interleaved layout.
-    fn group_block_bytes(self) -> usize {
+    const fn group_block_bytes(self) -> usize {
         if self.byte_values() {
             GROUP * QK8_0
         } else {
@@ -412,15 +412,16 @@ impl ScalePtr {
         }
     }
 
-    /// The 8 values from here, as f32.
+    /// The 8 values from here, as f32, stored as f16 when `half` (which the caller knows
+    /// when compiled, or reads from `self.half`).
     ///
     /// # Safety
-    /// 8 values from here lie inside their buffer; F16C is available.
+    /// 8 values from here lie inside their buffer, stored as `half` says; F16C is available.
     #[target_feature(enable = "avx,f16c")]
     #[inline]
-    unsafe fn load8(self) -> std::arch::x86_64::__m256 {
+    unsafe fn load8_as(self, half: bool) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
-        if self.half {
+        if half {
             _mm256_cvtph_ps(_mm_loadu_si128(self.at as *const __m128i))
         } else {
             _mm256_loadu_ps(self.at as *const f32)

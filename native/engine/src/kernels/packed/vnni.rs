@@ -67,7 +67,8 @@ group_kernel!(
     false,
     false,
     8,
-    [1, 2, 3, 4, 5, 6, 7, 8]
+    [1, 2, 3, 4, 5, 6, 7, 8],
+    dyn
 );
 
 /// Rows per pass of [`wide_kernel_vnni`] (its blocks are unpacked again in every pass).
@@ -146,17 +147,11 @@ unsafe fn wide_passes(
         // prefetchers do not follow (without these prefetches a 512-bit pass over Gemma 3's
         // head read 12-13 GB/s on one core, 256-bit ones 18-21)
         let prefetch = r0 == act.start;
-        // (factored scales only reach here in a single pass: see `wide_kernel_vnni`)
-        by_rows!(rows, |R, C| match (prefetch, p[0].factored) {
-            (true, false) =>
-                wide_pass_vnni::<R, C, true, false, false>(w, p, &[], a, r0, valid, g, out),
-            (false, false) =>
-                wide_pass_vnni::<R, C, false, false, false>(w, p, &[], a, r0, valid, g, out),
-            (true, true) =>
-                wide_pass_vnni::<R, C, true, false, true>(w, p, &[], a, r0, valid, g, out),
-            (false, true) =>
-                wide_pass_vnni::<R, C, false, false, true>(w, p, &[], a, r0, valid, g, out),
-        });
+        by_format!(all & p[0], |T| by_rows!(rows, |R, C| if prefetch {
+            wide_pass_vnni::<R, C, true, false, T>(w, p, &[], a, r0, valid, g, out)
+        } else {
+            wide_pass_vnni::<R, C, false, false, T>(w, p, &[], a, r0, valid, g, out)
+        }));
         r0 += rows;
     }
 }
@@ -185,16 +180,18 @@ pub(super) unsafe fn pair_kernel_vnni(
     let (p, valid) = GroupRef::pair(w, g);
     let run = |buffered: &mut Vec<[std::arch::x86_64::__m512i; 8]>| {
         buffered.clear();
-        buffered.extend((0..w.nb).map(|b| wide_block(&p, b)));
+        buffered.extend((0..w.nb).map(|b| wide_block::<Dyn>(&p, b)));
         with_plain_scales(&p, w.nb, |p| {
-            let mut r0 = act.start;
-            while r0 < act.end {
-                let rows = (act.end - r0).min(PAIR_ROWS);
-                by_rows!(rows, |R, C| wide_pass_vnni::<R, C, false, true, false>(
-                    w, p, buffered, a, r0, valid, g, out
-                ));
-                r0 += rows;
-            }
+            by_format!(all & p[0], |T| {
+                let mut r0 = act.start;
+                while r0 < act.end {
+                    let rows = (act.end - r0).min(PAIR_ROWS);
+                    by_rows!(rows, |R, C| wide_pass_vnni::<R, C, false, true, T>(
+                        w, p, buffered, a, r0, valid, g, out
+                    ));
+                    r0 += rows;
+                }
+            })
         })
     };
     WIDE_BUFFERED.with(|cell| match cell.try_borrow_mut() {
@@ -204,9 +201,9 @@ pub(super) unsafe fn pair_kernel_vnni(
 }
 
 /// `R` activation rows (from `r0`) times both row groups, their blocks unpacked in
-/// registers or (`BUFFERED`) read from `buffered`, their scales multiplied out from their
-/// factors when `F`: `R · C` independent `vpdpbusd` chains, the whole pass in one function
-/// so that the accumulators stay in registers. Integer sums are exact in any order, and the
+/// registers or (`BUFFERED`) read from `buffered`, their layout `T`: `R · C` independent
+/// `vpdpbusd` chains, the whole pass in one function so that the accumulators stay in
+/// registers. Integer sums are exact in any order, and the
 /// float steps are those of `group_kernel_vnni`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl")]
@@ -216,7 +213,7 @@ unsafe fn wide_pass_vnni<
     const C: usize,
     const PREFETCH: bool,
     const BUFFERED: bool,
-    const F: bool,
+    T: Format,
 >(
     w: &PackedMatrix,
     p: &[GroupRef; 2],
@@ -235,13 +232,13 @@ unsafe fn wide_pass_vnni<
             // the next tile (groups g + 2 and g + 3) to the outer caches: `T0` prefetches
             // of 16 rows' blocks take the L1 miss buffers the loads need (an 8-row head
             // product at 77-82 GMAC/s with them, 111-131 with `T2`)
-            p[0].prefetch_block::<_MM_HINT_T2>(2 * nb + b);
-            p[1].prefetch_block::<_MM_HINT_T2>(2 * nb + b);
+            p[0].prefetch_block::<T, _MM_HINT_T2>(2 * nb + b);
+            p[1].prefetch_block::<T, _MM_HINT_T2>(2 * nb + b);
         }
         let v = if BUFFERED {
             *buffered.get_unchecked(b)
         } else {
-            wide_block(p, b)
+            wide_block::<T>(p, b)
         };
         let x = |i: usize| a.quants.as_ptr().add((r0 + i) * k + b * QK4_1) as *const i32;
         let at = |i: usize| (r0 + i) * nb + b;
@@ -261,10 +258,10 @@ unsafe fn wide_pass_vnni<
                 sum
             })
         };
-        if p[0].halves == 2 {
+        if T::halves(&p[0]) == 2 {
             // (split types have implied offsets, folded into the integers)
-            let dv = join_ps(p[0].d8::<F>(b, 0), p[1].d8::<F>(b, 0));
-            let dv1 = join_ps(p[0].d8::<F>(b, 1), p[1].d8::<F>(b, 1));
+            let dv = join_ps(p[0].d8::<T>(b, 0), p[1].d8::<T>(b, 0));
+            let dv1 = join_ps(p[0].d8::<T>(b, 1), p[1].d8::<T>(b, 1));
             let lo = dots(
                 0..4,
                 std::array::from_fn(|i| *a.folded_halves.get_unchecked(2 * at(i))),
@@ -281,10 +278,10 @@ unsafe fn wide_pass_vnni<
             }
             continue;
         }
-        let dv = join_ps(p[0].d8::<F>(b, 0), p[1].d8::<F>(b, 0));
-        match p[0].has_min {
+        let dv = join_ps(p[0].d8::<T>(b, 0), p[1].d8::<T>(b, 0));
+        match T::has_min(&p[0]) {
             true => {
-                let mv = join_ps(p[0].m8::<F>(b), p[1].m8::<F>(b));
+                let mv = join_ps(p[0].m8::<T>(b), p[1].m8::<T>(b));
                 let s = dots(0..8, [0; R]);
                 for (i, acc) in acc.iter_mut().enumerate() {
                     let dot = _mm512_cvtepi32_ps(s[i]);
@@ -345,12 +342,15 @@ pub(super) unsafe fn join_ps(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,avx512f")]
 #[inline]
-pub(super) unsafe fn wide_block(p: &[GroupRef; 2], b: usize) -> [std::arch::x86_64::__m512i; 8] {
+pub(super) unsafe fn wide_block<T: Format>(
+    p: &[GroupRef; 2],
+    b: usize,
+) -> [std::arch::x86_64::__m512i; 8] {
     use std::arch::x86_64::*;
-    let load =
-        |j: usize, at: usize| _mm256_loadu_si256(p[j].q.add(b * p[j].gbb + at) as *const __m256i);
+    let gbb = T::gbb(&p[0]);
+    let load = |j: usize, at: usize| _mm256_loadu_si256(p[j].q.add(b * gbb + at) as *const __m256i);
     let mut v = [_mm512_setzero_si512(); 8];
-    if p[0].bytes8 {
+    if T::bytes8(&p[0]) {
         for (q, vq) in v.iter_mut().enumerate() {
             *vq = join_si(load(0, q * 32), load(1, q * 32));
         }
@@ -363,7 +363,7 @@ pub(super) unsafe fn wide_block(p: &[GroupRef; 2], b: usize) -> [std::arch::x86_
         // per byte, the high nibble (what a shift crosses into a byte is masked off)
         v[c + 4] = _mm512_and_si512(_mm512_srli_epi32::<4>(packed), low);
     }
-    if let (Some(h0), Some(h1)) = (p[0].h, p[1].h) {
+    if let (true, Some(h0), Some(h1)) = (T::high(&p[0]), p[0].h, p[1].h) {
         let w = join_si(
             _mm256_loadu_si256(h0.add(b * GROUP) as *const __m256i),
             _mm256_loadu_si256(h1.add(b * GROUP) as *const __m256i),

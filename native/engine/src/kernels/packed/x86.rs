@@ -101,19 +101,20 @@ pub(super) unsafe fn with_plain_scales<const N: usize, R>(
     }
     let run = |buf: &mut Vec<f32>| {
         // per group, its `d` then its `m` (when it has one): `units` runs of GROUP values
-        let units = nb * refs[0].halves;
+        let units = nb * Dyn::halves(&refs[0]);
         buf.clear();
         for p in refs {
             for min in [false, true] {
-                if min && !p.has_min {
+                if min && !Dyn::has_min(p) {
                     continue;
                 }
                 for u in 0..units {
-                    let (b, h) = (u / p.halves, u % p.halves);
+                    let halves = Dyn::halves(p);
+                    let (b, h) = (u / halves, u % halves);
                     let v = if min {
-                        p.m8::<true>(b)
+                        p.m8::<Dyn>(b)
                     } else {
-                        p.d8::<true>(b, h)
+                        p.d8::<Dyn>(b, h)
                     };
                     let mut lanes = [0f32; GROUP];
                     _mm256_storeu_ps(lanes.as_mut_ptr(), v);
@@ -130,7 +131,7 @@ pub(super) unsafe fn with_plain_scales<const N: usize, R>(
         };
         let plain = refs.map(|p| {
             let d = next();
-            let m = if p.has_min { next() } else { p.m };
+            let m = if Dyn::has_min(&p) { next() } else { p.m };
             GroupRef {
                 d,
                 m,
@@ -146,6 +147,202 @@ pub(super) unsafe fn with_plain_scales<const N: usize, R>(
     })
 }
 
+/// How a row group's scales are stored (see [`Scales`]).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Form {
+    F16,
+    F32,
+    Factored,
+}
+
+/// What a kernel knows of a matrix's layout when it is compiled. [`Dyn`] reads it from the
+/// [`GroupRef`] at run time; [`Fixed`] has it as constants, so that the kernels' loops carry
+/// no branches on it and keep their pointers in registers: a decode product's single-row
+/// pass, compute-bound on one core of Zen 4 at ~13 GB/s with the branches, is the step that
+/// the memory rate of two cores has to be reached with.
+#[cfg(target_arch = "x86_64")]
+pub(super) trait Format {
+    /// Values stored one per byte (Q8_0, Q6_K).
+    fn bytes8(p: &GroupRef) -> bool;
+    /// 5-bit values' fifth bits.
+    fn high(p: &GroupRef) -> bool;
+    fn halves(p: &GroupRef) -> usize;
+    fn has_min(p: &GroupRef) -> bool;
+    fn scales(p: &GroupRef) -> Form;
+    /// Bytes of a block of the row group's values.
+    fn gbb(p: &GroupRef) -> usize;
+}
+
+/// The layout as each [`GroupRef`] says.
+#[cfg(target_arch = "x86_64")]
+pub(super) struct Dyn;
+
+#[cfg(target_arch = "x86_64")]
+impl Format for Dyn {
+    #[inline(always)]
+    fn bytes8(p: &GroupRef) -> bool {
+        p.kind.byte_values()
+    }
+    #[inline(always)]
+    fn high(p: &GroupRef) -> bool {
+        p.h.is_some()
+    }
+    #[inline(always)]
+    fn halves(p: &GroupRef) -> usize {
+        p.kind.halves()
+    }
+    #[inline(always)]
+    fn has_min(p: &GroupRef) -> bool {
+        p.kind.has_min()
+    }
+    #[inline(always)]
+    fn scales(p: &GroupRef) -> Form {
+        match (p.factored, p.d.half) {
+            (true, _) => Form::Factored,
+            (false, true) => Form::F16,
+            (false, false) => Form::F32,
+        }
+    }
+    #[inline(always)]
+    fn gbb(p: &GroupRef) -> usize {
+        p.kind.group_block_bytes()
+    }
+}
+
+/// Type `K` ([`kind_of`]) with scales of form `S` ([`form_of`]), known when compiled.
+#[cfg(target_arch = "x86_64")]
+pub(super) struct Fixed<const K: u8, const S: u8>;
+
+#[cfg(target_arch = "x86_64")]
+pub(super) const fn kind_of(k: u8) -> PackedType {
+    match k {
+        0 => PackedType::Q4_0,
+        1 => PackedType::Q4_1,
+        2 => PackedType::Q5_0,
+        3 => PackedType::Q5_1,
+        4 => PackedType::Q8_0,
+        _ => PackedType::Q6K,
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) const fn form_of(s: u8) -> Form {
+    match s {
+        0 => Form::F16,
+        1 => Form::F32,
+        _ => Form::Factored,
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<const K: u8, const S: u8> Format for Fixed<K, S> {
+    #[inline(always)]
+    fn bytes8(_: &GroupRef) -> bool {
+        kind_of(K).byte_values()
+    }
+    #[inline(always)]
+    fn high(_: &GroupRef) -> bool {
+        kind_of(K).has_high_bits()
+    }
+    #[inline(always)]
+    fn halves(_: &GroupRef) -> usize {
+        kind_of(K).halves()
+    }
+    #[inline(always)]
+    fn has_min(_: &GroupRef) -> bool {
+        kind_of(K).has_min()
+    }
+    #[inline(always)]
+    fn scales(_: &GroupRef) -> Form {
+        form_of(S)
+    }
+    #[inline(always)]
+    fn gbb(_: &GroupRef) -> usize {
+        kind_of(K).group_block_bytes()
+    }
+}
+
+/// Runs `$call` with `$t` the [`Format`] of row group `$p`: with `all`, a [`Fixed`] one for
+/// the layouts models have (the native types' f16 scales, K-quants' factored scales and
+/// their f32 copies), [`Dyn`] for any other; with `q8`, [`Fixed`] only for Q8_0 (a kernel
+/// only Q8_0 reaches); with `dyn`, always [`Dyn`] (a kernel off the hot paths, not worth
+/// its copies).
+macro_rules! by_format {
+    (dyn $p:expr, |$t:ident| $call:expr) => {{
+        type $t = Dyn;
+        $call
+    }};
+    (q8 $p:expr, |$t:ident| $call:expr) => {{
+        let p: &GroupRef = $p;
+        match (p.kind, Dyn::scales(p)) {
+            (PackedType::Q8_0, Form::F16) => {
+                type $t = Fixed<4, 0>;
+                $call
+            }
+            _ => {
+                type $t = Dyn;
+                $call
+            }
+        }
+    }};
+    (all $p:expr, |$t:ident| $call:expr) => {{
+        let p: &GroupRef = $p;
+        match (p.kind, Dyn::scales(p)) {
+            (PackedType::Q4_0, Form::F16) => {
+                type $t = Fixed<0, 0>;
+                $call
+            }
+            (PackedType::Q4_1, Form::F16) => {
+                type $t = Fixed<1, 0>;
+                $call
+            }
+            (PackedType::Q4_1, Form::F32) => {
+                type $t = Fixed<1, 1>;
+                $call
+            }
+            (PackedType::Q4_1, Form::Factored) => {
+                type $t = Fixed<1, 2>;
+                $call
+            }
+            (PackedType::Q5_0, Form::F16) => {
+                type $t = Fixed<2, 0>;
+                $call
+            }
+            (PackedType::Q5_1, Form::F16) => {
+                type $t = Fixed<3, 0>;
+                $call
+            }
+            (PackedType::Q5_1, Form::F32) => {
+                type $t = Fixed<3, 1>;
+                $call
+            }
+            (PackedType::Q5_1, Form::Factored) => {
+                type $t = Fixed<3, 2>;
+                $call
+            }
+            (PackedType::Q8_0, Form::F16) => {
+                type $t = Fixed<4, 0>;
+                $call
+            }
+            (PackedType::Q6K, Form::F32) => {
+                type $t = Fixed<5, 1>;
+                $call
+            }
+            (PackedType::Q6K, Form::Factored) => {
+                type $t = Fixed<5, 2>;
+                $call
+            }
+            _ => {
+                type $t = Dyn;
+                $call
+            }
+        }
+    }};
+}
+
+pub(super) use by_format;
+
 /// Where one row group's blocks live.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
@@ -159,16 +356,12 @@ pub(super) struct GroupRef {
     /// The factored scales and minimums ([`Scales::Factored`]; unused unless `factored`).
     fd: FactorPtr,
     fm: FactorPtr,
-    /// Whether the kernels read `fd`/`fm` (their `F` parameter) instead of `d`/`m`.
+    /// Whether the scales are read from `fd`/`fm` instead of `d`/`m`.
     pub(super) factored: bool,
-    /// `false` for types whose offset is implied by the scale.
-    pub(super) has_min: bool,
-    pub(super) gbb: usize,
-    pub(super) bytes8: bool,
+    pub(super) kind: PackedType,
     /// Byte values are flipped from `q + 128` back to signed `q` when loaded (the AVX2 Q8_0
     /// path, whose dot product then adds `128·Σx` back).
     pub(super) signed: bool,
-    pub(super) halves: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -195,11 +388,8 @@ impl GroupRef {
                     .flatten()
                     .unwrap_or(no_factors),
                 factored: w.factored(),
-                has_min,
-                gbb,
-                bytes8: w.kind.byte_values(),
+                kind: w.kind,
                 signed,
-                halves,
             }
         }
     }
@@ -212,18 +402,18 @@ impl GroupRef {
     }
 
     /// The 8 rows' scales of half `h` of block `b` (`h` = 0 for types with one scale a
-    /// block), from the factors when `F` (which must then be `self.factored`).
+    /// block).
     ///
     /// # Safety
-    /// Block `b` is inside the matrix; AVX2 and F16C are available.
+    /// Block `b` is inside the matrix; AVX2 and F16C are available; `T` is this group's
+    /// format.
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
-    pub(super) unsafe fn d8<const F: bool>(&self, b: usize, h: usize) -> std::arch::x86_64::__m256 {
-        let unit = b * self.halves + h;
-        if F {
-            self.fd.load8(unit, b / SUPER_BLOCKS)
-        } else {
-            self.d.add(unit * GROUP).load8()
+    pub(super) unsafe fn d8<T: Format>(&self, b: usize, h: usize) -> std::arch::x86_64::__m256 {
+        let unit = b * T::halves(self) + h;
+        match T::scales(self) {
+            Form::Factored => self.fd.load8(unit, b / SUPER_BLOCKS),
+            form => self.d.add(unit * GROUP).load8_as(form == Form::F16),
         }
     }
 
@@ -233,37 +423,38 @@ impl GroupRef {
     /// As [`Self::d8`].
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
-    pub(super) unsafe fn m8<const F: bool>(&self, b: usize) -> std::arch::x86_64::__m256 {
-        if F {
-            self.fm.load8(b, b / SUPER_BLOCKS)
-        } else {
-            self.m.add(b * GROUP).load8()
+    pub(super) unsafe fn m8<T: Format>(&self, b: usize) -> std::arch::x86_64::__m256 {
+        match T::scales(self) {
+            Form::Factored => self.fm.load8(b, b / SUPER_BLOCKS),
+            form => self.m.add(b * GROUP).load8_as(form == Form::F16),
         }
     }
 
     /// Starts loading block `b` of the next row group (laid out right after this one's `nb`
     /// blocks) into L1.
     #[inline(always)]
-    pub(super) fn prefetch_next(&self, nb: usize, b: usize) {
-        self.prefetch_block::<{ std::arch::x86_64::_MM_HINT_T0 }>(nb + b)
+    pub(super) fn prefetch_next<T: Format>(&self, nb: usize, b: usize) {
+        self.prefetch_block::<T, { std::arch::x86_64::_MM_HINT_T0 }>(nb + b)
     }
 
     /// Starts loading the block `at` blocks after this group's first (the row groups are
     /// laid out one after the other, their scales and factors too) into the caches `HINT`
     /// names.
     #[inline(always)]
-    pub(super) fn prefetch_block<const HINT: i32>(&self, at: usize) {
-        prefetch_span::<HINT>(self.q.wrapping_add(at * self.gbb), self.gbb);
-        if self.factored {
+    pub(super) fn prefetch_block<T: Format, const HINT: i32>(&self, at: usize) {
+        let gbb = T::gbb(self);
+        prefetch_span::<HINT>(self.q.wrapping_add(at * gbb), gbb);
+        let halves = T::halves(self);
+        let has_min = T::has_min(self);
+        if T::scales(self) == Form::Factored {
             // 8 or 16 bytes of integers and the super-block's factors
-            self.fd
-                .prefetch::<HINT>(at * self.halves, at / SUPER_BLOCKS);
-            if self.has_min {
+            self.fd.prefetch::<HINT>(at * halves, at / SUPER_BLOCKS);
+            if has_min {
                 self.fm.prefetch::<HINT>(at, at / SUPER_BLOCKS);
             }
         } else {
-            let per_block = GROUP * self.halves;
-            let mins = self.has_min.then_some(self.m);
+            let per_block = GROUP * halves;
+            let mins = has_min.then_some(self.m);
             for s in [Some(self.d), mins].into_iter().flatten() {
                 // a block's scales (and minimums) are 16–64 bytes: the lines of their first
                 // and last byte cover them (a loop over a span whose length is known only
@@ -277,27 +468,30 @@ impl GroupRef {
                 }
             }
         }
-        if let Some(h) = self.h {
-            prefetch_span::<HINT>(h.wrapping_add(at * GROUP) as *const u8, 4 * GROUP);
+        if T::high(self) {
+            if let Some(h) = self.h {
+                prefetch_span::<HINT>(h.wrapping_add(at * GROUP) as *const u8, 4 * GROUP);
+            }
         }
     }
 }
 
 /// Asks for every cache line of `bytes` bytes from `from` to be loaded into the caches
-/// `HINT` names. The pointer may be past the end of its buffer (the last row group's
-/// "next"): it is never read.
+/// `HINT` names: a line per 64 bytes from `from`, and the line of the last byte (which a span
+/// not on a line boundary ends in), so that with `bytes` known when compiled the loop
+/// unrolls. The pointer may be past the end of its buffer (the last row group's "next"): it
+/// is never read.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) fn prefetch_span<const HINT: i32>(from: *const u8, bytes: usize) {
     use std::arch::x86_64::_mm_prefetch;
     const LINE: usize = 64;
-    let first = from as usize & !(LINE - 1);
-    let last = (from as usize).wrapping_add(bytes - 1);
-    let mut line = first;
-    while line <= last {
-        // SAFETY: a prefetch is a hint that never faults, whatever the address.
-        unsafe { _mm_prefetch::<HINT>(line as *const i8) };
-        line += LINE;
+    // SAFETY: a prefetch is a hint that never faults, whatever the address.
+    unsafe {
+        for i in 0..bytes / LINE {
+            _mm_prefetch::<HINT>(from.wrapping_add(i * LINE) as *const i8);
+        }
+        _mm_prefetch::<HINT>(from.wrapping_add(bytes - 1) as *const i8);
     }
 }
 
@@ -321,9 +515,13 @@ pub(super) unsafe fn store_group(acc: std::arch::x86_64::__m256, dst: *mut f32, 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-pub(super) unsafe fn group_block(p: &GroupRef, b: usize) -> [std::arch::x86_64::__m256i; 8] {
-    if p.bytes8 {
-        let mut v = load_bytes_block(p.q.add(b * p.gbb));
+pub(super) unsafe fn group_block<T: Format>(
+    p: &GroupRef,
+    b: usize,
+) -> [std::arch::x86_64::__m256i; 8] {
+    let gbb = T::gbb(p);
+    if T::bytes8(p) {
+        let mut v = load_bytes_block(p.q.add(b * gbb));
         if p.signed {
             use std::arch::x86_64::{_mm256_set1_epi8, _mm256_xor_si256};
             let flip = _mm256_set1_epi8(-128);
@@ -333,7 +531,8 @@ pub(super) unsafe fn group_block(p: &GroupRef, b: usize) -> [std::arch::x86_64::
         }
         v
     } else {
-        unpack_block(p.q.add(b * p.gbb), p.h.map(|h| h.add(b * GROUP)))
+        let h = T::high(p).then(|| p.h.map(|h| h.add(b * GROUP))).flatten();
+        unpack_block(p.q.add(b * gbb), h)
     }
 }
 
@@ -347,7 +546,8 @@ pub(super) unsafe fn group_block(p: &GroupRef, b: usize) -> [std::arch::x86_64::
 /// row's result does not depend on the batch around it.
 macro_rules! group_kernel {
     ($name:ident, $pass:ident, $features:literal, $dot:ident, $half_dots:ident,
-     $signed:literal, $buffer_5bit:literal, $narrow:literal, $rows:literal, [$($r:literal),*]) => {
+     $signed:literal, $buffer_5bit:literal, $narrow:literal, $rows:literal, [$($r:literal),*],
+     $formats:ident) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         pub(super) unsafe fn $name(
@@ -359,48 +559,34 @@ macro_rules! group_kernel {
         ) {
             let p = GroupRef::new(w, g, $signed);
             let passes = |p: &GroupRef, buffered: &[[std::arch::x86_64::__m256i; 8]], chunk: usize| {
-                let valid = GROUP.min(w.n_out - g * GROUP);
-                let mut r0 = act.start;
-                while r0 < act.end {
-                    let rows = (act.end - r0).min(chunk);
-                    // the first pass over a group of a small batch asks for the next
-                    // group's blocks while computing this one's, so the next unpack (or
-                    // buffer fill) reads from cache instead of stalling on memory with no
-                    // products in flight; a long batch computes long enough per group for
-                    // the hardware prefetcher, and the extra loads only cost it
-                    let prefetch = r0 == act.start && a.m <= PREFETCH_MAX_ROWS;
-                    // 4-bit values (no fifth bits, not stored as bytes), on a path whose
-                    // dot products gain from knowing it
-                    let narrow = $narrow && !p.bytes8 && p.h.is_none();
-                    // (factored scales are read as such only by single passes: see `run`)
-                    match (rows, prefetch, narrow, p.factored) {
-                        $(($r, true, true, false) =>
-                            $pass::<$r, true, true, false>(w, p, buffered, a, r0, valid, g, out),
-                          ($r, true, false, false) =>
-                            $pass::<$r, true, false, false>(w, p, buffered, a, r0, valid, g, out),
-                          ($r, false, true, false) =>
-                            $pass::<$r, false, true, false>(w, p, buffered, a, r0, valid, g, out),
-                          ($r, false, false, false) =>
-                            $pass::<$r, false, false, false>(w, p, buffered, a, r0, valid, g, out),
-                          ($r, true, true, true) =>
-                            $pass::<$r, true, true, true>(w, p, buffered, a, r0, valid, g, out),
-                          ($r, true, false, true) =>
-                            $pass::<$r, true, false, true>(w, p, buffered, a, r0, valid, g, out),
-                          ($r, false, true, true) =>
-                            $pass::<$r, false, true, true>(w, p, buffered, a, r0, valid, g, out),
-                          ($r, false, false, true) =>
-                            $pass::<$r, false, false, true>(w, p, buffered, a, r0, valid, g, out),)*
-                        _ => unreachable!(),
+                by_format!($formats p, |T| {
+                    let valid = GROUP.min(w.n_out - g * GROUP);
+                    let mut r0 = act.start;
+                    while r0 < act.end {
+                        let rows = (act.end - r0).min(chunk);
+                        // the first pass over a group of a small batch asks for the next
+                        // group's blocks while computing this one's, so the next unpack (or
+                        // buffer fill) reads from cache instead of stalling on memory with
+                        // no products in flight; a long batch computes long enough per group
+                        // for the hardware prefetcher, and the extra loads only cost it
+                        let prefetch = r0 == act.start && a.m <= PREFETCH_MAX_ROWS;
+                        match (rows, prefetch) {
+                            $(($r, true) =>
+                                $pass::<$r, true, T>(w, p, buffered, a, r0, valid, g, out),
+                              ($r, false) =>
+                                $pass::<$r, false, T>(w, p, buffered, a, r0, valid, g, out),)*
+                            _ => unreachable!(),
+                        }
+                        r0 += rows;
                     }
-                    r0 += rows;
-                }
+                })
             };
             let run = |buffered: &mut Vec<[std::arch::x86_64::__m256i; 8]>| {
                 buffered.clear();
                 let mut chunk = $rows;
                 let dear_unpack = $buffer_5bit && p.h.is_some();
                 if a.m > $rows && (a.m > UNPACK_MAX_ROWS || dear_unpack) {
-                    buffered.extend((0..w.nb).map(|b| group_block(&p, b)));
+                    buffered.extend((0..w.nb).map(|b| group_block::<Dyn>(&p, b)));
                     chunk = BUFFERED_ROWS;
                 }
                 if act.len() > chunk {
@@ -420,7 +606,7 @@ macro_rules! group_kernel {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $pass<const R: usize, const PREFETCH: bool, const NARROW: bool, const F: bool>(
+        unsafe fn $pass<const R: usize, const PREFETCH: bool, T: Format>(
             w: &PackedMatrix,
             p: &GroupRef,
             buffered: &[[std::arch::x86_64::__m256i; 8]],
@@ -432,21 +618,24 @@ macro_rules! group_kernel {
         ) {
             use std::arch::x86_64::*;
             let (k, nb) = (w.n_in, w.nb);
+            // 4-bit values (no fifth bits, not stored as bytes), on a path whose dot
+            // products gain from knowing it
+            let narrow = $narrow && !T::bytes8(p) && !T::high(p);
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 if PREFETCH {
-                    p.prefetch_next(nb, b);
+                    p.prefetch_next::<T>(nb, b);
                 }
                 let v = match buffered.get(b) {
                     Some(v) => *v,
-                    None => group_block(p, b),
+                    None => group_block::<T>(p, b),
                 };
                 let x = |i: usize| a.quants.as_ptr().add((r0 + i) * k + b * QK4_1) as *const i32;
                 let at = |i: usize| (r0 + i) * nb + b;
-                if p.halves == 2 {
+                if T::halves(p) == 2 {
                     // (split types have implied offsets, folded into the integers)
-                    let dv = p.d8::<F>(b, 0);
-                    let dv1 = p.d8::<F>(b, 1);
+                    let dv = p.d8::<T>(b, 0);
+                    let dv1 = p.d8::<T>(b, 1);
                     for (i, acc) in acc.iter_mut().enumerate() {
                         let f = a.folded_halves.as_ptr().add(2 * at(i));
                         let f = [*f, *f.add(1)];
@@ -462,21 +651,31 @@ macro_rules! group_kernel {
                     }
                     continue;
                 }
-                let dv = p.d8::<F>(b, 0);
+                let dv = p.d8::<T>(b, 0);
                 let dot = |i: usize, folded: i32| {
                     if $signed {
                         block_dot_avx2_signed(&v, x(i))
                     } else if R >= 4 {
-                        $dot::<1, NARROW>(&v, x(i), folded)
+                        if narrow {
+                            $dot::<1, true>(&v, x(i), folded)
+                        } else {
+                            $dot::<1, false>(&v, x(i), folded)
+                        }
                     } else if R >= 2 {
-                        $dot::<2, NARROW>(&v, x(i), folded)
+                        if narrow {
+                            $dot::<2, true>(&v, x(i), folded)
+                        } else {
+                            $dot::<2, false>(&v, x(i), folded)
+                        }
+                    } else if narrow {
+                        $dot::<4, true>(&v, x(i), folded)
                     } else {
-                        $dot::<4, NARROW>(&v, x(i), folded)
+                        $dot::<4, false>(&v, x(i), folded)
                     }
                 };
-                match p.has_min {
+                match T::has_min(p) {
                     true => {
-                        let mv = p.m8::<F>(b);
+                        let mv = p.m8::<T>(b);
                         for (i, acc) in acc.iter_mut().enumerate() {
                             let dot = _mm256_cvtepi32_ps(dot(i, 0));
                             let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
