@@ -68,7 +68,12 @@ impl PackedType {
 
     /// Values stored one per byte rather than packed in nibbles.
     const fn byte_values(self) -> bool {
-        matches!(self, PackedType::Q8_0 | PackedType::Q6K)
+        matches!(self, PackedType::Q8_0)
+    }
+
+    /// 6-bit values: nibbles as the 4-bit types', then their high bit pairs (Q6_K).
+    const fn six_bits(self) -> bool {
+        matches!(self, PackedType::Q6K)
     }
 
     /// Scales (and offsets) per block: 2 when each half of 16 values has its own.
@@ -80,8 +85,9 @@ impl PackedType {
         }
     }
 
+    /// Bytes of a block in ggml's layout (of the types [`PackedMatrix::from_bytes`] reads).
     fn block_bytes(self) -> usize {
-        if self.byte_values() {
+        if self.byte_values() || self.six_bits() {
             return 2 + QK8_0;
         }
         2 + if self.has_min() { 2 } else { 0 } + if self.has_high_bits() { 4 } else { 0 } + PACKED
@@ -91,6 +97,8 @@ impl PackedType {
     const fn group_block_bytes(self) -> usize {
         if self.byte_values() {
             GROUP * QK8_0
+        } else if self.six_bits() {
+            GROUP * PACKED + 2 * SIX_BIT_PLANE
         } else {
             GROUP * PACKED
         }
@@ -120,6 +128,9 @@ impl PackedType {
 /// Output rows interleaved together: one 256-bit lane per row, so a block's products for all
 /// of them come out of one vector and need no horizontal sums.
 pub const GROUP: usize = 8;
+
+/// Bytes of one of a 6-bit block's two planes of high bit pairs (see [`PackedMatrix`]).
+const SIX_BIT_PLANE: usize = 32;
 
 /// Most parts [`PackedMatrix::matmul_parts`] writes (Q/K/V).
 pub const MAX_PARTS: usize = 4;
@@ -197,7 +208,12 @@ impl Dest {
 /// the high nibbles quad `c + 4` (a quad is 4 consecutive values). 5-bit types keep one `u32`
 /// per row in which the fifth bit of value `4q + t` sits at bit `8t + 4 + q` (`q < 4`) or
 /// `8t + q - 4` (`q ≥ 4`): one shift by `q` (right) or `8 - q` (left) and a mask with
-/// `0x10101010` put quad `q`'s fifth bits where they belong. Rows past `n_out` are zero.
+/// `0x10101010` put quad `q`'s fifth bits where they belong. 6-bit values (Q6_K) follow their
+/// 4 chunks of nibbles with two planes of 32 bytes, quads 0..4 and 4..8: byte `4j + t` of
+/// plane `p` holds bits 4 and 5 of value `4(4p + k) + t` of row `j` at bits `2k` and
+/// `2k + 1`, so that one shift (left by `4 - 2k`, or right by 2 for `k = 3`) and a mask with
+/// `0x30` put quad `4p + k`'s high bits where they belong — the file's 6.6 bits a weight
+/// rather than 8.6 as bytes. Rows past `n_out` are zero.
 pub struct PackedMatrix {
     pub n_out: usize,
     pub n_in: usize,
@@ -215,9 +231,9 @@ impl Pinnable for PackedMatrix {
             match s {
                 Scales::F16(v) => f(v),
                 Scales::F32(v) => f(v),
-                Scales::Factored { base, mult, .. } => {
-                    f(base);
-                    f(mult);
+                Scales::Factored(s) => {
+                    f(&mut s.base);
+                    f(&mut s.mult);
                 }
             }
         }
@@ -239,16 +255,20 @@ pub(crate) const SUPER_BLOCKS: usize = 8;
 enum Scales {
     F16(Store<f16>),
     F32(Store<f32>),
-    /// Value `i` is `base[(i / GROUP >> shift) · GROUP + i % GROUP] · mult[i]`: per row, a
-    /// super-block's f16 factor (`d`, or `-dmin` for minimums) times each of its
-    /// `1 << shift` blocks' (or halves') 8-bit integer, a product exact in f32. As f32 values
-    /// a Q4_K matrix was 6 bits a weight in memory, a third more than its file's 4.5, and a
-    /// 1B Q4_K_M decode read 927 MB a token for the file's 667; factored it is 4.6 bits.
-    Factored {
-        base: Store<f16>,
-        mult: Store<i8>,
-        shift: u32,
-    },
+    /// K-quants' scales as their factors (see [`Factored`]).
+    Factored(Box<Factored>),
+}
+
+/// Scales whose value `i` is `base[(i / GROUP >> shift) · GROUP + i % GROUP] · mult[i]`: per
+/// row, a super-block's f16 factor (`d`, or `-dmin` for minimums) times each of its
+/// `1 << shift` blocks' (or halves') 8-bit integer, a product exact in f32. As f32 values a
+/// Q4_K matrix was 6 bits a weight in memory, a third more than its file's 4.5, and a 1B
+/// Q4_K_M decode read 927 MB a token for the file's 667; factored it is 4.6 bits.
+#[derive(Debug, Clone)]
+struct Factored {
+    base: Store<f16>,
+    mult: Store<i8>,
+    shift: u32,
 }
 
 impl Scales {
@@ -267,16 +287,21 @@ impl Scales {
         }
     }
 
+    /// Factored scales from their factors and integers (see [`Factored`]).
+    fn factored(base: Vec<f16>, mult: Vec<i8>, shift: u32) -> Self {
+        Scales::Factored(Box::new(Factored {
+            base: base.into(),
+            mult: mult.into(),
+            shift,
+        }))
+    }
+
     /// No values, in the same form.
     fn empty_like(&self) -> Self {
         match self {
             Scales::F16(_) => Scales::F16(Vec::new().into()),
             Scales::F32(_) => Scales::F32(Vec::new().into()),
-            Scales::Factored { shift, .. } => Scales::Factored {
-                base: Vec::new().into(),
-                mult: Vec::new().into(),
-                shift: *shift,
-            },
+            Scales::Factored(f) => Scales::factored(Vec::new(), Vec::new(), f.shift),
         }
     }
 
@@ -284,7 +309,7 @@ impl Scales {
         match self {
             Scales::F16(v) => v.len(),
             Scales::F32(v) => v.len(),
-            Scales::Factored { mult, .. } => mult.len(),
+            Scales::Factored(f) => f.mult.len(),
         }
     }
 
@@ -297,18 +322,14 @@ impl Scales {
         match self {
             Scales::F16(v) => v[i].to_f32(),
             Scales::F32(v) => v[i],
-            Scales::Factored { base, mult, shift } => {
-                base[Self::base_index(i, *shift)].to_f32() * mult[i] as f32
-            }
+            Scales::Factored(f) => f.base[Self::base_index(i, f.shift)].to_f32() * f.mult[i] as f32,
         }
     }
 
     /// Value `i`'s two factors, when the scales are kept factored.
     fn factors(&self, i: usize) -> Option<(f16, i8)> {
         match self {
-            Scales::Factored { base, mult, shift } => {
-                Some((base[Self::base_index(i, *shift)], mult[i]))
-            }
+            Scales::Factored(f) => Some((f.base[Self::base_index(i, f.shift)], f.mult[i])),
             _ => None,
         }
     }
@@ -317,9 +338,9 @@ impl Scales {
         match self {
             Scales::F16(v) => v.vec_mut().reserve_exact(n),
             Scales::F32(v) => v.vec_mut().reserve_exact(n),
-            Scales::Factored { base, mult, shift } => {
-                mult.vec_mut().reserve_exact(n);
-                base.vec_mut().reserve_exact(n >> *shift);
+            Scales::Factored(f) => {
+                f.mult.vec_mut().reserve_exact(n);
+                f.base.vec_mut().reserve_exact(n >> f.shift);
             }
         }
     }
@@ -329,16 +350,9 @@ impl Scales {
         match (&mut *self, other) {
             (Scales::F16(a), Scales::F16(b)) => a.vec_mut().extend_from_slice(b),
             (Scales::F32(a), Scales::F32(b)) => a.vec_mut().extend_from_slice(b),
-            (
-                Scales::Factored { base, mult, shift },
-                Scales::Factored {
-                    base: b,
-                    mult: m,
-                    shift: s,
-                },
-            ) if shift == s => {
-                base.vec_mut().extend_from_slice(b);
-                mult.vec_mut().extend_from_slice(m);
+            (Scales::Factored(a), Scales::Factored(b)) if a.shift == b.shift => {
+                a.base.vec_mut().extend_from_slice(&b.base);
+                a.mult.vec_mut().extend_from_slice(&b.mult);
             }
             (Scales::F32(a), b) => a.vec_mut().extend((0..b.len()).map(|i| b.get(i))),
             (a, b) => {
@@ -359,7 +373,7 @@ impl Scales {
                 half: true,
             }),
             Scales::F32(v) => Some(ScalePtr::f32(v.as_ptr().wrapping_add(i))),
-            Scales::Factored { .. } => None,
+            Scales::Factored(_) => None,
         }
     }
 
@@ -368,9 +382,9 @@ impl Scales {
     #[cfg(target_arch = "x86_64")]
     fn factors_at(&self, i: usize) -> Option<FactorPtr> {
         match self {
-            Scales::Factored { base, mult, shift } => Some(FactorPtr {
-                mult: mult.as_ptr().wrapping_add(i),
-                base: base.as_ptr().wrapping_add(Self::base_index(i, *shift)),
+            Scales::Factored(f) => Some(FactorPtr {
+                mult: f.mult.as_ptr().wrapping_add(i),
+                base: f.base.as_ptr().wrapping_add(Self::base_index(i, f.shift)),
             }),
             _ => None,
         }
@@ -462,7 +476,7 @@ impl FactorPtr {
         // SAFETY: a prefetch is a hint that never faults, whatever the address.
         unsafe {
             use std::arch::x86_64::_mm_prefetch;
-            _mm_prefetch::<HINT>(self.mult.wrapping_add(unit * GROUP) as *const i8);
+            _mm_prefetch::<HINT>(self.mult.wrapping_add(unit * GROUP));
             _mm_prefetch::<HINT>(self.base.wrapping_add(sb * GROUP) as *const i8);
         }
     }
@@ -535,6 +549,10 @@ impl PackedMatrix {
             }
             let byte = chunk[(q % 4) * 32 + j * 4 + t];
             *v = if q < 4 { byte & 0x0F } else { byte >> 4 };
+            if self.kind.six_bits() {
+                let plane = chunk[GROUP * PACKED + (q / 4) * SIX_BIT_PLANE + j * 4 + t];
+                *v |= ((plane >> (2 * (q % 4))) & 3) << 4;
+            }
             if let Some(w) = high {
                 let pos = if q < 4 { 8 * t + 4 + q } else { 8 * t + q - 4 };
                 *v |= (((w >> pos) & 1) << 4) as u8;
@@ -569,14 +587,14 @@ impl PackedMatrix {
         let scales = |s: &Scales| match s {
             Scales::F16(v) => 2 * v.len(),
             Scales::F32(v) => 4 * v.len(),
-            Scales::Factored { base, mult, .. } => 2 * base.len() + mult.len(),
+            Scales::Factored(f) => 2 * f.base.len() + f.mult.len(),
         };
         scales(&self.d) + scales(&self.m) + self.qs.len() + 4 * self.qh.len()
     }
 
     /// Whether the scales are kept factored ([`Scales::Factored`]).
     pub(crate) fn factored(&self) -> bool {
-        matches!(self.d, Scales::Factored { .. })
+        matches!(self.d, Scales::Factored(_))
     }
 
     /// The offset of the scale at `at` in `d`: stored for types with a minimum, else implied

@@ -205,6 +205,21 @@ impl PackedMatrix {
                                 }
                             }
                         }
+                        if kind.six_bits() {
+                            for plane in 0..2 {
+                                for j in 0..GROUP {
+                                    let vals = &row(j).vals;
+                                    for t in 0..4 {
+                                        let bits = (0..4).fold(0u8, |bits, k| {
+                                            let v = vals[4 * (4 * plane + k) + t];
+                                            bits | ((v >> 4) & 3) << (2 * k)
+                                        });
+                                        out.qs().add(qi).write(bits);
+                                        qi += 1;
+                                    }
+                                }
+                            }
+                        }
                         if high {
                             for j in 0..GROUP {
                                 let mut w = 0u32;
@@ -251,16 +266,8 @@ impl PackedMatrix {
         let shift = per.trailing_zeros();
         let (d, m) = if factored {
             (
-                Scales::Factored {
-                    base: d_base.into(),
-                    mult: d_mul.into(),
-                    shift,
-                },
-                Scales::Factored {
-                    base: m_base.into(),
-                    mult: m_mul.into(),
-                    shift,
-                },
+                Scales::factored(d_base, d_mul, shift),
+                Scales::factored(m_base, m_mul, shift),
             )
         } else {
             (Scales::new(d), Scales::new(m))

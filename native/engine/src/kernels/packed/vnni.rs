@@ -363,6 +363,24 @@ pub(super) unsafe fn wide_block<T: Format>(
         // per byte, the high nibble (what a shift crosses into a byte is masked off)
         v[c + 4] = _mm512_and_si512(_mm512_srli_epi32::<4>(packed), low);
     }
+    if T::six(&p[0]) {
+        let pair = _mm512_set1_epi8(0x30);
+        for plane in 0..2 {
+            let at = GROUP * PACKED + plane * 32;
+            let w = join_si(load(0, at), load(1, at));
+            // (what a shift moves across a byte boundary is masked off)
+            let bits = [
+                _mm512_slli_epi32::<4>(w),
+                _mm512_slli_epi32::<2>(w),
+                w,
+                _mm512_srli_epi32::<2>(w),
+            ];
+            for (k, b) in bits.into_iter().enumerate() {
+                let q = 4 * plane + k;
+                v[q] = _mm512_or_si512(v[q], _mm512_and_si512(b, pair));
+            }
+        }
+    }
     if let (true, Some(h0), Some(h1)) = (T::high(&p[0]), p[0].h, p[1].h) {
         let w = join_si(
             _mm256_loadu_si256(h0.add(b * GROUP) as *const __m256i),

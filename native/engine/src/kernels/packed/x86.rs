@@ -36,6 +36,29 @@ pub(super) unsafe fn unpack_block(
     v
 }
 
+/// Adds a 6-bit block's high bit pairs (its two planes at `planes`, see [`PackedMatrix`]) to
+/// the nibbles of its 8 quads.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn add_six_bit_pairs(v: &mut [std::arch::x86_64::__m256i; 8], planes: *const u8) {
+    use std::arch::x86_64::*;
+    let pair = _mm256_set1_epi8(0x30);
+    for p in 0..2 {
+        let w = _mm256_loadu_si256(planes.add(p * 32) as *const __m256i);
+        // (what a shift moves across a byte boundary is masked off)
+        let bits = [
+            _mm256_slli_epi16::<4>(w),
+            _mm256_slli_epi16::<2>(w),
+            w,
+            _mm256_srli_epi16::<2>(w),
+        ];
+        for (k, b) in bits.into_iter().enumerate() {
+            v[4 * p + k] = _mm256_or_si256(v[4 * p + k], _mm256_and_si256(b, pair));
+        }
+    }
+}
+
 /// The 8 quads of one Q8_0 block of a row group (stored unpacked).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
@@ -167,6 +190,8 @@ pub(super) trait Format {
     fn bytes8(p: &GroupRef) -> bool;
     /// 5-bit values' fifth bits.
     fn high(p: &GroupRef) -> bool;
+    /// 6-bit values' planes of high bit pairs (Q6_K).
+    fn six(p: &GroupRef) -> bool;
     fn halves(p: &GroupRef) -> usize;
     fn has_min(p: &GroupRef) -> bool;
     fn scales(p: &GroupRef) -> Form;
@@ -187,6 +212,10 @@ impl Format for Dyn {
     #[inline(always)]
     fn high(p: &GroupRef) -> bool {
         p.h.is_some()
+    }
+    #[inline(always)]
+    fn six(p: &GroupRef) -> bool {
+        p.kind.six_bits()
     }
     #[inline(always)]
     fn halves(p: &GroupRef) -> usize {
@@ -244,6 +273,10 @@ impl<const K: u8, const S: u8> Format for Fixed<K, S> {
     #[inline(always)]
     fn high(_: &GroupRef) -> bool {
         kind_of(K).has_high_bits()
+    }
+    #[inline(always)]
+    fn six(_: &GroupRef) -> bool {
+        kind_of(K).six_bits()
     }
     #[inline(always)]
     fn halves(_: &GroupRef) -> usize {
@@ -366,6 +399,7 @@ pub(super) struct GroupRef {
 
 #[cfg(target_arch = "x86_64")]
 impl GroupRef {
+    #[inline]
     pub(super) fn new(w: &PackedMatrix, g: usize, signed: bool) -> Self {
         let (nb, gbb, halves) = (w.nb, w.kind.group_block_bytes(), w.kind.halves());
         let at = g * nb * GROUP * halves;
@@ -532,7 +566,11 @@ pub(super) unsafe fn group_block<T: Format>(
         v
     } else {
         let h = T::high(p).then(|| p.h.map(|h| h.add(b * GROUP))).flatten();
-        unpack_block(p.q.add(b * gbb), h)
+        let mut v = unpack_block(p.q.add(b * gbb), h);
+        if T::six(p) {
+            add_six_bit_pairs(&mut v, p.q.add(b * gbb + GROUP * PACKED));
+        }
+        v
     }
 }
 
@@ -620,7 +658,7 @@ macro_rules! group_kernel {
             let (k, nb) = (w.n_in, w.nb);
             // 4-bit values (no fifth bits, not stored as bytes), on a path whose dot
             // products gain from knowing it
-            let narrow = $narrow && !T::bytes8(p) && !T::high(p);
+            let narrow = $narrow && !T::bytes8(p) && !T::high(p) && !T::six(p);
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 if PREFETCH {
