@@ -465,10 +465,15 @@ impl GroupRef {
     }
 
     /// Starts loading block `b` of the next row group (laid out right after this one's `nb`
-    /// blocks) into L1.
+    /// blocks) into L1, or into L2 when `l2` ([`crate::kernels::prefetch_to_l2`]).
     #[inline(always)]
-    pub(super) fn prefetch_next<T: Format>(&self, nb: usize, b: usize) {
-        self.prefetch_block::<T, { std::arch::x86_64::_MM_HINT_T0 }>(nb + b)
+    pub(super) fn prefetch_next<T: Format>(&self, nb: usize, b: usize, l2: bool) {
+        use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T2};
+        if l2 {
+            self.prefetch_block::<T, _MM_HINT_T2>(nb + b)
+        } else {
+            self.prefetch_block::<T, _MM_HINT_T0>(nb + b)
+        }
     }
 
     /// Starts loading the block `at` blocks after this group's first (the row groups are
@@ -659,10 +664,11 @@ macro_rules! group_kernel {
             // 4-bit values (no fifth bits, not stored as bytes), on a path whose dot
             // products gain from knowing it
             let narrow = $narrow && !T::bytes8(p) && !T::high(p) && !T::six(p);
+            let l2 = crate::kernels::prefetch_to_l2();
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 if PREFETCH {
-                    p.prefetch_next::<T>(nb, b);
+                    p.prefetch_next::<T>(nb, b, l2);
                 }
                 let v = match buffered.get(b) {
                     Some(v) => *v,
