@@ -96,7 +96,9 @@ pub fn prefetch_to_l2() -> bool {
 fn cpu_vendor_is_amd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: `cpuid` leaf 0 exists on every x86-64 CPU.
+        // SAFETY: leaf 0 (the vendor) exists on every x86-64 CPU; `__cpuid` is a safe
+        // function on recent toolchains, unsafe on older ones
+        #[allow(unused_unsafe)]
         let id = unsafe { std::arch::x86_64::__cpuid(0) };
         let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
             .iter()
