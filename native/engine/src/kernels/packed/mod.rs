@@ -144,6 +144,23 @@ thread_local! {
     static GATED_TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// Where the kernels find a matrix's arrays, looked up once per product rather than per tile
+/// (on x86, row group 0's [`x86::GroupRef`], from which each group's is a few additions; a
+/// small model's decode products are tiles of well under a microsecond, and the lookup per
+/// tile was 3% of a SmolLM2 step).
+#[cfg(target_arch = "x86_64")]
+type Base = x86::GroupRef;
+#[cfg(not(target_arch = "x86_64"))]
+#[derive(Clone, Copy)]
+struct Base;
+
+#[cfg(not(target_arch = "x86_64"))]
+impl Base {
+    fn base(_: &PackedMatrix) -> Self {
+        Base
+    }
+}
+
 /// Where a product's output columns go: part `p` holds columns `start[p]..start[p + 1]` as
 /// its own row-major `[m, start[p + 1] - start[p]]` matrix. One part is a plain `[m, n_out]`
 /// output; several are a stacked matrix's parts, written in place (each part but the last
@@ -455,6 +472,15 @@ struct FactorPtr {
 
 #[cfg(target_arch = "x86_64")]
 impl FactorPtr {
+    /// `units` runs of GROUP integers and `supers` super-blocks' factors further on.
+    #[inline(always)]
+    fn offset(self, units: usize, supers: usize) -> Self {
+        FactorPtr {
+            mult: self.mult.wrapping_add(units * GROUP),
+            base: self.base.wrapping_add(supers * GROUP),
+        }
+    }
+
     /// The 8 values of run `unit` (a block, or a half of one for split types) of
     /// super-block `sb`, multiplied out: bitwise the f32 values, the products being exact.
     ///
@@ -775,6 +801,7 @@ impl PackedMatrix {
         let shared = super::SharedMut(out.as_mut_ptr());
         let shared = &shared;
         let macs = m * self.n_out * self.n_in;
+        let base = &Base::base(self);
         Q8Activations::with_quantized(x, m, self.n_in, self.kind.folded_offset(), |a| {
             super::for_each_tile(half, self.tile_rows(half, m), m, macs, |o0, rows, run| {
                 GATED_TILE.with_borrow_mut(|buf| {
@@ -784,8 +811,16 @@ impl PackedMatrix {
                     }
                     let (gate, up) = buf[..2 * m * rows].split_at_mut(m * rows);
                     // (a decode batch: one run of every row, see `for_each_tile`)
-                    self.tile(a, run.clone(), o0, rows, &Dest::window(gate, o0, rows));
                     self.tile(
+                        base,
+                        a,
+                        run.clone(),
+                        o0,
+                        rows,
+                        &Dest::window(gate, o0, rows),
+                    );
+                    self.tile(
+                        base,
                         a,
                         run.clone(),
                         half + o0,
@@ -814,10 +849,11 @@ impl PackedMatrix {
     fn matmul_into(&self, x: &[f32], m: usize, shared: &Dest) {
         assert_eq!(x.len(), m * self.n_in);
         let macs = m * self.n_out * self.n_in;
+        let base = &Base::base(self);
         Q8Activations::with_quantized(x, m, self.n_in, self.kind.folded_offset(), |a| {
             let tile_rows = self.tile_rows(self.n_out, m);
             super::for_each_tile(self.n_out, tile_rows, m, macs, |o0, rows, act| {
-                self.tile(a, act, o0, rows, shared)
+                self.tile(base, a, act, o0, rows, shared)
             })
         });
     }
@@ -845,39 +881,48 @@ impl PackedMatrix {
 
     /// The tile of output rows `o0..o0 + rows` (`rows` ≤ [`Self::tile_rows`], `o0` a whole
     /// row group) times activation rows `act`, on the kernel the batch size and the CPU
-    /// select.
-    fn tile(&self, a: &Q8Activations, act: Range<usize>, o0: usize, rows: usize, out: &Dest) {
+    /// select (`base`: [`Base::base`] of this matrix).
+    fn tile(
+        &self,
+        base: &Base,
+        a: &Q8Activations,
+        act: Range<usize>,
+        o0: usize,
+        rows: usize,
+        out: &Dest,
+    ) {
         // (the kernels' offsets stay inside the activations for runs within the batch)
         assert!(act.end <= a.m);
         let g = o0 / GROUP;
         if self.pairs_groups(a.m) {
-            self.group_pair(a, act, g, rows, out)
+            self.group_pair(base, a, act, g, rows, out)
         } else if self.wide_groups() {
-            self.group_wide(a, act, g, rows, out)
+            self.group_wide(base, a, act, g, rows, out)
         } else {
-            self.group(a, act, g, out)
+            self.group(base, a, act, g, out)
         }
     }
 
-    fn group(&self, a: &Q8Activations, act: Range<usize>, g: usize, out: &Dest) {
+    fn group(&self, base: &Base, a: &Q8Activations, act: Range<usize>, g: usize, out: &Dest) {
         #[cfg(target_arch = "x86_64")]
         {
             // SAFETY: the features were detected at run time; every offset stays inside the
             // matrices and the activations (checked by the asserts in `matmul`), and row
             // group `g` writes only its own output columns.
             if super::has_vnni() {
-                return unsafe { group_kernel_vnni(self, a, act, g, out) };
+                return unsafe { group_kernel_vnni(self, base, a, act, g, out) };
             }
             if super::has_avx2() {
                 return unsafe {
                     if self.kind == PackedType::Q8_0 {
-                        group_kernel_avx2_q8(self, a, act, g, out)
+                        group_kernel_avx2_q8(self, base, a, act, g, out)
                     } else {
-                        group_kernel_avx2(self, a, act, g, out)
+                        group_kernel_avx2(self, base, a, act, g, out)
                     }
                 };
             }
         }
+        let _ = base;
         self.group_scalar(a, act, g, out);
     }
 
@@ -900,30 +945,46 @@ impl PackedMatrix {
 
     /// Row groups `g` and `g + 1` in 512-bit vectors (a tile of `rows` output rows: one
     /// group, in 256-bit vectors, when it is the last and alone).
-    fn group_wide(&self, a: &Q8Activations, act: Range<usize>, g: usize, rows: usize, out: &Dest) {
+    fn group_wide(
+        &self,
+        base: &Base,
+        a: &Q8Activations,
+        act: Range<usize>,
+        g: usize,
+        rows: usize,
+        out: &Dest,
+    ) {
         #[cfg(target_arch = "x86_64")]
         if rows > GROUP {
             // SAFETY: only called when VNNI was detected (`wide_groups`); both groups exist
             // (the tile has more than one group's rows) and write only their own output
             // columns; offsets as in `group`.
-            return unsafe { wide_kernel_vnni(self, a, act, g, out) };
+            return unsafe { wide_kernel_vnni(self, base, a, act, g, out) };
         }
         let _ = rows;
-        self.group(a, act, g, out)
+        self.group(base, a, act, g, out)
     }
 
     /// Row groups `g` and `g + 1` (a tile of `rows` output rows: one group when it is the
     /// last and alone).
-    fn group_pair(&self, a: &Q8Activations, act: Range<usize>, g: usize, rows: usize, out: &Dest) {
+    fn group_pair(
+        &self,
+        base: &Base,
+        a: &Q8Activations,
+        act: Range<usize>,
+        g: usize,
+        rows: usize,
+        out: &Dest,
+    ) {
         #[cfg(target_arch = "x86_64")]
         if rows > GROUP {
             // SAFETY: only called when VNNI was detected (`pairs_groups`); both groups
             // exist (the tile has more than one group's rows) and write only their own
             // output columns; offsets as in `group`.
-            return unsafe { pair_kernel_vnni(self, a, act, g, out) };
+            return unsafe { pair_kernel_vnni(self, base, a, act, g, out) };
         }
         let _ = rows;
-        self.group(a, act, g, out)
+        self.group(base, a, act, g, out)
     }
 }
 #[cfg(test)]
@@ -1081,11 +1142,11 @@ pub(crate) mod tests {
                     // SAFETY: the feature was detected above.
                     unsafe {
                         if path == "avx2" && kind == PackedType::Q8_0 {
-                            group_kernel_avx2_q8(w12, &a, act, g, &p)
+                            group_kernel_avx2_q8(w12, &Base::base(w12), &a, act, g, &p)
                         } else if path == "avx2" {
-                            group_kernel_avx2(w12, &a, act, g, &p)
+                            group_kernel_avx2(w12, &Base::base(w12), &a, act, g, &p)
                         } else {
-                            group_kernel_vnni(w12, &a, act, g, &p)
+                            group_kernel_vnni(w12, &Base::base(w12), &a, act, g, &p)
                         }
                     }
                 }
@@ -1103,9 +1164,9 @@ pub(crate) mod tests {
                     // SAFETY: VNNI was detected above; group g + 1 exists when called.
                     unsafe {
                         if g + 1 < groups {
-                            pair_kernel_vnni(w12, &a, act, g, &p)
+                            pair_kernel_vnni(w12, &Base::base(w12), &a, act, g, &p)
                         } else {
-                            group_kernel_vnni(w12, &a, act, g, &p)
+                            group_kernel_vnni(w12, &Base::base(w12), &a, act, g, &p)
                         }
                     }
                 }
@@ -1120,9 +1181,9 @@ pub(crate) mod tests {
                     // SAFETY: VNNI was detected above; group g + 1 exists when called.
                     unsafe {
                         if g + 1 < groups {
-                            wide_kernel_vnni(w12, &a, act, g, &p)
+                            wide_kernel_vnni(w12, &Base::base(w12), &a, act, g, &p)
                         } else {
-                            group_kernel_vnni(w12, &a, act, g, &p)
+                            group_kernel_vnni(w12, &Base::base(w12), &a, act, g, &p)
                         }
                     }
                 }
@@ -1268,7 +1329,7 @@ pub(crate) mod tests {
                         let p = Dest::one(&mut simd, n_out);
                         for g in 0..n_out / GROUP {
                             // SAFETY: AVX2 was detected above.
-                            unsafe { group_kernel_avx2(&w, &a, 0..m, g, &p) };
+                            unsafe { group_kernel_avx2(&w, &Base::base(&w), &a, 0..m, g, &p) };
                         }
                         assert_eq!(simd, scalar, "{kind:?} m={m} sign={sign}");
                     }

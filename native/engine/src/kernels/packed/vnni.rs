@@ -114,12 +114,13 @@ macro_rules! by_rows {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl")]
 pub(super) unsafe fn wide_kernel_vnni(
     w: &PackedMatrix,
+    base: &GroupRef,
     a: &Q8Activations,
     act: std::ops::Range<usize>,
     g: usize,
     out: &Dest,
 ) {
-    let (p, valid) = GroupRef::pair(w, g);
+    let (p, valid) = GroupRef::pair(base, w, g);
     if act.len() > WIDE_ROWS {
         return with_plain_scales(&p, w.nb, |p| wide_passes(w, a, act, g, p, valid, out));
     }
@@ -172,12 +173,13 @@ thread_local! {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl")]
 pub(super) unsafe fn pair_kernel_vnni(
     w: &PackedMatrix,
+    base: &GroupRef,
     a: &Q8Activations,
     act: std::ops::Range<usize>,
     g: usize,
     out: &Dest,
 ) {
-    let (p, valid) = GroupRef::pair(w, g);
+    let (p, valid) = GroupRef::pair(base, w, g);
     let run = |buffered: &mut Vec<[std::arch::x86_64::__m512i; 8]>| {
         buffered.clear();
         buffered.extend((0..w.nb).map(|b| wide_block::<Dyn>(&p, b)));

@@ -376,6 +376,11 @@ macro_rules! by_format {
 
 pub(super) use by_format;
 
+// SAFETY: a `GroupRef` only points into a matrix's arrays, which are only read while
+// products run (see `Dest` for the outputs).
+#[cfg(target_arch = "x86_64")]
+unsafe impl Sync for GroupRef {}
+
 /// Where one row group's blocks live.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
@@ -428,10 +433,36 @@ impl GroupRef {
         }
     }
 
-    /// Row groups `g` and `g + 1` (which must exist) and how many of their 8 rows are real
-    /// (the second may be a matrix's last, partial group), for the two-group kernels.
-    pub(super) fn pair(w: &PackedMatrix, g: usize) -> ([Self; 2], [usize; 2]) {
-        let refs = [GroupRef::new(w, g, false), GroupRef::new(w, g + 1, false)];
+    /// Row group 0 of `w`, from which [`Self::at`] derives the others.
+    pub(super) fn base(w: &PackedMatrix) -> Self {
+        Self::new(w, 0, false)
+    }
+
+    /// Row group `g` of `w`, from `w`'s [`Self::base`] (the groups' blocks, scales and
+    /// factors each lie one after another, so this is only additions).
+    #[inline(always)]
+    pub(super) fn at(&self, w: &PackedMatrix, g: usize, signed: bool) -> Self {
+        let (nb, kind) = (w.nb, self.kind);
+        // this group's first block, scale (run of GROUP) and super-block
+        let (block, unit) = (g * nb, g * nb * kind.halves());
+        GroupRef {
+            q: self.q.wrapping_add(block * kind.group_block_bytes()),
+            h: self.h.map(|h| h.wrapping_add(block * GROUP)),
+            d: self.d.add(unit * GROUP),
+            m: self.m.add(unit * GROUP),
+            fd: self.fd.offset(unit, block / SUPER_BLOCKS),
+            fm: self.fm.offset(block, block / SUPER_BLOCKS),
+            signed,
+            ..*self
+        }
+    }
+
+    /// Row groups `g` and `g + 1` (which must exist) of the matrix whose [`Self::base`] is
+    /// `base`, and how many of their 8 rows are real (the second may be a matrix's last,
+    /// partial group), for the two-group kernels.
+    #[inline(always)]
+    pub(super) fn pair(base: &Self, w: &PackedMatrix, g: usize) -> ([Self; 2], [usize; 2]) {
+        let refs = [base.at(w, g, false), base.at(w, g + 1, false)];
         (refs, [GROUP, GROUP.min(w.n_out - (g + 1) * GROUP)])
     }
 
@@ -595,12 +626,13 @@ macro_rules! group_kernel {
         #[target_feature(enable = $features)]
         pub(super) unsafe fn $name(
             w: &PackedMatrix,
+            base: &GroupRef,
             a: &Q8Activations,
             act: std::ops::Range<usize>,
             g: usize,
             out: &Dest,
         ) {
-            let p = GroupRef::new(w, g, $signed);
+            let p = base.at(w, g, $signed);
             let passes = |p: &GroupRef, buffered: &[[std::arch::x86_64::__m256i; 8]], chunk: usize| {
                 by_format!($formats p, |T| {
                     let valid = GROUP.min(w.n_out - g * GROUP);
