@@ -151,13 +151,17 @@ thread_local! {
 #[cfg(target_arch = "x86_64")]
 type Base = x86::GroupRef;
 #[cfg(not(target_arch = "x86_64"))]
+type Base = NoBase;
+
+/// Elsewhere the portable kernels index the matrix themselves: nothing to carry.
+#[cfg(not(target_arch = "x86_64"))]
 #[derive(Clone, Copy)]
-struct Base;
+struct NoBase;
 
 #[cfg(not(target_arch = "x86_64"))]
-impl Base {
+impl NoBase {
     fn base(_: &PackedMatrix) -> Self {
-        Base
+        NoBase
     }
 }
 
