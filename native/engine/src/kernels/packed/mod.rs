@@ -899,9 +899,9 @@ impl PackedMatrix {
         assert!(act.end <= a.m);
         let g = o0 / GROUP;
         if self.pairs_groups(a.m) {
-            self.group_pair(base, a, act, g, rows, out)
+            self.two_groups(TwoGroups::Buffered, base, a, act, g, rows, out)
         } else if self.wide_groups() {
-            self.group_wide(base, a, act, g, rows, out)
+            self.two_groups(TwoGroups::Wide, base, a, act, g, rows, out)
         } else {
             self.group(base, a, act, g, out)
         }
@@ -947,10 +947,12 @@ impl PackedMatrix {
         super::has_vnni()
     }
 
-    /// Row groups `g` and `g + 1` in 512-bit vectors (a tile of `rows` output rows: one
-    /// group, in 256-bit vectors, when it is the last and alone).
-    fn group_wide(
+    /// Row groups `g` and `g + 1` on the two-group kernel `how` picks (a tile of `rows`
+    /// output rows: one group, on [`Self::group`], when it is the last and alone).
+    #[allow(clippy::too_many_arguments)]
+    fn two_groups(
         &self,
+        how: TwoGroups,
         base: &Base,
         a: &Q8Activations,
         act: Range<usize>,
@@ -960,36 +962,29 @@ impl PackedMatrix {
     ) {
         #[cfg(target_arch = "x86_64")]
         if rows > GROUP {
-            // SAFETY: only called when VNNI was detected (`wide_groups`); both groups exist
-            // (the tile has more than one group's rows) and write only their own output
-            // columns; offsets as in `group`.
-            return unsafe { wide_kernel_vnni(self, base, a, act, g, out) };
+            // SAFETY: only called when VNNI was detected (`pairs_groups`, `wide_groups`);
+            // both groups exist (the tile has more than one group's rows) and write only
+            // their own output columns; offsets as in `group`.
+            return unsafe {
+                match how {
+                    TwoGroups::Wide => wide_kernel_vnni(self, base, a, act, g, out),
+                    TwoGroups::Buffered => pair_kernel_vnni(self, base, a, act, g, out),
+                }
+            };
         }
-        let _ = rows;
+        let _ = (how, rows);
         self.group(base, a, act, g, out)
     }
+}
 
-    /// Row groups `g` and `g + 1` (a tile of `rows` output rows: one group when it is the
-    /// last and alone).
-    fn group_pair(
-        &self,
-        base: &Base,
-        a: &Q8Activations,
-        act: Range<usize>,
-        g: usize,
-        rows: usize,
-        out: &Dest,
-    ) {
-        #[cfg(target_arch = "x86_64")]
-        if rows > GROUP {
-            // SAFETY: only called when VNNI was detected (`pairs_groups`); both groups
-            // exist (the tile has more than one group's rows) and write only their own
-            // output columns; offsets as in `group`.
-            return unsafe { pair_kernel_vnni(self, base, a, act, g, out) };
-        }
-        let _ = rows;
-        self.group(base, a, act, g, out)
-    }
+/// The two-group kernels of the VNNI path (see [`PackedMatrix::two_groups`]).
+#[derive(Clone, Copy)]
+enum TwoGroups {
+    /// Short batches (decode): both groups' blocks in 512-bit vectors ([`wide_kernel_vnni`]).
+    Wide,
+    /// Long batches (prompts): both groups' blocks unpacked once into the thread's buffer,
+    /// which every pass of activation rows rereads ([`pair_kernel_vnni`]).
+    Buffered,
 }
 #[cfg(test)]
 pub(crate) mod tests {

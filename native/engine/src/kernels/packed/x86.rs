@@ -404,38 +404,29 @@ pub(super) struct GroupRef {
 
 #[cfg(target_arch = "x86_64")]
 impl GroupRef {
-    #[inline]
-    pub(super) fn new(w: &PackedMatrix, g: usize, signed: bool) -> Self {
-        let (nb, gbb, halves) = (w.nb, w.kind.group_block_bytes(), w.kind.halves());
-        let at = g * nb * GROUP * halves;
+    /// Row group 0 of `w`, from which [`Self::at`] derives the others (the one place a
+    /// group's arrays are found from the matrix).
+    pub(super) fn base(w: &PackedMatrix) -> Self {
         let none = ScalePtr::f32(std::ptr::null());
         let no_factors = FactorPtr {
             mult: std::ptr::null(),
             base: std::ptr::null(),
         };
         let has_min = w.kind.has_min();
-        // SAFETY: group `g` exists, so these offsets are inside the matrix's buffers.
-        unsafe {
-            GroupRef {
-                q: w.qs.as_ptr().add(g * nb * gbb),
-                h: (!w.qh.is_empty()).then(|| w.qh.as_ptr().add(g * nb * GROUP)),
-                d: w.d.at(at).unwrap_or(none),
-                m: has_min.then(|| w.m.at(at)).flatten().unwrap_or(none),
-                fd: w.d.factors_at(at).unwrap_or(no_factors),
-                fm: has_min
-                    .then(|| w.m.factors_at(at))
-                    .flatten()
-                    .unwrap_or(no_factors),
-                factored: w.factored(),
-                kind: w.kind,
-                signed,
-            }
+        GroupRef {
+            q: w.qs.as_ptr(),
+            h: (!w.qh.is_empty()).then(|| w.qh.as_ptr()),
+            d: w.d.at(0).unwrap_or(none),
+            m: has_min.then(|| w.m.at(0)).flatten().unwrap_or(none),
+            fd: w.d.factors_at(0).unwrap_or(no_factors),
+            fm: has_min
+                .then(|| w.m.factors_at(0))
+                .flatten()
+                .unwrap_or(no_factors),
+            factored: w.factored(),
+            kind: w.kind,
+            signed: false,
         }
-    }
-
-    /// Row group 0 of `w`, from which [`Self::at`] derives the others.
-    pub(super) fn base(w: &PackedMatrix) -> Self {
-        Self::new(w, 0, false)
     }
 
     /// Row group `g` of `w`, from `w`'s [`Self::base`] (the groups' blocks, scales and
@@ -451,7 +442,7 @@ impl GroupRef {
             d: self.d.add(unit * GROUP),
             m: self.m.add(unit * GROUP),
             fd: self.fd.offset(unit, block / SUPER_BLOCKS),
-            fm: self.fm.offset(block, block / SUPER_BLOCKS),
+            fm: self.fm.offset(unit, block / SUPER_BLOCKS),
             signed,
             ..*self
         }
