@@ -138,6 +138,12 @@ pub const MAX_PARTS: usize = 4;
 /// Most activation rows [`PackedMatrix::matmul_gated`] takes: beyond, a batch's gating runs
 /// on the pool by itself and a tile's halves would no longer fit in L1.
 pub const GATED_MAX_ROWS: usize = 32;
+/// Most row groups a tile of a short batch's product runs through one call of the
+/// one-group kernel ([`PackedMatrix::tile_rows`]).
+const RUN_GROUPS: usize = 4;
+/// Batches of at most this many rows (decode) take tiles of several row groups on the
+/// one-group kernels.
+const RUN_MAX_ROWS: usize = 16;
 
 thread_local! {
     /// One tile's gate and up outputs in [`PackedMatrix::matmul_gated`], per thread.
@@ -863,23 +869,30 @@ impl PackedMatrix {
     }
 
     /// Output rows per tile of `n` output rows times `m` activation rows: one row group, or
-    /// two on the VNNI path — unless one a tile finishes a short batch's product sooner on
-    /// the pool's threads (a 576-row product: 36 tiles of two groups take 3 rounds on 16
-    /// threads, 72 of one group 5 rounds of half the work). A prompt's tiles stay two groups
-    /// wide, its activation rows split instead ([`super::for_each_tile`]).
+    /// two on the VNNI path, and up to [`RUN_GROUPS`] a run of one-group kernels for a short
+    /// batch — unless fewer a tile finish the product sooner on the pool's threads (a
+    /// 576-row product: 36 tiles of two groups take 3 rounds on 16 threads, 72 of one group
+    /// 5 rounds of half the work). A prompt's tiles stay two groups wide (VNNI) or one, its
+    /// activation rows split instead ([`super::for_each_tile`]).
     fn tile_rows(&self, n: usize, m: usize) -> usize {
         if self.pairs_groups(m) {
             return 2 * GROUP;
         }
-        if !self.wide_groups() {
-            return GROUP;
-        }
         let threads = crate::pool::threads();
         let time = |rows: usize| n.div_ceil(rows).div_ceil(threads) * rows;
-        if time(GROUP) < time(2 * GROUP) {
-            GROUP
+        let widest = |rows: &[usize]| {
+            rows.iter()
+                .copied()
+                .filter(|&r| time(r) <= time(GROUP))
+                .max()
+                .unwrap_or(GROUP)
+        };
+        if self.wide_groups() {
+            widest(&[GROUP, 2 * GROUP])
+        } else if m <= RUN_MAX_ROWS {
+            widest(&[GROUP, 2 * GROUP, RUN_GROUPS * GROUP])
         } else {
-            2 * GROUP
+            GROUP
         }
     }
 
@@ -903,31 +916,39 @@ impl PackedMatrix {
         } else if self.wide_groups() {
             self.two_groups(TwoGroups::Wide, base, a, act, g, rows, out)
         } else {
-            self.group(base, a, act, g, out)
+            self.group(base, a, act, g..g + rows.div_ceil(GROUP), out)
         }
     }
 
-    fn group(&self, base: &Base, a: &Q8Activations, act: Range<usize>, g: usize, out: &Dest) {
+    /// Row groups `groups` (one after the other) on the one-group kernel of the CPU.
+    fn group(
+        &self,
+        base: &Base,
+        a: &Q8Activations,
+        act: Range<usize>,
+        groups: Range<usize>,
+        out: &Dest,
+    ) {
         #[cfg(target_arch = "x86_64")]
         {
             // SAFETY: the features were detected at run time; every offset stays inside the
             // matrices and the activations (checked by the asserts in `matmul`), and row
             // group `g` writes only its own output columns.
             if super::has_vnni() {
-                return unsafe { group_kernel_vnni(self, base, a, act, g, out) };
+                return unsafe { group_kernel_vnni(self, base, a, act, groups, out) };
             }
             if super::has_avx2() {
                 return unsafe {
                     if self.kind == PackedType::Q8_0 {
-                        group_kernel_avx2_q8(self, base, a, act, g, out)
+                        group_kernel_avx2_q8(self, base, a, act, groups, out)
                     } else {
-                        group_kernel_avx2(self, base, a, act, g, out)
+                        group_kernel_avx2(self, base, a, act, groups, out)
                     }
                 };
             }
         }
         let _ = base;
-        self.group_scalar(a, act, g, out);
+        self.group_scalar(a, act, groups, out);
     }
 
     /// Whether a product of `m` activation rows runs on pairs of row groups
@@ -973,7 +994,7 @@ impl PackedMatrix {
             };
         }
         let _ = (how, rows);
-        self.group(base, a, act, g, out)
+        self.group(base, a, act, g..g + 1, out)
     }
 }
 
@@ -1123,8 +1144,11 @@ pub(crate) mod tests {
             let mut scalar = vec![0f32; m * n_out];
             let s = Dest::one(&mut scalar, n_out);
             for g in 0..groups {
-                w12.group_scalar(&a, 0..m, g, &s);
+                w12.group_scalar(&a, 0..m, g..g + 1, &s);
             }
+            let mut scalar_run = vec![0f32; m * n_out];
+            w12.group_scalar(&a, 0..m, 0..groups, &Dest::one(&mut scalar_run, n_out));
+            assert_eq!(scalar_run, scalar, "scalar run of groups m={m}");
             #[cfg(target_arch = "x86_64")]
             let runs = [0..m / 2, m / 2..m];
             #[cfg(target_arch = "x86_64")]
@@ -1141,15 +1165,30 @@ pub(crate) mod tests {
                     // SAFETY: the feature was detected above.
                     unsafe {
                         if path == "avx2" && kind == PackedType::Q8_0 {
-                            group_kernel_avx2_q8(w12, &Base::base(w12), &a, act, g, &p)
+                            group_kernel_avx2_q8(w12, &Base::base(w12), &a, act, g..g + 1, &p)
                         } else if path == "avx2" {
-                            group_kernel_avx2(w12, &Base::base(w12), &a, act, g, &p)
+                            group_kernel_avx2(w12, &Base::base(w12), &a, act, g..g + 1, &p)
                         } else {
-                            group_kernel_vnni(w12, &Base::base(w12), &a, act, g, &p)
+                            group_kernel_vnni(w12, &Base::base(w12), &a, act, g..g + 1, &p)
                         }
                     }
                 }
                 assert_eq!(simd, scalar, "{kind:?} {path} m={m}");
+                // a decode tile's run of several groups in one call
+                let mut run = vec![0f32; m * n_out];
+                let p = Dest::one(&mut run, n_out);
+                // SAFETY: the feature was detected above.
+                unsafe {
+                    let base = &Base::base(w12);
+                    if path == "avx2" && kind == PackedType::Q8_0 {
+                        group_kernel_avx2_q8(w12, base, &a, 0..m, 0..groups, &p)
+                    } else if path == "avx2" {
+                        group_kernel_avx2(w12, base, &a, 0..m, 0..groups, &p)
+                    } else {
+                        group_kernel_vnni(w12, base, &a, 0..m, 0..groups, &p)
+                    }
+                }
+                assert_eq!(run, scalar, "{kind:?} {path} run of groups m={m}");
             }
             // prompts' pairs of row groups (any batch size computes the same per row)
             #[cfg(target_arch = "x86_64")]
@@ -1165,7 +1204,7 @@ pub(crate) mod tests {
                         if g + 1 < groups {
                             pair_kernel_vnni(w12, &Base::base(w12), &a, act, g, &p)
                         } else {
-                            group_kernel_vnni(w12, &Base::base(w12), &a, act, g, &p)
+                            group_kernel_vnni(w12, &Base::base(w12), &a, act, g..g + 1, &p)
                         }
                     }
                 }
@@ -1182,7 +1221,7 @@ pub(crate) mod tests {
                         if g + 1 < groups {
                             wide_kernel_vnni(w12, &Base::base(w12), &a, act, g, &p)
                         } else {
-                            group_kernel_vnni(w12, &Base::base(w12), &a, act, g, &p)
+                            group_kernel_vnni(w12, &Base::base(w12), &a, act, g..g + 1, &p)
                         }
                     }
                 }
@@ -1316,7 +1355,7 @@ pub(crate) mod tests {
                     let mut scalar = vec![0f32; m * n_out];
                     let s = Dest::one(&mut scalar, n_out);
                     for g in 0..n_out / GROUP {
-                        w.group_scalar(&a, 0..m, g, &s);
+                        w.group_scalar(&a, 0..m, g..g + 1, &s);
                     }
                     // d·(15 - 8)·Σx (Q4_0) or (d·15 - 1)·Σx (Q4_1), up to the activations'
                     // f16 scale
@@ -1328,7 +1367,9 @@ pub(crate) mod tests {
                         let p = Dest::one(&mut simd, n_out);
                         for g in 0..n_out / GROUP {
                             // SAFETY: AVX2 was detected above.
-                            unsafe { group_kernel_avx2(&w, &Base::base(&w), &a, 0..m, g, &p) };
+                            unsafe {
+                                group_kernel_avx2(&w, &Base::base(&w), &a, 0..m, g..g + 1, &p)
+                            };
                         }
                         assert_eq!(simd, scalar, "{kind:?} m={m} sign={sign}");
                     }

@@ -9,7 +9,7 @@ impl PackedMatrix {
         &self,
         a: &Q8Activations,
         act: std::ops::Range<usize>,
-        g: usize,
+        groups: std::ops::Range<usize>,
         out: &Dest,
     ) {
         thread_local! {
@@ -21,7 +21,7 @@ impl PackedMatrix {
         }
         BLOCKS.with(|cell| {
             let mut blocks = cell.borrow_mut();
-            for o in g * GROUP..self.n_out.min((g + 1) * GROUP) {
+            for o in groups.start * GROUP..self.n_out.min(groups.end * GROUP) {
                 blocks.clear();
                 blocks.extend((0..self.nb).map(|b| self.row_block(o, b)));
                 self.row_scalar(a, act.clone(), o, &blocks, out);

@@ -601,7 +601,9 @@ pub(super) unsafe fn group_block<T: Format>(
     }
 }
 
-/// One row group times every activation row. `$rows` activation rows share one pass over
+/// A run of row groups, one after the other, times every activation row (a decode tile's
+/// several groups in one call: per group, the call and its thread-local buffer's borrow
+/// were a few percent of a small model's step). `$rows` activation rows share one pass over
 /// the group's values, with everything they need in registers (AVX2 has 16 of them, the
 /// AVX512VL encodings used by the VNNI path 32). A batch of up to [`UNPACK_MAX_ROWS`] rows
 /// unpacks the values again in each pass, except 5-bit values on the path that sets
@@ -620,11 +622,13 @@ macro_rules! group_kernel {
             base: &GroupRef,
             a: &Q8Activations,
             act: std::ops::Range<usize>,
-            g: usize,
+            groups: std::ops::Range<usize>,
             out: &Dest,
         ) {
-            let p = base.at(w, g, $signed);
-            let passes = |p: &GroupRef, buffered: &[[std::arch::x86_64::__m256i; 8]], chunk: usize| {
+            let passes = |p: &GroupRef,
+                          g: usize,
+                          buffered: &[[std::arch::x86_64::__m256i; 8]],
+                          chunk: usize| {
                 by_format!($formats p, |T| {
                     let valid = GROUP.min(w.n_out - g * GROUP);
                     let mut r0 = act.start;
@@ -648,17 +652,20 @@ macro_rules! group_kernel {
                 })
             };
             let run = |buffered: &mut Vec<[std::arch::x86_64::__m256i; 8]>| {
-                buffered.clear();
-                let mut chunk = $rows;
-                let dear_unpack = $buffer_5bit && p.h.is_some();
-                if a.m > $rows && (a.m > UNPACK_MAX_ROWS || dear_unpack) {
-                    buffered.extend((0..w.nb).map(|b| group_block::<Dyn>(&p, b)));
-                    chunk = BUFFERED_ROWS;
-                }
-                if act.len() > chunk {
-                    with_plain_scales(&[p], w.nb, |[p]| passes(p, buffered, chunk))
-                } else {
-                    passes(&p, buffered, chunk)
+                for g in groups.clone() {
+                    let p = base.at(w, g, $signed);
+                    buffered.clear();
+                    let mut chunk = $rows;
+                    let dear_unpack = $buffer_5bit && p.h.is_some();
+                    if a.m > $rows && (a.m > UNPACK_MAX_ROWS || dear_unpack) {
+                        buffered.extend((0..w.nb).map(|b| group_block::<Dyn>(&p, b)));
+                        chunk = BUFFERED_ROWS;
+                    }
+                    if act.len() > chunk {
+                        with_plain_scales(&[p], w.nb, |[p]| passes(p, g, buffered, chunk))
+                    } else {
+                        passes(&p, g, buffered, chunk)
+                    }
                 }
             };
             // one buffer per thread, grown once: a batch's products used to allocate and
