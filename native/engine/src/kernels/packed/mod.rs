@@ -932,8 +932,8 @@ impl PackedMatrix {
         #[cfg(target_arch = "x86_64")]
         {
             // SAFETY: the features were detected at run time; every offset stays inside the
-            // matrices and the activations (checked by the asserts in `matmul`), and row
-            // group `g` writes only its own output columns.
+            // matrices and the activations (checked by the asserts in `matmul`), and each
+            // row group writes only its own output columns.
             if super::has_vnni() {
                 return unsafe { group_kernel_vnni(self, base, a, act, groups, out) };
             }

@@ -652,14 +652,15 @@ macro_rules! group_kernel {
                 })
             };
             let run = |buffered: &mut Vec<[std::arch::x86_64::__m256i; 8]>| {
+                // (the same for every group of the matrix)
+                let dear_unpack = $buffer_5bit && base.h.is_some();
+                let buffer = a.m > $rows && (a.m > UNPACK_MAX_ROWS || dear_unpack);
+                let chunk = if buffer { BUFFERED_ROWS } else { $rows };
                 for g in groups.clone() {
                     let p = base.at(w, g, $signed);
                     buffered.clear();
-                    let mut chunk = $rows;
-                    let dear_unpack = $buffer_5bit && p.h.is_some();
-                    if a.m > $rows && (a.m > UNPACK_MAX_ROWS || dear_unpack) {
+                    if buffer {
                         buffered.extend((0..w.nb).map(|b| group_block::<Dyn>(&p, b)));
-                        chunk = BUFFERED_ROWS;
                     }
                     if act.len() > chunk {
                         with_plain_scales(&[p], w.nb, |[p]| passes(p, g, buffered, chunk))
