@@ -271,6 +271,10 @@ mod tests {
             let (bytes, _) = quantized(kind, 12, 512, &mut seed);
             let w = PackedMatrix::from_k_quant(kind, &bytes, 12, 512).unwrap();
             crate::kernels::packed::tests::assert_paths_agree(&w, &mut seed);
+            // several pairs of groups, the last of them partial
+            let (many, _) = quantized(kind, 44, 512, &mut seed);
+            let many = PackedMatrix::from_k_quant(kind, &many, 44, 512).unwrap();
+            crate::kernels::packed::tests::assert_paths_agree(&many, &mut seed);
             let x: Vec<f32> = (0..9 * 512).map(|_| lcg(&mut seed)).collect();
             let mut all = vec![0f32; 9 * 12];
             w.matmul(&x, 9, &mut all);

@@ -869,11 +869,12 @@ impl PackedMatrix {
     }
 
     /// Output rows per tile of `n` output rows times `m` activation rows: one row group, or
-    /// two on the VNNI path, and up to [`RUN_GROUPS`] a run of one-group kernels for a short
-    /// batch — unless fewer a tile finish the product sooner on the pool's threads (a
-    /// 576-row product: 36 tiles of two groups take 3 rounds on 16 threads, 72 of one group
-    /// 5 rounds of half the work). A prompt's tiles stay two groups wide (VNNI) or one, its
-    /// activation rows split instead ([`super::for_each_tile`]).
+    /// two on the VNNI path, and up to [`RUN_GROUPS`] for a short batch (a run of pairs on
+    /// the VNNI path, of one-group kernels on the others) — unless fewer a tile finish the
+    /// product sooner on the pool's threads (a 576-row product: 36 tiles of two groups take
+    /// 3 rounds on 16 threads, 72 of one group 5 rounds of half the work). A prompt's tiles
+    /// stay two groups wide (VNNI) or one, its activation rows split instead
+    /// ([`super::for_each_tile`]).
     fn tile_rows(&self, n: usize, m: usize) -> usize {
         if self.pairs_groups(m) {
             return 2 * GROUP;
@@ -887,10 +888,10 @@ impl PackedMatrix {
                 .max()
                 .unwrap_or(GROUP)
         };
-        if self.wide_groups() {
-            widest(&[GROUP, 2 * GROUP])
-        } else if m <= RUN_MAX_ROWS {
+        if m <= RUN_MAX_ROWS {
             widest(&[GROUP, 2 * GROUP, RUN_GROUPS * GROUP])
+        } else if self.wide_groups() {
+            widest(&[GROUP, 2 * GROUP])
         } else {
             GROUP
         }
@@ -911,12 +912,13 @@ impl PackedMatrix {
         // (the kernels' offsets stay inside the activations for runs within the batch)
         assert!(act.end <= a.m);
         let g = o0 / GROUP;
+        let groups = g..g + rows.div_ceil(GROUP);
         if self.pairs_groups(a.m) {
-            self.two_groups(TwoGroups::Buffered, base, a, act, g, rows, out)
+            self.two_groups(TwoGroups::Buffered, base, a, act, groups, out)
         } else if self.wide_groups() {
-            self.two_groups(TwoGroups::Wide, base, a, act, g, rows, out)
+            self.two_groups(TwoGroups::Wide, base, a, act, groups, out)
         } else {
-            self.group(base, a, act, g..g + rows.div_ceil(GROUP), out)
+            self.group(base, a, act, groups, out)
         }
     }
 
@@ -968,33 +970,42 @@ impl PackedMatrix {
         super::has_vnni()
     }
 
-    /// Row groups `g` and `g + 1` on the two-group kernel `how` picks (a tile of `rows`
-    /// output rows: one group, on [`Self::group`], when it is the last and alone).
-    #[allow(clippy::too_many_arguments)]
+    /// Row groups `groups` in pairs on the two-group kernel `how` picks (a [`TwoGroups::Wide`]
+    /// tile holds up to [`RUN_GROUPS`], a [`TwoGroups::Buffered`] one at most 2); a last,
+    /// odd group on [`Self::group`].
     fn two_groups(
         &self,
         how: TwoGroups,
         base: &Base,
         a: &Q8Activations,
         act: Range<usize>,
-        g: usize,
-        rows: usize,
+        groups: Range<usize>,
         out: &Dest,
     ) {
+        let paired = groups.start..groups.start + groups.len() / 2 * 2;
         #[cfg(target_arch = "x86_64")]
-        if rows > GROUP {
+        if !paired.is_empty() {
             // SAFETY: only called when VNNI was detected (`pairs_groups`, `wide_groups`);
-            // both groups exist (the tile has more than one group's rows) and write only
-            // their own output columns; offsets as in `group`.
-            return unsafe {
+            // every paired group exists (`paired` lies inside the tile's groups) and writes
+            // only its own output columns; offsets as in `group`.
+            unsafe {
                 match how {
-                    TwoGroups::Wide => wide_kernel_vnni(self, base, a, act, g, out),
-                    TwoGroups::Buffered => pair_kernel_vnni(self, base, a, act, g, out),
+                    TwoGroups::Wide => {
+                        wide_kernel_vnni(self, base, a, act.clone(), paired.clone(), out)
+                    }
+                    TwoGroups::Buffered => {
+                        debug_assert_eq!(paired.len(), 2);
+                        pair_kernel_vnni(self, base, a, act.clone(), paired.start, out)
+                    }
                 }
-            };
+            }
+            if paired.end < groups.end {
+                self.group(base, a, act, paired.end..groups.end, out)
+            }
+            return;
         }
-        let _ = (how, rows);
-        self.group(base, a, act, g..g + 1, out)
+        let _ = (how, paired);
+        self.group(base, a, act, groups, out)
     }
 }
 
@@ -1219,13 +1230,26 @@ pub(crate) mod tests {
                     // SAFETY: VNNI was detected above; group g + 1 exists when called.
                     unsafe {
                         if g + 1 < groups {
-                            wide_kernel_vnni(w12, &Base::base(w12), &a, act, g, &p)
+                            wide_kernel_vnni(w12, &Base::base(w12), &a, act, g..g + 2, &p)
                         } else {
                             group_kernel_vnni(w12, &Base::base(w12), &a, act, g..g + 1, &p)
                         }
                     }
                 }
                 assert_eq!(wide, scalar, "{kind:?} vnni wide m={m}");
+                // a decode tile's run of pairs in one call
+                let mut run = vec![0f32; m * n_out];
+                let p = Dest::one(&mut run, n_out);
+                let paired = groups / 2 * 2;
+                // SAFETY: VNNI was detected above; every paired group exists.
+                unsafe {
+                    let base = &Base::base(w12);
+                    wide_kernel_vnni(w12, base, &a, 0..m, 0..paired, &p);
+                    if paired < groups {
+                        group_kernel_vnni(w12, base, &a, 0..m, paired..groups, &p)
+                    }
+                }
+                assert_eq!(run, scalar, "{kind:?} vnni wide run of pairs m={m}");
             }
         }
     }
@@ -1388,6 +1412,12 @@ pub(crate) mod tests {
             let w = PackedMatrix::from_bytes(kind, &b1, 8, 128).unwrap();
             let w12 = PackedMatrix::from_bytes(kind, &b12, 12, 128).unwrap();
             assert_paths_agree(&w12, &mut seed);
+            // several pairs of groups, the last of them partial
+            let (b44, _) = random_blocks(kind, 44, 128, &mut seed);
+            assert_paths_agree(
+                &PackedMatrix::from_bytes(kind, &b44, 44, 128).unwrap(),
+                &mut seed,
+            );
             let x: Vec<f32> = (0..3 * 128).map(|_| lcg(&mut seed)).collect();
             let w2 = PackedMatrix::from_bytes(kind, &b2, 4, 128).unwrap();
             let both = PackedMatrix::concat(&[&w, &w2]).unwrap();

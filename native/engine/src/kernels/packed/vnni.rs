@@ -102,10 +102,11 @@ macro_rules! by_rows {
     };
 }
 
-/// Row groups `g` and `g + 1` times every activation row of a short batch (decode), on the
-/// VNNI path, in 512-bit vectors: lanes 0..8 are group `g`'s rows, 8..16 group `g + 1`'s. An
-/// activation quad is broadcast once for 16 weight rows instead of 8, halving the loads of a
-/// pass, which bound the 256-bit one-group passes;
+/// Row groups `groups` (an even number, taken in pairs one after the other) times every
+/// activation row of a short batch (decode), on the VNNI path, in 512-bit vectors: for a
+/// pair `g`, `g + 1`, lanes 0..8 are group `g`'s rows, 8..16 group `g + 1`'s. An activation
+/// quad is broadcast once for 16 weight rows instead of 8, halving the loads of a pass, which
+/// bound the 256-bit one-group passes;
 /// `vpdpbusd` on 512 bits does the work of two on 256 (Zen 4 splits it in two halves, Intel's
 /// server cores run it on two ports). The blocks are unpacked in registers once per pass of
 /// up to [`WIDE_ROWS`] rows. Each lane's arithmetic is the one of `group_kernel_vnni`, so
@@ -117,14 +118,20 @@ pub(super) unsafe fn wide_kernel_vnni(
     base: &GroupRef,
     a: &Q8Activations,
     act: std::ops::Range<usize>,
-    g: usize,
+    groups: std::ops::Range<usize>,
     out: &Dest,
 ) {
-    let (p, valid) = GroupRef::pair(base, w, g);
-    if act.len() > WIDE_ROWS {
-        return with_plain_scales(&p, w.nb, |p| wide_passes(w, a, act, g, p, valid, out));
+    debug_assert!(groups.len() % 2 == 0);
+    for g in groups.step_by(2) {
+        let (p, valid) = GroupRef::pair(base, w, g);
+        if act.len() > WIDE_ROWS {
+            with_plain_scales(&p, w.nb, |p| {
+                wide_passes(w, a, act.clone(), g, p, valid, out)
+            });
+        } else {
+            wide_passes(w, a, act.clone(), g, &p, valid, out)
+        }
     }
-    wide_passes(w, a, act, g, &p, valid, out)
 }
 
 /// [`wide_kernel_vnni`]'s passes over groups `p`.
