@@ -13,8 +13,11 @@
 //! `CEILING=N` runs only N rounds of a memory read-rate probe followed by a decode run, and
 //! prints each round's share of the read ceiling (weight bytes × tok/s ÷ read rate) and their
 //! median: on a machine whose bandwidth drifts between runs, a share from the same moment.
+//! `SECTIONS=1` prints where the decode steps' time went: each product, attention, the steps
+//! between them ([`llama_cpp_ex_engine::profile`]), in microseconds a step.
 
 use llama_cpp_ex_engine::kv::KvType;
+use llama_cpp_ex_engine::profile;
 use llama_cpp_ex_engine::{
     Batch, Context, ContextParams, LoadOptions, Model, Placement, Requantize,
 };
@@ -74,9 +77,11 @@ fn main() {
     let prompt: Vec<u32> = (0..(start + 7 * streams).max(512) as u32)
         .map(|i| 300 + i % 1000)
         .collect();
+    let sections = std::env::var_os("SECTIONS").is_some();
     let decode_run = |ctx: &mut Context, run: usize, ncu_step: bool| {
         ctx.decode(&Batch::for_sequence(&prompt[..start], 0, 0))
             .unwrap();
+        profile::enable(sections);
         let t = Instant::now();
         for i in 0..steps {
             let bracket = ncu_step && run == 0 && i == 2;
@@ -89,7 +94,9 @@ fn main() {
                 profiler(false);
             }
         }
-        steps as f64 / t.elapsed().as_secs_f64()
+        let tps = steps as f64 / t.elapsed().as_secs_f64();
+        profile::enable(false);
+        tps
     };
     if let Some(rounds) = std::env::var("CEILING").ok().and_then(|v| v.parse().ok()) {
         let probe = llama_cpp_ex_engine::membw::Probe::new(1024);
@@ -118,6 +125,7 @@ fn main() {
     // STREAMS_ONLY=1: only the batched decode (for profiling it alone)
     let single = std::env::var_os("STREAMS_ONLY").is_none();
     if single {
+        profile::take();
         // TG_ONLY=1: skip the prompt (for profiling decode alone)
         if std::env::var_os("TG_ONLY").is_none() {
             let mut ctx = Context::new(model.clone(), params(1)).unwrap();
@@ -156,6 +164,9 @@ fn main() {
             String::new()
         };
         println!("tg{steps}{at}: {:.1} tok/s", runs[2]);
+        if sections {
+            print_sections(5 * steps);
+        }
         // (the 5 runs' prompts included: a few calls against hundreds of steps)
         let pool = llama_cpp_ex_engine::pool::stats();
         let per_step = |n: usize| n as f64 / (5 * steps) as f64;
@@ -172,6 +183,8 @@ fn main() {
             ctx.decode(&Batch::for_sequence(&prompt[..start + 7 * s], 0, s))
                 .unwrap();
         }
+        profile::take();
+        profile::enable(sections);
         let t = Instant::now();
         for i in 0..steps {
             let mut b = Batch::default();
@@ -184,6 +197,25 @@ fn main() {
         println!(
             "{streams} streams: {:.1} tok/s",
             n / t.elapsed().as_secs_f64()
+        );
+        profile::enable(false);
+        if sections {
+            print_sections(steps);
+        }
+    }
+}
+
+/// The time per step of each section of the `steps` steps timed since the last
+/// `profile::take`, and its share of their sum.
+fn print_sections(steps: usize) {
+    let times = profile::take();
+    let total: f64 = times.iter().map(|(_, d)| d.as_secs_f64()).sum();
+    for (section, d) in times {
+        println!(
+            "  {:15} {:8.1} us a step  {:5.1}%",
+            section.name(),
+            d.as_secs_f64() * 1e6 / steps as f64,
+            100.0 * d.as_secs_f64() / total.max(f64::MIN_POSITIVE)
         );
     }
 }

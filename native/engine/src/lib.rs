@@ -7,7 +7,8 @@
 //!
 //! Layers point down: `context` (the step, speculation) and `engine_thread` use `model`,
 //! `kv`, `sampler`, `grammar` and `embedding`; `model` and `kv` use `kernels`; `kernels` use
-//! only the leaves `math`, `pages` and `pool`.
+//! only the leaves `math`, `pages` and `pool`; `model` times its passes with the leaf
+//! `profile`.
 
 pub mod batch;
 pub mod chat;
@@ -27,6 +28,7 @@ pub mod membw;
 pub mod model;
 pub mod pages;
 pub mod pool;
+pub mod profile;
 pub mod sampler;
 pub mod stack;
 pub mod tokenizer;

@@ -31,6 +31,7 @@ use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
 use crate::kernels::weights::Pinnable;
 use crate::kv::KvCache;
+use crate::profile::{Clock, Section};
 use std::sync::Arc;
 
 /// The feed-forward gate's activation.
@@ -505,6 +506,7 @@ impl Architecture for Decoder {
         let c = &self.cfg;
         let f = self.family;
         refuse_generation(f, &c.arch, ws.hidden_only, batch)?;
+        let mut clock = Clock::start();
         let n = batch.len();
         let d = c.n_embd;
         let hd = c.head_dim;
@@ -557,6 +559,7 @@ impl Architecture for Decoder {
             pick_rows: _,
             picked: _,
         } = ws;
+        clock.lap(Section::Inputs);
         for (li, layer) in self.layers.iter().enumerate() {
             let rope = if layer.local {
                 &*rope_local
@@ -564,7 +567,9 @@ impl Architecture for Decoder {
                 &*rope_global
             };
             rms_norm_into(x, &layer.attn_norm, c.eps, h);
+            clock.lap(Section::Norms);
             layer.proj.qkv.forward_into(h, n, &mut [q, k, v], stacked)?;
+            clock.lap(Section::Qkv);
             if let Some(b) = &layer.qkv_bias {
                 add_bias(q, &b.q);
                 add_bias(k, &b.k);
@@ -574,9 +579,13 @@ impl Architecture for Decoder {
                 rms_norm(q, qn, c.eps);
                 rms_norm(k, kn, c.eps);
             }
+            clock.lap(Section::Norms);
             rotate_and_store(kv, li, batch, rope, f.neox, &attn, q, k, v);
+            clock.lap(Section::RopeKvWrite);
             paged_attention(kv, li, batch, tiles, q, &attn, attn_out);
+            clock.lap(Section::Attention);
             layer.proj.wo.forward_into(attn_out, n, o)?;
+            clock.lap(Section::Wo);
             if let Some(b) = &layer.wo_bias {
                 add_bias(o, b);
             }
@@ -584,20 +593,25 @@ impl Architecture for Decoder {
                 rms_norm(o, w, c.eps);
             }
             add_rms_norm_into(x, o, &layer.ffn_norm, c.eps, h);
+            clock.lap(Section::Norms);
             let act = match f.act {
                 Activation::Silu => silu_mul,
                 Activation::GeluTanh => gelu_tanh_mul,
             };
             layer.proj.gate_up.forward_gated(h, n, g, u, stacked, act)?;
+            clock.lap(Section::GateUp);
             layer.proj.down.forward_into(g, n, o)?;
+            clock.lap(Section::Down);
             if let Some(w) = &layer.post_ffn_norm {
                 rms_norm(o, w, c.eps);
             }
             add_assign(x, o);
+            clock.lap(Section::Norms);
         }
         if *hidden_only {
             // embeddings: the final-normed hidden states, as llama.cpp's `t_embd`
             output_rows_into(x, d, &batch.logits, &self.norm, c.eps, hidden);
+            clock.lap(Section::Head);
             return Ok(());
         }
         // embedding rows riding in a generation pass keep their hidden state, no logits
@@ -622,6 +636,7 @@ impl Architecture for Decoder {
         if let Some(cap) = c.final_softcap {
             soft_cap(logits, cap);
         }
+        clock.lap(Section::Head);
         Ok(())
     }
 }
