@@ -135,13 +135,7 @@ const SHORT_CALL_MACS_PER_THREAD: usize = 1 << 18;
 const MIN_SPLIT_ROWS: usize = 64;
 
 /// Runs `tile(o0, rows, act)` over every tile of `tile_rows` output rows and every run
-/// `act` of activation rows it is split into, on the worker pool when the product is large
-/// enough to pay for waking it. A batch of `m` rows is split only when that finishes
-/// sooner on the pool's threads: with tasks of equal cost, the time is the rounds of tasks
-/// the busiest thread runs, so a 576-row product's 36 tiles of 16 rows take 3 rounds on 16
-/// threads (2.25 of work), 4 runs of each tile's rows 9 rounds of a quarter (2.25).
-/// Results do not depend on the split: every output is one row's dot products, whichever
-/// task computes it.
+/// `act` of activation rows it is split into ([`for_each_task`]).
 pub(crate) fn for_each_tile(
     n_out: usize,
     tile_rows: usize,
@@ -149,7 +143,26 @@ pub(crate) fn for_each_tile(
     macs: usize,
     tile: impl Fn(usize, usize, std::ops::Range<usize>) + Sync,
 ) {
-    let n_tiles = n_out.div_ceil(tile_rows);
+    for_each_task(n_out.div_ceil(tile_rows), m, macs, |t, act| {
+        let o0 = t * tile_rows;
+        tile(o0, tile_rows.min(n_out - o0), act)
+    })
+}
+
+/// Runs `task(t, act)` over tiles `t` of `0..n_tiles` and every run `act` of activation
+/// rows each is split into, on the worker pool when the product (`macs` multiply-adds) is
+/// large enough to pay for waking it. A batch of `m` rows is split only when that finishes
+/// sooner on the pool's threads: with tasks of equal cost, the time is the rounds of tasks
+/// the busiest thread runs, so a 576-row product's 36 tiles of 16 rows take 3 rounds on 16
+/// threads (2.25 of work), 4 runs of each tile's rows 9 rounds of a quarter (2.25).
+/// Results do not depend on the split: every output is one row's dot products, whichever
+/// task computes it.
+pub(crate) fn for_each_task(
+    n_tiles: usize,
+    m: usize,
+    macs: usize,
+    task: impl Fn(usize, std::ops::Range<usize>) + Sync,
+) {
     // below this many multiply-adds, waking the worker pool costs more than it saves
     let threads = if macs < PARALLEL_MIN_MACS {
         1
@@ -160,14 +173,14 @@ pub(crate) fn for_each_tile(
     let per_run = m.div_ceil(runs);
     let run = |tasks: std::ops::Range<usize>| {
         for t in tasks {
-            let (o0, r0) = (t / runs * tile_rows, t % runs * per_run);
+            let r0 = t % runs * per_run;
             if r0 < m {
-                tile(o0, tile_rows.min(n_out - o0), r0..m.min(r0 + per_run));
+                task(t / runs, r0..m.min(r0 + per_run));
             }
         }
     };
     if threads == 1 {
-        run(0..n_tiles);
+        run(0..n_tiles * runs);
     } else if macs / threads < SHORT_CALL_MACS_PER_THREAD {
         crate::pool::for_each_chunk_in(n_tiles * runs, 1, run);
     } else {

@@ -42,14 +42,7 @@ impl Q8Activations {
     /// (ties to even, as ggml's AVX2 path does); `offset` is the weights' implied offset `c`
     /// for [`Q8Activations::folded`] (0 when they store their own).
     pub fn quantize(x: &[f32], m: usize, k: usize, offset: i32) -> Self {
-        let mut a = Q8Activations {
-            m: 0,
-            quants: Vec::new(),
-            scales: Vec::new(),
-            sums: Vec::new(),
-            folded: Vec::new(),
-            folded_halves: Vec::new(),
-        };
+        let mut a = empty();
         a.quantize_into(x, m, k, offset);
         a
     }
@@ -111,25 +104,62 @@ impl Q8Activations {
         offset: i32,
         f: impl FnOnce(&Self) -> R,
     ) -> R {
-        thread_local! {
-            static BUFFERS: std::cell::RefCell<Q8Activations> =
-                const { std::cell::RefCell::new(Q8Activations {
-                    m: 0,
-                    quants: Vec::new(),
-                    scales: Vec::new(),
-                    sums: Vec::new(),
-                    folded: Vec::new(),
-                    folded_halves: Vec::new(),
-                }) };
-        }
-        BUFFERS.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut a) => {
-                a.quantize_into(x, m, k, offset);
-                f(&a)
-            }
-            Err(_) => f(&Self::quantize(x, m, k, offset)),
+        with_buffer(&BUFFERS, |a| {
+            a.quantize_into(x, m, k, offset);
+            f(a)
         })
     }
+
+    /// [`Self::with_quantized`] for products of two weight types at once: `x` quantized for
+    /// each of `offsets` (once when they are equal), in the thread's second set of buffers
+    /// for the second.
+    pub(crate) fn with_quantized_for<R>(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        offsets: [i32; 2],
+        f: impl FnOnce([&Self; 2]) -> R,
+    ) -> R {
+        Self::with_quantized(x, m, k, offsets[0], |first| {
+            if offsets[1] == offsets[0] {
+                return f([first, first]);
+            }
+            with_buffer(&SECOND, |second| {
+                second.quantize_into(x, m, k, offsets[1]);
+                f([first, second])
+            })
+        })
+    }
+}
+
+const fn empty() -> Q8Activations {
+    Q8Activations {
+        m: 0,
+        quants: Vec::new(),
+        scales: Vec::new(),
+        sums: Vec::new(),
+        folded: Vec::new(),
+        folded_halves: Vec::new(),
+    }
+}
+
+thread_local! {
+    /// The calling thread's activations of the product in progress, grown once.
+    static BUFFERS: std::cell::RefCell<Q8Activations> = const { std::cell::RefCell::new(empty()) };
+    /// The same quantized for a second weight type ([`Q8Activations::with_quantized_for`]).
+    static SECOND: std::cell::RefCell<Q8Activations> = const { std::cell::RefCell::new(empty()) };
+}
+
+/// Runs `f` on the thread's buffer `key`, or on a fresh value when it is already in use on
+/// this thread (a product nested in another).
+fn with_buffer<R>(
+    key: &'static std::thread::LocalKey<std::cell::RefCell<Q8Activations>>,
+    f: impl FnOnce(&mut Q8Activations) -> R,
+) -> R {
+    key.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut a) => f(&mut a),
+        Err(_) => f(&mut empty()),
+    })
 }
 
 /// Quantizes one block of [`QK8_0`] values as llama.cpp's `quantize_row_q8_0` does on x86

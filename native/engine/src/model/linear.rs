@@ -5,7 +5,7 @@
 use super::ops::{sized, sized_for_overwrite};
 use crate::error::Result;
 use crate::kernels::kquant::KQuant;
-use crate::kernels::packed::{PackedMatrix, PackedType};
+use crate::kernels::packed::{PackedMatrix, PackedType, MAX_PARTS};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use std::sync::{Arc, OnceLock};
@@ -109,6 +109,14 @@ impl Linear {
         })
     }
 
+    /// The matrix in the engine's layout, when it runs on the engine's kernels.
+    fn packed(&self) -> Option<&PackedMatrix> {
+        match &self.kernel {
+            Kernel::Packed(m) => Some(m),
+            Kernel::Candle(_) => None,
+        }
+    }
+
     /// The matrix in the engine's layout, for [`crate::kernels::weights::pin`].
     pub(crate) fn packed_mut(&mut self) -> Option<&mut PackedMatrix> {
         match &mut self.kernel {
@@ -156,23 +164,24 @@ impl Linear {
 }
 
 /// Several products of the same input (Q/K/V, gate/up) computed as one when their weights
-/// can be stacked, which saves a pass over the activations and a worker-pool round trip.
+/// can be stacked, which saves a pass over the activations and a worker-pool round trip; as
+/// one call of the pool when they are of different types on the engine's kernels.
 pub enum FusedLinear {
-    Stacked { w: Linear, widths: Vec<usize> },
+    Stacked {
+        w: Linear,
+        widths: Vec<usize>,
+    },
+    /// Matrices of different types ([`PackedMatrix::matmul_each`]).
+    Mixed(Vec<Linear>),
     Separate(Vec<Linear>),
 }
 
 impl FusedLinear {
     pub fn new(parts: Vec<Linear>) -> Self {
         let widths: Vec<usize> = parts.iter().map(|p| p.n_out).collect();
-        let own: Vec<&PackedMatrix> = parts
-            .iter()
-            .filter_map(|p| match &p.kernel {
-                Kernel::Packed(m) => Some(m),
-                _ => None,
-            })
-            .collect();
-        let stacked = if own.len() == parts.len() {
+        let own: Vec<&PackedMatrix> = parts.iter().filter_map(Linear::packed).collect();
+        let all_own = own.len() == parts.len();
+        let stacked = if all_own {
             let dtype = parts[0].dtype;
             PackedMatrix::concat(&own).map(|m| (m.n_in, m.n_out, dtype, Kernel::Packed(m)))
         } else {
@@ -188,6 +197,7 @@ impl FusedLinear {
                 },
                 widths,
             },
+            None if all_own && parts.len() <= MAX_PARTS => FusedLinear::Mixed(parts),
             None => FusedLinear::Separate(parts),
         }
     }
@@ -196,7 +206,7 @@ impl FusedLinear {
     pub(crate) fn packed_mut(&mut self) -> Vec<&mut PackedMatrix> {
         match self {
             FusedLinear::Stacked { w, .. } => w.packed_mut().into_iter().collect(),
-            FusedLinear::Separate(parts) => {
+            FusedLinear::Mixed(parts) | FusedLinear::Separate(parts) => {
                 parts.iter_mut().filter_map(|p| p.packed_mut()).collect()
             }
         }
@@ -219,7 +229,16 @@ impl FusedLinear {
         stacked: &mut Vec<f32>,
     ) -> Result<()> {
         match self {
-            FusedLinear::Separate(parts) => {
+            FusedLinear::Mixed(parts) | FusedLinear::Separate(parts) => {
+                if let (FusedLinear::Mixed(_), Some(first)) = (self, parts[0].packed()) {
+                    let mats: [&PackedMatrix; MAX_PARTS] = std::array::from_fn(|i| {
+                        parts.get(i).and_then(Linear::packed).unwrap_or(first)
+                    });
+                    let n = parts.len().min(MAX_PARTS);
+                    if PackedMatrix::matmul_each(&mats[..n], x, m, outs).is_some() {
+                        return Ok(());
+                    }
+                }
                 for (p, out) in parts.iter().zip(outs.iter_mut()) {
                     p.forward_into(x, m, out)?;
                 }
