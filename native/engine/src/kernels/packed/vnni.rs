@@ -121,7 +121,7 @@ pub(super) unsafe fn wide_kernel_vnni(
     groups: std::ops::Range<usize>,
     out: &Dest,
 ) {
-    debug_assert!(groups.len() % 2 == 0);
+    debug_assert!(groups.len().is_multiple_of(2));
     for g in groups.step_by(2) {
         let (p, valid) = GroupRef::pair(base, w, g);
         if act.len() > WIDE_ROWS {
