@@ -483,8 +483,8 @@ impl ScalePtr {
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct FactorPtr {
-    pub(super) mult: *const i8,
-    pub(super) base: *const f16,
+    mult: *const i8,
+    base: *const f16,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -899,11 +899,7 @@ impl PackedMatrix {
                     self.prefetch_tile(base, m, o0, rows);
                     // the up half's first groups, read once the gate half's are done: the
                     // kernels' prefetches of each next group run on within the gate half
-                    // (alternate calls in one process: 3-5.5% of this product's time on
-                    // SmolLM2, 0.5-5.5% on Gemma 3)
-                    if m <= RUN_MAX_ROWS {
-                        self.prefetch_groups(base, (half + o0) / GROUP, COLD_GROUPS);
-                    }
+                    self.prefetch_groups(base, m, (half + o0) / GROUP);
                     // (a decode batch: one run of every row, see `for_each_tile`)
                     self.tile(
                         base,
@@ -964,19 +960,23 @@ impl PackedMatrix {
     /// threads each thread's ranges are a few tiles, so more of them start cold.
     fn prefetch_tile(&self, base: &Base, m: usize, o0: usize, rows: usize) {
         let me = self as *const Self as usize;
-        let cold = NEXT_TILE.with(|next| next.replace((me, o0 + rows))) != (me, o0);
-        if cold && m <= RUN_MAX_ROWS {
-            self.prefetch_groups(base, o0 / GROUP, COLD_GROUPS);
+        if NEXT_TILE.with(|next| next.replace((me, o0 + rows))) != (me, o0) {
+            self.prefetch_groups(base, m, o0 / GROUP);
         }
     }
 
-    /// Starts loading row groups `g..g + n` (those that exist) into L2.
-    fn prefetch_groups(&self, base: &Base, g: usize, n: usize) {
+    /// Starts loading [`COLD_GROUPS`] row groups from `g` (those that exist) into L2, for a
+    /// short batch of `m` rows (a prompt's tiles compute long enough for the hardware
+    /// prefetchers).
+    fn prefetch_groups(&self, base: &Base, m: usize, g: usize) {
+        if m > RUN_MAX_ROWS {
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
-        for g in g..(g + n).min(self.n_out.div_ceil(GROUP)) {
+        for g in g..(g + COLD_GROUPS).min(self.n_out.div_ceil(GROUP)) {
             base.at(self, g, false).prefetch_group(self.nb);
         }
-        let _ = (base, g, n);
+        let _ = (base, g);
     }
 
     /// Output rows per tile of `n` output rows times `m` activation rows: one row group, or
