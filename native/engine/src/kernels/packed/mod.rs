@@ -147,6 +147,7 @@ const RUN_MAX_ROWS: usize = 16;
 
 /// Row groups [`PackedMatrix::prefetch_tile`] asks for at a tile's start: a pair, the
 /// two-group kernels' first step.
+#[cfg(target_arch = "x86_64")]
 const COLD_GROUPS: usize = 2;
 
 thread_local! {
