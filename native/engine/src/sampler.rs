@@ -310,6 +310,8 @@ pub struct Sampler {
     history_cap: usize,
     candidates: Vec<(TokenId, f32)>,
     scratch: Vec<f32>,
+    /// The bias entries in token order, for [`Sampler::greedy_row`].
+    biased: Vec<(TokenId, f32)>,
     grammar: Option<Box<Constraint>>,
     dry_breakers: Arc<HashSet<TokenId>>,
     mirostat_mu: f32,
@@ -351,6 +353,7 @@ impl Sampler {
             history_cap,
             candidates: Vec::new(),
             scratch: Vec::new(),
+            biased: Vec::new(),
             grammar: None,
             dry_breakers: Arc::new(HashSet::new()),
             grammar_stats: GrammarStats::default(),
@@ -569,6 +572,9 @@ impl Sampler {
     /// The sampler chain on one row (`raw` is the unmasked row, the fallback when every
     /// candidate was banned).
     fn pick_row(&mut self, logits: &[f32], raw: &[f32]) -> TokenId {
+        if self.params.temp <= 0.0 && !self.params.penalties_active() && !self.params.dry_active() {
+            return self.greedy_row(logits, raw);
+        }
         let p = self.params.clone();
         let mut cand = std::mem::take(&mut self.candidates);
         self.prepare(&mut cand, logits);
@@ -594,6 +600,52 @@ impl Sampler {
         };
         self.candidates = cand;
         token
+    }
+
+    /// [`Self::pick_row`] at temperature 0 without penalties or DRY: the same token (bias,
+    /// the banned entries dropped when a grammar or bias is set, the first largest, the same
+    /// fallbacks) from the row itself, one vectorised pass and a lookup per biased token,
+    /// instead of a candidate list the size of the vocabulary (~0.3-0.5 ms a token on
+    /// Gemma 3's 262k entries, serial between two forward passes).
+    fn greedy_row(&mut self, logits: &[f32], raw: &[f32]) -> TokenId {
+        let bias = &self.params.logit_bias;
+        if self.grammar.is_none() && bias.is_empty() {
+            return argmax(logits) as TokenId;
+        }
+        let best = if bias.is_empty() {
+            first_max_above_neg_inf(logits)
+        } else {
+            // each biased token's logit, its entries added in the list's order (as `prepare`)
+            let biased = &mut self.biased;
+            biased.clear();
+            biased.extend(
+                bias.iter()
+                    .filter(|b| (b.0 as usize) < logits.len())
+                    .copied(),
+            );
+            biased.sort_by_key(|b| b.0);
+            let mut best = None;
+            let mut from = 0;
+            let mut i = 0;
+            while i < biased.len() {
+                let t = biased[i].0 as usize;
+                let mut v = logits[t];
+                while i < biased.len() && biased[i].0 as usize == t {
+                    v += biased[i].1;
+                    i += 1;
+                }
+                let before = first_max_above_neg_inf(&logits[from..t]).map(|(j, x)| (from + j, x));
+                best = later_if_larger(later_if_larger(best, before), Some((t, v)));
+                from = t + 1;
+            }
+            let rest = first_max_above_neg_inf(&logits[from..]).map(|(j, x)| (from + j, x));
+            later_if_larger(best, rest)
+        };
+        match (best, self.end_token) {
+            (Some((t, _)), _) => t as TokenId,
+            (None, Some(end)) => end,
+            (None, None) => argmax(raw) as TokenId,
+        }
     }
 
     /// top-n-sigma → top-k → typical → top-p → min-p → XTC; leaves `cand` sorted by logit.
@@ -855,12 +907,13 @@ impl Sampler {
 
 /// The greedy choice among candidates.
 fn greedy(cand: &[(TokenId, f32)]) -> TokenId {
-    cand[argmax(cand.iter().map(|c| c.1))].0
+    cand[first_largest(cand.iter().map(|c| c.1))].0
 }
 
-/// The index of the largest value, the first of equal ones (0 when empty or all NaN): the
-/// engine's one greedy rule (the sampler at temperature 0, draft models' drafts).
-pub fn argmax(values: impl IntoIterator<Item = f32>) -> usize {
+/// The index of the largest value, the first of equal ones (0 when empty or all NaN, and
+/// when the first is NaN): the engine's one greedy rule (the sampler at temperature 0,
+/// draft models' drafts).
+pub fn first_largest(values: impl IntoIterator<Item = f32>) -> usize {
     let mut best = (0, f32::NEG_INFINITY);
     for (i, v) in values.into_iter().enumerate() {
         if v > best.1 || i == 0 {
@@ -868,6 +921,67 @@ pub fn argmax(values: impl IntoIterator<Item = f32>) -> usize {
         }
     }
     best.0
+}
+
+/// [`first_largest`] of a row, in two vectorised passes (its largest value, then the first
+/// place of it): ~8x faster on a vocabulary-sized row.
+pub fn argmax(values: &[f32]) -> usize {
+    match values.first() {
+        None => 0,
+        Some(v) if v.is_nan() => 0,
+        // the first value is a number, so the largest is found
+        Some(_) => first_place_of(values, largest(values)).unwrap_or(0),
+    }
+}
+
+/// The first place of the largest value above `-inf` (NaN never counts) and that value.
+fn first_max_above_neg_inf(values: &[f32]) -> Option<(usize, f32)> {
+    let max = largest(values);
+    if max > f32::NEG_INFINITY {
+        first_place_of(values, max).map(|i| (i, max))
+    } else {
+        None
+    }
+}
+
+/// Of two (place, value) picks in row order, the later only when its value is larger.
+fn later_if_larger(a: Option<(usize, f32)>, b: Option<(usize, f32)>) -> Option<(usize, f32)> {
+    match (a, b) {
+        (Some(x), Some(y)) if y.1 > x.1 => Some(y),
+        (Some(x), _) => Some(x),
+        (None, y) => y.filter(|y| y.1 > f32::NEG_INFINITY),
+    }
+}
+
+/// Lanes of the vectorised row scans.
+const SCAN_LANES: usize = 16;
+
+/// The largest value (`-inf` when empty or all NaN), lane by lane so that it vectorises.
+fn largest(values: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; SCAN_LANES];
+    let chunks = values.chunks_exact(SCAN_LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    lanes
+        .iter()
+        .chain(rest)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+}
+
+/// The first place of a value equal to `x`.
+fn first_place_of(values: &[f32], x: f32) -> Option<usize> {
+    let mut base = 0;
+    for c in values.chunks(SCAN_LANES) {
+        if c.iter().fold(false, |any, &v| any | (v == x)) {
+            return c.iter().position(|&v| v == x).map(|i| base + i);
+        }
+        base += c.len();
+    }
+    None
 }
 
 /// Softmax of candidate logits divided by `temp`, in f64 for a stable cumulative sum.
@@ -905,6 +1019,72 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The greedy shortcut picks what the candidate chain picks: ties, NaN, `-inf`, banned
+    /// and boosted tokens (repeated, out of range), everything banned, with and without an
+    /// end token. The chain runs with a repetition penalty and no history yet, which
+    /// changes no logit but takes the long way.
+    #[test]
+    fn greedy_row_picks_what_the_candidate_chain_picks() {
+        let mut rng = Rng::new(7);
+        let pick = |rng: &mut Rng, xs: &[f32]| xs[rng.next_u64() as usize % xs.len()];
+        let values = [
+            0.0,
+            -0.0,
+            1.0,
+            2.5,
+            -3.0,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            f32::NAN,
+        ];
+        let biases = [f32::NEG_INFINITY, 0.5, -0.5, 1.0, f32::INFINITY, f32::NAN];
+        for case in 0..3000usize {
+            let n = 1 + rng.next_u64() as usize % 70;
+            let row: Vec<f32> = (0..n)
+                .map(|_| {
+                    if rng.next_u64().is_multiple_of(4) {
+                        pick(&mut rng, &values)
+                    } else {
+                        (rng.next_u64() % 9) as f32 / 4.0
+                    }
+                })
+                .collect();
+            let n_bias = rng.next_u64() as usize % 6;
+            let bias: Vec<(TokenId, f32)> = (0..n_bias)
+                .map(|_| {
+                    let t = (rng.next_u64() as usize % (n + 2)) as TokenId;
+                    (t, pick(&mut rng, &biases))
+                })
+                .collect();
+            let ban_all = case.is_multiple_of(50);
+            let bias = if ban_all {
+                (0..n as TokenId).map(|t| (t, f32::NEG_INFINITY)).collect()
+            } else {
+                bias
+            };
+            for end in [None, Some(3)] {
+                let params = |penalty: f32| SamplerParams {
+                    temp: 0.0,
+                    penalty_repeat: penalty,
+                    logit_bias: bias.clone(),
+                    ..Default::default()
+                };
+                let (mut fast, mut chain) = (Sampler::new(params(1.0)), Sampler::new(params(1.5)));
+                if let Some(e) = end {
+                    fast = fast.with_end_token(e);
+                    chain = chain.with_end_token(e);
+                }
+                assert_eq!(
+                    fast.pick(&row),
+                    chain.pick(&row),
+                    "row {row:?} bias {bias:?} end {end:?}"
+                );
+            }
+            assert_eq!(argmax(&row), first_largest(row.iter().copied()), "{row:?}");
+        }
+        assert_eq!(argmax(&[]), 0);
+    }
 
     #[test]
     fn greedy_picks_the_maximum() {

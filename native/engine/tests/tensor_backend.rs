@@ -219,7 +219,7 @@ fn greedy_rows_bring_back_only_their_token() {
     let mut whole = prompted();
     whole.decode(&next).unwrap();
     let want: Vec<u32> = (0..4)
-        .map(|i| argmax(whole.logits_ith(i).unwrap().iter().copied()) as u32)
+        .map(|i| argmax(whole.logits_ith(i).unwrap()) as u32)
         .collect();
 
     let mut c = prompted();
@@ -270,7 +270,7 @@ fn greedy_rows_bring_back_only_their_token() {
     whole.decode(&again).unwrap();
     for (i, t) in out.sampled.iter().enumerate() {
         let row = whole.logits_ith(i as i64).unwrap();
-        assert_eq!(t.token, argmax(row.iter().copied()) as u32, "row {i}");
+        assert_eq!(t.token, argmax(row) as u32, "row {i}");
     }
 }
 

@@ -128,7 +128,7 @@ impl DraftModel {
                 let Ok(logits) = self.ctx.logits_ith(row as i64) else {
                     continue;
                 };
-                drafts[i].push(crate::sampler::argmax(logits.iter().copied()) as TokenId);
+                drafts[i].push(crate::sampler::argmax(logits) as TokenId);
                 if drafts[i].len() < reqs[i].max {
                     next.push((i, from, end + 1));
                 }

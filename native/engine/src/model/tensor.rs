@@ -901,7 +901,7 @@ mod tests {
             .unwrap();
         let host: Vec<f32> = rows
             .iter()
-            .map(|r| crate::sampler::argmax(r.iter().copied()) as f32)
+            .map(|r| crate::sampler::argmax(r) as f32)
             .collect();
         assert_eq!(got, vec![1.0, 0.0, 2.0, 3.0]);
         assert_eq!(got, host);

@@ -98,7 +98,7 @@ pub const REQUIRED_AGREEMENT: f64 = 0.99;
 pub const REQUIRED_MARGIN: f64 = 0.5;
 
 pub fn argmax(row: &[f32]) -> u32 {
-    llama_cpp_ex_engine::sampler::argmax(row.iter().copied()) as u32
+    llama_cpp_ex_engine::sampler::argmax(row) as u32
 }
 
 /// A sampler the steps of a test can share.

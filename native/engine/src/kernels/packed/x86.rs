@@ -574,7 +574,8 @@ impl GroupRef {
 /// small model's groups whole or nearly (SmolLM2's 2.9 KB of values, Gemma 3's 2.5-12 KB);
 /// of a 1B model's 8192-wide down product (32 KB of Q4_K values a group) the part the
 /// hardware prefetchers need to find the stream, without a thousand prefetches queued at
-/// once (not measured on a 1B file yet).
+/// once. On a 1B Q4_K_M file, alternating decode steps in one process, 32 KB was within
+/// noise of 8 KB.
 #[cfg(target_arch = "x86_64")]
 const COLD_SPAN: usize = 8 << 10;
 
