@@ -612,35 +612,31 @@ impl Sampler {
         if self.grammar.is_none() && bias.is_empty() {
             return argmax(logits) as TokenId;
         }
-        let best = if bias.is_empty() {
-            first_max_above_neg_inf(logits)
-        } else {
-            // each biased token's logit, its entries added in the list's order (as `prepare`)
-            let biased = &mut self.biased;
-            biased.clear();
-            biased.extend(
-                bias.iter()
-                    .filter(|b| (b.0 as usize) < logits.len())
-                    .copied(),
-            );
-            biased.sort_by_key(|b| b.0);
-            let mut best = None;
-            let mut from = 0;
-            let mut i = 0;
-            while i < biased.len() {
-                let t = biased[i].0 as usize;
-                let mut v = logits[t];
-                while i < biased.len() && biased[i].0 as usize == t {
-                    v += biased[i].1;
-                    i += 1;
-                }
-                let before = first_max_above_neg_inf(&logits[from..t]).map(|(j, x)| (from + j, x));
-                best = later_if_larger(later_if_larger(best, before), Some((t, v)));
-                from = t + 1;
+        // each biased token's logit, its entries added in the list's order (as `prepare`),
+        // between the runs of unbiased ones
+        let biased = &mut self.biased;
+        biased.clear();
+        biased.extend(
+            bias.iter()
+                .filter(|b| (b.0 as usize) < logits.len())
+                .copied(),
+        );
+        biased.sort_by_key(|b| b.0);
+        let mut best = None;
+        let mut from = 0;
+        let mut i = 0;
+        while i < biased.len() {
+            let t = biased[i].0 as usize;
+            let mut v = logits[t];
+            while i < biased.len() && biased[i].0 as usize == t {
+                v += biased[i].1;
+                i += 1;
             }
-            let rest = first_max_above_neg_inf(&logits[from..]).map(|(j, x)| (from + j, x));
-            later_if_larger(best, rest)
-        };
+            best = later_if_larger(best, first_max_above_neg_inf(logits, from..t));
+            best = later_if_larger(best, Some((t, v)));
+            from = t + 1;
+        }
+        let best = later_if_larger(best, first_max_above_neg_inf(logits, from..logits.len()));
         match (best, self.end_token) {
             (Some((t, _)), _) => t as TokenId,
             (None, Some(end)) => end,
@@ -934,11 +930,13 @@ pub fn argmax(values: &[f32]) -> usize {
     }
 }
 
-/// The first place of the largest value above `-inf` (NaN never counts) and that value.
-fn first_max_above_neg_inf(values: &[f32]) -> Option<(usize, f32)> {
+/// The first place in `values[range]` of its largest value above `-inf` (NaN never
+/// counts), as a place in `values`, and that value.
+fn first_max_above_neg_inf(values: &[f32], range: std::ops::Range<usize>) -> Option<(usize, f32)> {
+    let (from, values) = (range.start, &values[range]);
     let max = largest(values);
     if max > f32::NEG_INFINITY {
-        first_place_of(values, max).map(|i| (i, max))
+        first_place_of(values, max).map(|i| (from + i, max))
     } else {
         None
     }
