@@ -5,8 +5,10 @@
 #
 # Prompt processing evaluates N tokens in one batch; decode evaluates 128 tokens one at a time
 # after a one-token prompt (llama-bench's pp/tg definitions); `generate` is decode through
-# `LlamaCppEx.generate/3` (the model route, sampling included). With LLAMA_CPP_BIN set, runs
-# `llama-bench -t N -p 128,512 -n 128` on the same file and prints our/their ratios.
+# `LlamaCppEx.generate/3` (the model route, sampling included: greedy, and "generate, sampled"
+# with llama.cpp's default chain, temperature 0.8, top-k 40, top-p 0.95, min-p 0.05). With
+# LLAMA_CPP_BIN set, runs `llama-bench -t N -p 128,512 -n 128` on the same file and prints
+# our/their ratios.
 # LLAMA_CPP_BIN_AVX2 adds the same columns for a llama.cpp built for AVX2 only
 # (`GGML_NATIVE=OFF GGML_AVX512=OFF`: what llama.cpp runs on an AVX2-only CPU), for runs of
 # our AVX2 path on an AVX-512 machine (bench/simd_levels.sh sets it for its avx2 rows).
@@ -57,12 +59,19 @@ defmodule Bench.Generate do
 
   # Decode through the model route (`LlamaCppEx.generate/3`: engine steps driven from the
   # caller, sampling included): 127 tokens after the first, every end-of-generation token
-  # banned so each run generates them all.
-  def generate_tps(model, threads) do
+  # banned so each run generates them all. `sampling`: greedy, or llama.cpp's default chain.
+  def generate_tps(model, threads, sampling) do
     vocab = LlamaCppEx.Tokenizer.vocab_size(model)
     ban = for id <- 0..(vocab - 1), LlamaCppEx.Tokenizer.eog?(model, id), do: {id, :neg_infinity}
     prompt = "Write a long story about a lighthouse keeper and the sea."
-    opts = [max_tokens: 128, temp: 0.0, n_threads: threads, n_ctx: 512, logit_bias: ban]
+
+    chain =
+      case sampling do
+        :greedy -> [temp: 0.0]
+        :sampled -> [temp: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 1]
+      end
+
+    opts = [max_tokens: 128, n_threads: threads, n_ctx: 512, logit_bias: ban] ++ chain
 
     times =
       for _ <- 1..@reps do
@@ -129,7 +138,8 @@ ours = %{
   "pp128" => Bench.Generate.prompt_tps(model, 128, threads),
   "pp512" => Bench.Generate.prompt_tps(model, 512, threads),
   "tg128" => Bench.Generate.decode_tps(model, 128, threads),
-  "generate" => Bench.Generate.generate_tps(model, threads)
+  "generate" => Bench.Generate.generate_tps(model, threads, :greedy),
+  "generate, sampled" => Bench.Generate.generate_tps(model, threads, :sampled)
 }
 
 IO.puts(
@@ -160,7 +170,7 @@ IO.puts(
     String.duplicate("----------------:|------:|", length(comparisons))
 )
 
-for test <- ["pp128", "pp512", "tg128", "generate"] do
+for test <- ["pp128", "pp512", "tg128", "generate", "generate, sampled"] do
   ours_v = ours[test]
 
   cells =

@@ -2,7 +2,8 @@
 //! logit bias → grammar → penalties → DRY → top-n-sigma → top-k → typical → top-p → min-p →
 //! XTC → temperature (dynamic when `dynatemp_range` > 0) → seeded draw; greedy when temp ≤ 0
 //! (after bias, grammar, penalties and DRY). Mirostat v1/v2 replace the truncation stages with
-//! temperature → mirostat, as in llama.cpp's common sampler.
+//! temperature → mirostat, as in llama.cpp's common sampler. Candidates with equal logits
+//! are ordered by token id, the lower first, so that a seeded draw has one result.
 
 use crate::grammar::Constraint;
 use crate::tokenizer::{TokenId, Tokenizer};
@@ -82,9 +83,9 @@ pub fn token_logprobs(logits: &[f32], token: TokenId, n: usize) -> TokenLogprobs
             .enumerate()
             .map(|(i, &l)| (i as TokenId, l))
             .collect();
-        idx.select_nth_unstable_by(n - 1, |a, b| b.1.total_cmp(&a.1));
+        idx.select_nth_unstable_by(n - 1, by_logit);
         idx.truncate(n);
-        idx.sort_by(|a, b| b.1.total_cmp(&a.1));
+        idx.sort_by(by_logit);
         top = idx.into_iter().map(|(i, l)| (i, lp(l))).collect();
     }
     TokenLogprobs {
@@ -310,6 +311,10 @@ pub struct Sampler {
     history_cap: usize,
     candidates: Vec<(TokenId, f32)>,
     scratch: Vec<f32>,
+    /// The row with bias, penalties and DRY applied (see `prepared_row`).
+    prepared: Vec<f32>,
+    /// Scratch of `best_by_logit`.
+    block_max: Vec<f32>,
     /// The bias entries in token order, for [`Sampler::greedy_row`].
     biased: Vec<(TokenId, f32)>,
     grammar: Option<Box<Constraint>>,
@@ -319,6 +324,9 @@ pub struct Sampler {
     /// Whether sampled steps may check only the best candidates against the grammar (see
     /// `pick_top_k_allowed`); off only to compare against the full-mask path in tests.
     pub lazy_grammar: bool,
+    /// Whether sampled steps that top-k decides find its candidates in one pass over the row
+    /// (see `best_by_logit`); off only to compare against the whole row's list in tests.
+    pub top_k_scan: bool,
     /// Returned when logit bias and grammar leave no candidate (generation then ends).
     end_token: Option<TokenId>,
 }
@@ -353,11 +361,14 @@ impl Sampler {
             history_cap,
             candidates: Vec::new(),
             scratch: Vec::new(),
+            prepared: Vec::new(),
+            block_max: Vec::new(),
             biased: Vec::new(),
             grammar: None,
             dry_breakers: Arc::new(HashSet::new()),
             grammar_stats: GrammarStats::default(),
             lazy_grammar: true,
+            top_k_scan: true,
             end_token: None,
         }
     }
@@ -494,18 +505,21 @@ impl Sampler {
     /// the distribution is the masked one. `None` when the window holds too few allowed
     /// tokens (the caller computes the full mask).
     fn pick_top_k_allowed(&mut self, logits: &[f32]) -> Option<TokenId> {
-        let mut cand = std::mem::take(&mut self.candidates);
-        self.prepare(&mut cand, logits);
-        let k = (self.params.top_k as usize).max(self.params.min_keep.max(1));
-        let window = (4 * k).max(LAZY_GRAMMAR_WINDOW).min(cand.len());
+        let k = self.top_k_len();
+        let window = (4 * k).max(LAZY_GRAMMAR_WINDOW).min(logits.len());
         if window == 0 {
+            return None;
+        }
+        let mut prepared = std::mem::take(&mut self.prepared);
+        let row = self.prepared_row(&mut prepared, logits);
+        let mut cand = std::mem::take(&mut self.candidates);
+        // a NaN logit: the full mask's chain decides where it goes
+        let found = best_by_logit(row, window, false, &mut self.block_max, &mut cand);
+        self.prepared = prepared;
+        if !found {
             self.candidates = cand;
             return None;
         }
-        if window < cand.len() {
-            cand.select_nth_unstable_by(window - 1, |a, b| b.1.total_cmp(&a.1));
-        }
-        cand[..window].sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
         let t0 = std::time::Instant::now();
         let Some(grammar) = self.grammar.as_mut() else {
             self.candidates = cand;
@@ -533,7 +547,7 @@ impl Sampler {
         }
         self.grammar_stats.check_ns += t0.elapsed().as_nanos() as u64;
         // Fewer than k allowed decides nothing, unless every candidate was checked.
-        let whole_row = complete && window == cand.len();
+        let whole_row = complete && window == logits.len();
         if kept == 0 || (kept < k && !whole_row) {
             self.candidates = cand;
             return None;
@@ -544,21 +558,33 @@ impl Sampler {
         Some(token)
     }
 
-    /// The row as candidates with logit bias, repetition penalties and DRY applied.
-    fn prepare(&mut self, cand: &mut Vec<(TokenId, f32)>, logits: &[f32]) {
-        cand.clear();
-        cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
-        for &(t, b) in &self.params.logit_bias {
-            if let Some(c) = cand.get_mut(t as usize) {
-                c.1 += b;
+    /// How many candidates top-k keeps.
+    fn top_k_len(&self) -> usize {
+        (self.params.top_k.max(0) as usize).max(self.params.min_keep.max(1))
+    }
+
+    /// The row with logit bias, repetition penalties and DRY applied: `logits` itself when
+    /// none of them changes it, else a copy in `prepared`.
+    fn prepared_row<'a>(&self, prepared: &'a mut Vec<f32>, logits: &'a [f32]) -> &'a [f32] {
+        let p = &self.params;
+        let penalties = p.penalties_active() && !self.history.is_empty();
+        if p.logit_bias.is_empty() && !penalties && !p.dry_active() {
+            return logits;
+        }
+        prepared.clear();
+        prepared.extend_from_slice(logits);
+        for &(t, b) in &p.logit_bias {
+            if let Some(l) = prepared.get_mut(t as usize) {
+                *l += b;
             }
         }
-        if self.params.penalties_active() && !self.history.is_empty() {
-            self.apply_penalties(cand);
+        if penalties {
+            self.apply_penalties(prepared);
         }
-        if self.params.dry_active() {
-            self.apply_dry(cand);
+        if p.dry_active() {
+            self.apply_dry(prepared);
         }
+        prepared
     }
 
     /// Truncation, temperature and the seeded draw.
@@ -576,9 +602,33 @@ impl Sampler {
             return self.greedy_row(logits, raw);
         }
         let p = self.params.clone();
+        let mut prepared = std::mem::take(&mut self.prepared);
+        let row = self.prepared_row(&mut prepared, logits);
         let mut cand = std::mem::take(&mut self.candidates);
-        self.prepare(&mut cand, logits);
-        if self.grammar.is_some() || !p.logit_bias.is_empty() {
+        let drop_banned = self.grammar.is_some() || !p.logit_bias.is_empty();
+        // Sampled with top-k deciding: only its candidates, found in one pass over the row
+        // (exactly the chain's: its order has no ties); the whole row's list otherwise.
+        if p.temp > 0.0
+            && self.top_k_scan
+            && self.top_k_decides()
+            && best_by_logit(
+                row,
+                self.top_k_len(),
+                drop_banned,
+                &mut self.block_max,
+                &mut cand,
+            )
+            && !cand.is_empty()
+        {
+            self.prepared = prepared;
+            let token = self.draw_sampled(&mut cand);
+            self.candidates = cand;
+            return token;
+        }
+        cand.clear();
+        cand.extend(row.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
+        self.prepared = prepared;
+        if drop_banned {
             cand.retain(|c| c.1 > f32::NEG_INFINITY);
             if cand.is_empty() {
                 if let Some(end) = self.end_token {
@@ -665,13 +715,13 @@ impl Sampler {
             }
         }
         if p.top_k > 0 {
-            let k = (p.top_k as usize).max(min_keep);
+            let k = self.top_k_len();
             if k < cand.len() {
-                cand.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
+                cand.select_nth_unstable_by(k - 1, by_logit);
                 cand.truncate(k);
             }
         }
-        cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
+        cand.sort_unstable_by(by_logit);
         if p.typical_p < 1.0 && cand.len() > 1 {
             let probs = softmax(cand, 1.0);
             let entropy = entropy(&probs);
@@ -692,7 +742,7 @@ impl Sampler {
             }
             let kept: Vec<(TokenId, f32)> = order[..last].iter().map(|(i, _)| cand[*i]).collect();
             *cand = kept;
-            cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
+            cand.sort_unstable_by(by_logit);
         }
         if p.top_p < 1.0 {
             let probs = softmax(cand, 1.0);
@@ -783,7 +833,7 @@ impl Sampler {
 
     fn mirostat_v1(&mut self, cand: &mut Vec<(TokenId, f32)>) -> TokenId {
         let temp = self.params.temp;
-        cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
+        cand.sort_unstable_by(by_logit);
         let probs = softmax(cand, temp);
         let m = MIROSTAT_M.min(probs.len());
         let (mut sum_tb, mut sum_t2) = (0.0f64, 0.0f64);
@@ -816,7 +866,7 @@ impl Sampler {
 
     fn mirostat_v2(&mut self, cand: &mut Vec<(TokenId, f32)>) -> TokenId {
         let temp = self.params.temp;
-        cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
+        cand.sort_unstable_by(by_logit);
         let probs = softmax(cand, temp);
         let mu = self.mirostat_mu as f64;
         let keep = probs
@@ -836,29 +886,28 @@ impl Sampler {
         self.history.iter().skip(self.history.len() - n)
     }
 
-    fn apply_penalties(&self, cand: &mut [(TokenId, f32)]) {
+    fn apply_penalties(&self, row: &mut [f32]) {
         let p = &self.params;
         let mut counts: HashMap<TokenId, u32> = HashMap::new();
         for &t in self.recent(p.penalty_last_n) {
             *counts.entry(t).or_default() += 1;
         }
         for (t, c) in counts {
-            // Candidates are still indexed by token id at this stage.
-            let Some(entry) = cand.get_mut(t as usize).filter(|e| e.0 == t) else {
+            let Some(l) = row.get_mut(t as usize) else {
                 continue;
             };
-            if entry.1 <= 0.0 {
-                entry.1 *= p.penalty_repeat;
+            if *l <= 0.0 {
+                *l *= p.penalty_repeat;
             } else {
-                entry.1 /= p.penalty_repeat;
+                *l /= p.penalty_repeat;
             }
-            entry.1 -= c as f32 * p.penalty_freq + p.penalty_present;
+            *l -= c as f32 * p.penalty_freq + p.penalty_present;
         }
     }
 
     /// DRY ("don't repeat yourself"): penalises the token that would extend a repetition of
     /// the recent history, growing exponentially with the repeated length.
-    fn apply_dry(&self, cand: &mut [(TokenId, f32)]) {
+    fn apply_dry(&self, row: &mut [f32]) {
         let p = &self.params;
         let last: Vec<TokenId> = self.recent(p.dry_penalty_last_n).copied().collect();
         let n = last.len();
@@ -894,8 +943,8 @@ impl Sampler {
         for (t, len) in max_len {
             let exponent = ((len - allowed) as i32).min(max_exponent);
             let penalty = p.dry_multiplier * p.dry_base.powi(exponent);
-            if let Some(entry) = cand.get_mut(t as usize).filter(|e| e.0 == t) {
-                entry.1 -= penalty;
+            if let Some(l) = row.get_mut(t as usize) {
+                *l -= penalty;
             }
         }
     }
@@ -949,6 +998,82 @@ fn later_if_larger(a: Option<(usize, f32)>, b: Option<(usize, f32)>) -> Option<(
         (Some(x), _) => Some(x),
         (None, y) => y.filter(|y| y.1 > f32::NEG_INFINITY),
     }
+}
+
+/// The candidates' one order: the larger logit first (as `f32::total_cmp` orders them),
+/// then the lower token id, so that every selection and sort of them has one result.
+fn by_logit(a: &(TokenId, f32), b: &(TokenId, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// The first `n` candidates of `row` in [`by_logit`]'s order (all of them when fewer;
+/// those at `-inf` left out when `above_neg_inf`), into `out` in that order; `false` when
+/// the row holds a NaN. Instead of a candidate list the size of the vocabulary: one
+/// vectorised pass for each block's largest value, then only the blocks whose largest
+/// reaches the `n`-th largest of those (the `n` blocks above it hold `n` values at least
+/// that large, so no value below it is among the first `n`). `maxima` is scratch.
+fn best_by_logit(
+    row: &[f32],
+    n: usize,
+    above_neg_inf: bool,
+    maxima: &mut Vec<f32>,
+    out: &mut Vec<(TokenId, f32)>,
+) -> bool {
+    const BLOCK: usize = 8 * SCAN_LANES;
+    out.clear();
+    maxima.clear();
+    for block in row.chunks(BLOCK) {
+        let mut lanes = [f32::NEG_INFINITY; SCAN_LANES];
+        let mut nan = [0u32; SCAN_LANES];
+        let mut parts = block.chunks_exact(SCAN_LANES);
+        for c in parts.by_ref() {
+            for ((m, u), &v) in lanes.iter_mut().zip(nan.iter_mut()).zip(c) {
+                *m = if v > *m { v } else { *m };
+                *u |= v.is_nan() as u32;
+            }
+        }
+        for &v in parts.remainder() {
+            lanes[0] = if v > lanes[0] { v } else { lanes[0] };
+            nan[0] |= v.is_nan() as u32;
+        }
+        if nan.iter().any(|&u| u != 0) {
+            return false;
+        }
+        maxima.push(largest(&lanes));
+    }
+    if n == 0 {
+        return true;
+    }
+    // A float comparison with it (-0 equals +0) keeps every value the order puts at or
+    // above it.
+    let least = if maxima.len() > n {
+        let blocks = maxima.len();
+        maxima.extend_from_within(..);
+        let (_, nth, _) = maxima[blocks..].select_nth_unstable_by(n - 1, |a, b| b.total_cmp(a));
+        let nth = *nth;
+        maxima.truncate(blocks);
+        nth
+    } else {
+        f32::NEG_INFINITY
+    };
+    for (b, (block, &max)) in row.chunks(BLOCK).zip(maxima.iter()).enumerate() {
+        if max >= least {
+            let base = b * BLOCK;
+            out.extend(
+                block
+                    .iter()
+                    .enumerate()
+                    .filter(|&(_, &v)| v >= least && (v > f32::NEG_INFINITY || !above_neg_inf))
+                    .map(|(i, &v)| ((base + i) as TokenId, v)),
+            );
+        }
+    }
+    if out.len() > n {
+        out.select_nth_unstable_by(n - 1, by_logit);
+        out.truncate(n);
+    }
+    out.sort_unstable_by(by_logit);
+    true
 }
 
 /// Lanes of the vectorised row scans.
@@ -1082,6 +1207,101 @@ mod tests {
             assert_eq!(argmax(&row), first_largest(row.iter().copied()), "{row:?}");
         }
         assert_eq!(argmax(&[]), 0);
+    }
+
+    /// `best_by_logit` keeps what sorting the whole row by `by_logit` keeps, in that order:
+    /// ties, ±0, ±inf, rows of fewer blocks than `n` and of many more; a NaN anywhere is
+    /// refused.
+    #[test]
+    fn best_by_logit_is_the_sorted_rows_head() {
+        let mut rng = Rng::new(11);
+        let special = [0.0, -0.0, f32::NEG_INFINITY, f32::INFINITY, 1.0, -1.0];
+        let (mut maxima, mut out) = (Vec::new(), Vec::new());
+        for case in 0..400usize {
+            let len = 1 + rng.next_u64() as usize % 5000;
+            let levels = 1 + rng.next_u64() % 400;
+            let row: Vec<f32> = (0..len)
+                .map(|_| {
+                    if rng.next_u64().is_multiple_of(8) {
+                        special[rng.next_u64() as usize % special.len()]
+                    } else {
+                        (rng.next_u64() % levels) as f32 / 8.0 - 20.0
+                    }
+                })
+                .collect();
+            let n = 1 + rng.next_u64() as usize % if case % 4 < 2 { 8 } else { 300 };
+            let above_neg_inf = case % 2 == 0;
+            let mut all: Vec<(TokenId, f32)> = row
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as TokenId, l))
+                .filter(|c| !above_neg_inf || c.1 > f32::NEG_INFINITY)
+                .collect();
+            all.sort_by(by_logit);
+            all.truncate(n);
+            assert!(best_by_logit(&row, n, above_neg_inf, &mut maxima, &mut out));
+            let same = out.len() == all.len()
+                && out
+                    .iter()
+                    .zip(&all)
+                    .all(|(a, b)| a.0 == b.0 && a.1.to_bits() == b.1.to_bits());
+            assert!(same, "case {case}: n {n} len {len}");
+            let mut with_nan = row.clone();
+            with_nan[rng.next_u64() as usize % len] =
+                if case % 3 == 0 { -f32::NAN } else { f32::NAN };
+            assert!(!best_by_logit(
+                &with_nan,
+                n,
+                above_neg_inf,
+                &mut maxima,
+                &mut out
+            ));
+        }
+    }
+
+    /// A sampled step that top-k decides draws the same tokens from the one-pass candidates
+    /// as from the whole row's list: bias (bans included), penalties over a history, DRY,
+    /// min_keep, the truncation stages after top-k, ties.
+    #[test]
+    fn top_k_scan_draws_what_the_whole_list_draws() {
+        let mut rng = Rng::new(5);
+        for case in 0..300u64 {
+            let len = 2 + rng.next_u64() as usize % 900;
+            let rows: Vec<Vec<f32>> = (0..8)
+                .map(|_| {
+                    (0..len)
+                        .map(|_| (rng.next_u64() % 64) as f32 / 4.0)
+                        .collect()
+                })
+                .collect();
+            let mut bias: Vec<(TokenId, f32)> = (0..rng.next_u64() % 4)
+                .map(|_| ((rng.next_u64() as usize % len) as TokenId, 2.0))
+                .collect();
+            if case % 3 == 0 {
+                bias.push((
+                    (rng.next_u64() as usize % len) as TokenId,
+                    f32::NEG_INFINITY,
+                ));
+            }
+            let params = SamplerParams {
+                seed: case,
+                top_k: 1 + (rng.next_u64() % 80) as i32,
+                min_keep: (rng.next_u64() % 3) as usize,
+                top_p: if case % 2 == 0 { 0.9 } else { 1.0 },
+                min_p: if case % 4 == 0 { 0.0 } else { 0.05 },
+                typical_p: if case % 5 == 0 { 0.8 } else { 1.0 },
+                penalty_repeat: if case % 3 == 1 { 1.3 } else { 1.0 },
+                dry_multiplier: if case % 7 == 0 { 0.8 } else { 0.0 },
+                logit_bias: bias,
+                ..Default::default()
+            };
+            let mut fast = Sampler::new(params.clone());
+            let mut slow = Sampler::new(params);
+            slow.top_k_scan = false;
+            for row in rows.iter().cycle().take(40) {
+                assert_eq!(fast.sample(row), slow.sample(row), "case {case}");
+            }
+        }
     }
 
     #[test]
