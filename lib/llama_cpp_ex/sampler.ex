@@ -5,7 +5,9 @@ defmodule LlamaCppEx.Sampler do
   logit bias → grammar → penalties → DRY → top-n-σ → top-k → typical → top-p → min-p → XTC →
   temperature (dynamic with `:dynatemp_range`) → seeded draw. With `temp: 0` the token is the
   argmax after bias, grammar, penalties and DRY. `mirostat: 1 | 2` replaces the truncation
-  stages with temperature → Mirostat, as llama.cpp's common sampler does.
+  stages with temperature → Mirostat, as llama.cpp's common sampler does. Tokens with equal
+  logits are ordered by token id (the lower first) at every stage, so the same `:seed` draws
+  the same tokens from the same logits.
 
   When logit bias and grammar together leave no token at some step, the sampler returns the
   end-of-generation token: the request ends (`finish_reason: "stop"`) rather than ignore them.
