@@ -601,14 +601,14 @@ impl Sampler {
         if self.params.temp <= 0.0 && !self.params.penalties_active() && !self.params.dry_active() {
             return self.greedy_row(logits, raw);
         }
-        let p = self.params.clone();
+        let (temp, mirostat) = (self.params.temp, self.params.mirostat);
         let mut prepared = std::mem::take(&mut self.prepared);
         let row = self.prepared_row(&mut prepared, logits);
         let mut cand = std::mem::take(&mut self.candidates);
-        let drop_banned = self.grammar.is_some() || !p.logit_bias.is_empty();
+        let drop_banned = self.grammar.is_some() || !self.params.logit_bias.is_empty();
         // Sampled with top-k deciding: only its candidates, found in one pass over the row
         // (exactly the chain's: its order has no ties); the whole row's list otherwise.
-        if p.temp > 0.0
+        if temp > 0.0
             && self.top_k_scan
             && self.top_k_decides()
             && best_by_logit(
@@ -639,11 +639,11 @@ impl Sampler {
                 cand.extend(raw.iter().enumerate().map(|(i, &l)| (i as TokenId, l)));
             }
         }
-        let token = if p.temp <= 0.0 {
+        let token = if temp <= 0.0 {
             greedy(&cand)
-        } else if p.mirostat == 1 {
+        } else if mirostat == 1 {
             self.mirostat_v1(&mut cand)
-        } else if p.mirostat == 2 {
+        } else if mirostat == 2 {
             self.mirostat_v2(&mut cand)
         } else {
             self.draw_sampled(&mut cand)
@@ -1023,23 +1023,11 @@ fn best_by_logit(
     out.clear();
     maxima.clear();
     for block in row.chunks(BLOCK) {
-        let mut lanes = [f32::NEG_INFINITY; SCAN_LANES];
-        let mut nan = [0u32; SCAN_LANES];
-        let mut parts = block.chunks_exact(SCAN_LANES);
-        for c in parts.by_ref() {
-            for ((m, u), &v) in lanes.iter_mut().zip(nan.iter_mut()).zip(c) {
-                *m = if v > *m { v } else { *m };
-                *u |= v.is_nan() as u32;
-            }
-        }
-        for &v in parts.remainder() {
-            lanes[0] = if v > lanes[0] { v } else { lanes[0] };
-            nan[0] |= v.is_nan() as u32;
-        }
-        if nan.iter().any(|&u| u != 0) {
+        // `largest` passes NaN over; the order would put it first or last
+        if block.iter().fold(false, |any, v| any | v.is_nan()) {
             return false;
         }
-        maxima.push(largest(&lanes));
+        maxima.push(largest(block));
     }
     if n == 0 {
         return true;
