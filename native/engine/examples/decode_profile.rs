@@ -14,7 +14,8 @@
 //! prints each round's share of the read ceiling (weight bytes × tok/s ÷ read rate) and their
 //! median: on a machine whose bandwidth drifts between runs, a share from the same moment.
 //! `SECTIONS=1` prints where the decode steps' time went: each product, attention, the steps
-//! between them ([`llama_cpp_ex_engine::profile`]), in microseconds a step.
+//! between them ([`llama_cpp_ex_engine::profile`]), in microseconds a step, and the same for
+//! the pp512 runs (a "step" there is one whole prompt).
 
 use llama_cpp_ex_engine::kv::KvType;
 use llama_cpp_ex_engine::profile;
@@ -136,13 +137,20 @@ fn main() {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(1);
             let mut best = f64::INFINITY;
+            profile::take();
+            profile::enable(sections);
             for _ in 0..reps.max(1) {
                 let mut ctx = Context::new(model.clone(), params(1)).unwrap();
                 let t = Instant::now();
                 ctx.decode(&Batch::for_sequence(&prompt, 0, 0)).unwrap();
                 best = best.min(t.elapsed().as_secs_f64());
             }
+            profile::enable(false);
             println!("pp512: {:.1} tok/s", 512.0 / best);
+            if sections {
+                // a "step" here is one 512-token prompt
+                print_sections(reps.max(1));
+            }
         }
 
         // NCU_STEP=1: the first run's third step alone is bracketed for a profiler started
