@@ -507,8 +507,33 @@ impl FactorPtr {
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     unsafe fn load8(self, unit: usize, sb: usize) -> std::arch::x86_64::__m256 {
+        self.load8_with(unit, self.base8(sb))
+    }
+
+    /// Super-block `sb`'s 8 factors as f32, for [`Self::load8_with`].
+    ///
+    /// # Safety
+    /// As [`Self::load8`].
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn base8(self, sb: usize) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
-        let f = _mm256_cvtph_ps(_mm_loadu_si128(self.base.add(sb * GROUP) as *const __m128i));
+        _mm256_cvtph_ps(_mm_loadu_si128(self.base.add(sb * GROUP) as *const __m128i))
+    }
+
+    /// [`Self::load8`] with its super-block's factors already converted ([`Self::base8`]):
+    /// the same values, bitwise.
+    ///
+    /// # Safety
+    /// As [`Self::load8`].
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn load8_with(
+        self,
+        unit: usize,
+        f: std::arch::x86_64::__m256,
+    ) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
         let n = _mm_loadl_epi64(self.mult.add(unit * GROUP) as *const __m128i);
         _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(n)))
     }

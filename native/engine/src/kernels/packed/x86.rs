@@ -473,6 +473,65 @@ impl GroupRef {
         }
     }
 
+    /// The converted super-block factors of block `b`'s scales and minimums, for
+    /// [`Self::d8_with`] and [`Self::m8_with`] (unused unless the scales are factored): a
+    /// pass over a group's blocks converts them once per super-block instead of per block.
+    ///
+    /// # Safety
+    /// As [`Self::d8`].
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    pub(super) unsafe fn bases8<T: Format>(&self, b: usize) -> [std::arch::x86_64::__m256; 2] {
+        use std::arch::x86_64::_mm256_setzero_ps;
+        match T::scales(self) {
+            Form::Factored => [
+                self.fd.base8(b / SUPER_BLOCKS),
+                if T::has_min(self) {
+                    self.fm.base8(b / SUPER_BLOCKS)
+                } else {
+                    _mm256_setzero_ps()
+                },
+            ],
+            _ => [_mm256_setzero_ps(); 2],
+        }
+    }
+
+    /// [`Self::d8`] given block `b`'s [`Self::bases8`]: the same values, bitwise.
+    ///
+    /// # Safety
+    /// As [`Self::d8`].
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    pub(super) unsafe fn d8_with<T: Format>(
+        &self,
+        b: usize,
+        h: usize,
+        bases: &[std::arch::x86_64::__m256; 2],
+    ) -> std::arch::x86_64::__m256 {
+        let unit = b * T::halves(self) + h;
+        match T::scales(self) {
+            Form::Factored => self.fd.load8_with(unit, bases[0]),
+            form => self.d.add(unit * GROUP).load8_as(form == Form::F16),
+        }
+    }
+
+    /// [`Self::m8`] given block `b`'s [`Self::bases8`].
+    ///
+    /// # Safety
+    /// As [`Self::d8`].
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    pub(super) unsafe fn m8_with<T: Format>(
+        &self,
+        b: usize,
+        bases: &[std::arch::x86_64::__m256; 2],
+    ) -> std::arch::x86_64::__m256 {
+        match T::scales(self) {
+            Form::Factored => self.fm.load8_with(b, bases[1]),
+            form => self.m.add(b * GROUP).load8_as(form == Form::F16),
+        }
+    }
+
     /// The 8 rows' minimums of block `b` (types with a stored one), as [`Self::d8`].
     ///
     /// # Safety
@@ -739,9 +798,13 @@ macro_rules! group_kernel {
             let narrow = $narrow && !T::bytes8(p) && !T::high(p) && !T::six(p);
             let l2 = crate::kernels::prefetch_to_l2();
             let mut acc = [_mm256_setzero_ps(); R];
+            let mut bases = [_mm256_setzero_ps(); 2];
             for b in 0..nb {
                 if PREFETCH {
                     p.prefetch_next::<T>(nb, b, l2);
+                }
+                if b % SUPER_BLOCKS == 0 {
+                    bases = p.bases8::<T>(b);
                 }
                 let v = match buffered.get(b) {
                     Some(v) => *v,
@@ -751,8 +814,8 @@ macro_rules! group_kernel {
                 let at = |i: usize| (r0 + i) * nb + b;
                 if T::halves(p) == 2 {
                     // (split types have implied offsets, folded into the integers)
-                    let dv = p.d8::<T>(b, 0);
-                    let dv1 = p.d8::<T>(b, 1);
+                    let dv = p.d8_with::<T>(b, 0, &bases);
+                    let dv1 = p.d8_with::<T>(b, 1, &bases);
                     for (i, acc) in acc.iter_mut().enumerate() {
                         let f = a.folded_halves.as_ptr().add(2 * at(i));
                         let f = [*f, *f.add(1)];
@@ -768,7 +831,7 @@ macro_rules! group_kernel {
                     }
                     continue;
                 }
-                let dv = p.d8::<T>(b, 0);
+                let dv = p.d8_with::<T>(b, 0, &bases);
                 let dot = |i: usize, folded: i32| {
                     if $signed {
                         block_dot_avx2_signed(&v, x(i))
@@ -792,7 +855,7 @@ macro_rules! group_kernel {
                 };
                 match T::has_min(p) {
                     true => {
-                        let mv = p.m8::<T>(b);
+                        let mv = p.m8_with::<T>(b, &bases);
                         for (i, acc) in acc.iter_mut().enumerate() {
                             let dot = _mm256_cvtepi32_ps(dot(i, 0));
                             let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
