@@ -499,21 +499,10 @@ impl FactorPtr {
         }
     }
 
-    /// The 8 values of run `unit` (a block, or a half of one for split types) of
-    /// super-block `sb`, multiplied out: bitwise the f32 values, the products being exact.
-    ///
-    /// # Safety
-    /// The run lies inside the matrix; AVX2 and F16C are available.
-    #[target_feature(enable = "avx2,f16c")]
-    #[inline]
-    unsafe fn load8(self, unit: usize, sb: usize) -> std::arch::x86_64::__m256 {
-        self.load8_with(unit, self.base8(sb))
-    }
-
     /// Super-block `sb`'s 8 factors as f32, for [`Self::load8_with`].
     ///
     /// # Safety
-    /// As [`Self::load8`].
+    /// As [`Self::load8_with`].
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     unsafe fn base8(self, sb: usize) -> std::arch::x86_64::__m256 {
@@ -521,11 +510,12 @@ impl FactorPtr {
         _mm256_cvtph_ps(_mm_loadu_si128(self.base.add(sb * GROUP) as *const __m128i))
     }
 
-    /// [`Self::load8`] with its super-block's factors already converted ([`Self::base8`]):
-    /// the same values, bitwise.
+    /// The 8 values of run `unit` (a block, or a half of one for split types), multiplied
+    /// out given its super-block's factors (`f`, from [`Self::base8`]): bitwise the f32
+    /// values, the products being exact.
     ///
     /// # Safety
-    /// As [`Self::load8`].
+    /// The run lies inside the matrix; AVX2 and F16C are available.
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     unsafe fn load8_with(

@@ -106,7 +106,7 @@ thread_local! {
 /// copies made here: a kernel that passes over a row group's blocks once per few activation
 /// rows (a prompt, a longer decode batch) would otherwise multiply the factors out again in
 /// every pass, on the vector ports its products are bound by. The copies are the values
-/// [`FactorPtr::load8`] computes, so results are bitwise the same. Groups whose scales are
+/// [`GroupRef::d8`] and [`GroupRef::m8`] compute, so results are bitwise the same. Groups whose scales are
 /// not factored are read as they are.
 ///
 /// # Safety
@@ -466,11 +466,7 @@ impl GroupRef {
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     pub(super) unsafe fn d8<T: Format>(&self, b: usize, h: usize) -> std::arch::x86_64::__m256 {
-        let unit = b * T::halves(self) + h;
-        match T::scales(self) {
-            Form::Factored => self.fd.load8(unit, b / SUPER_BLOCKS),
-            form => self.d.add(unit * GROUP).load8_as(form == Form::F16),
-        }
+        self.d8_with::<T>(b, h, &self.bases8::<T>(b))
     }
 
     /// The converted super-block factors of block `b`'s scales and minimums, for
@@ -539,10 +535,7 @@ impl GroupRef {
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     pub(super) unsafe fn m8<T: Format>(&self, b: usize) -> std::arch::x86_64::__m256 {
-        match T::scales(self) {
-            Form::Factored => self.fm.load8(b, b / SUPER_BLOCKS),
-            form => self.m.add(b * GROUP).load8_as(form == Form::F16),
-        }
+        self.m8_with::<T>(b, &self.bases8::<T>(b))
     }
 
     /// Starts loading the `nb` blocks of this group (values, scales, fifth bits; the first
