@@ -106,8 +106,8 @@ thread_local! {
 /// copies made here: a kernel that passes over a row group's blocks once per few activation
 /// rows (a prompt, a longer decode batch) would otherwise multiply the factors out again in
 /// every pass, on the vector ports its products are bound by. The copies are the values
-/// [`GroupRef::d8`] and [`GroupRef::m8`] compute, so results are bitwise the same. Groups whose scales are
-/// not factored are read as they are.
+/// [`GroupRef::d8`] and [`GroupRef::m8`] compute, so results are bitwise the same. Groups
+/// whose scales are not factored are read as they are.
 ///
 /// # Safety
 /// The groups are inside their matrix (as for the kernels); AVX2 and F16C are available.
@@ -469,6 +469,16 @@ impl GroupRef {
         self.d8_with::<T>(b, h, &self.bases8::<T>(b))
     }
 
+    /// The 8 rows' minimums of block `b` (types with a stored one), as [`Self::d8`].
+    ///
+    /// # Safety
+    /// As [`Self::d8`].
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    pub(super) unsafe fn m8<T: Format>(&self, b: usize) -> std::arch::x86_64::__m256 {
+        self.m8_with::<T>(b, &self.bases8::<T>(b))
+    }
+
     /// The converted super-block factors of block `b`'s scales and minimums, for
     /// [`Self::d8_with`] and [`Self::m8_with`] (unused unless the scales are factored): a
     /// pass over a group's blocks converts them once per super-block instead of per block.
@@ -526,16 +536,6 @@ impl GroupRef {
             Form::Factored => self.fm.load8_with(b, bases[1]),
             form => self.m.add(b * GROUP).load8_as(form == Form::F16),
         }
-    }
-
-    /// The 8 rows' minimums of block `b` (types with a stored one), as [`Self::d8`].
-    ///
-    /// # Safety
-    /// As [`Self::d8`].
-    #[target_feature(enable = "avx2,f16c")]
-    #[inline]
-    pub(super) unsafe fn m8<T: Format>(&self, b: usize) -> std::arch::x86_64::__m256 {
-        self.m8_with::<T>(b, &self.bases8::<T>(b))
     }
 
     /// Starts loading the `nb` blocks of this group (values, scales, fifth bits; the first
