@@ -1,15 +1,43 @@
-//! Activations quantized to Q8_0 (blocks of 32 int8 values with one scale): the input side
-//! of every quantized product (`super::packed`).
+//! Activations quantized to Q8_0 (blocks of 32 int8 values with one scale), or with one scale
+//! per 256 values for K-quant weights (ggml's Q8_K): the input side of every quantized
+//! product (`super::packed`).
 
 #[cfg(target_arch = "x86_64")]
 use super::has_avx2;
+use super::kquant::QK_K;
 use half::f16;
 
 /// Elements per Q8_0 block.
 pub const QK8_0: usize = 32;
 
-/// Blocks quantized per task on the worker pool; fewer run on the calling thread.
+/// Blocks per super-block of [`ActFormat::super_scales`] (a K-quant's super-block).
+const SUPER: usize = QK_K / QK8_0;
+
+/// Blocks quantized per task on the worker pool; fewer run on the calling thread (a multiple
+/// of [`SUPER`], so a task never splits a super-block).
 const PARALLEL_BLOCKS: usize = 512;
+
+/// How a product's weights want their activations quantized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActFormat {
+    /// The weights' implied offset `c` for [`Q8Activations::folded`] (0 when they store
+    /// their own).
+    pub offset: i32,
+    /// One scale per [`QK_K`] values instead of per block, as ggml quantizes the
+    /// activations of its K-quant products (Q8_K): the kernels then apply the activation
+    /// scale once per super-block, where the weights' sub-block scales are integers times a
+    /// super-block factor anyway, instead of once per block and row (a multiply on the vector
+    /// pipes the integer products are bound by, ~7% of a K-quant prompt on Zen 4).
+    pub super_scales: bool,
+}
+
+impl ActFormat {
+    /// Per-block scales and no offset.
+    pub const PLAIN: ActFormat = ActFormat {
+        offset: 0,
+        super_scales: false,
+    };
+}
 
 /// [`Q8Activations`]' buffers while tasks fill disjoint blocks of them.
 struct Outputs {
@@ -22,12 +50,17 @@ struct Outputs {
 // SAFETY: tasks write disjoint blocks (see `quantize_into`).
 unsafe impl Sync for Outputs {}
 
-/// Activations quantized to Q8_0 per row and block.
+/// Activations quantized to Q8_0 per row and block (per row and super-block with
+/// [`ActFormat::super_scales`]).
 pub struct Q8Activations {
     pub(crate) m: usize,
+    /// Whether [`ActFormat::super_scales`]: every block's entry of `scales` is then its
+    /// super-block's scale, and `sums` hold the plain `Σ quants`.
+    pub(crate) super_scales: bool,
     pub(crate) quants: Vec<i8>,
     pub(crate) scales: Vec<f32>,
-    /// Per block: scale × Σ quants (ggml's Q8_1 `s`), for weight types with a stored offset.
+    /// Per block: scale × Σ quants (ggml's Q8_1 `s`), for weight types with a stored offset;
+    /// with super-block scales, `Σ quants` alone (the kernels scale a super-block at once).
     pub(crate) sums: Vec<f32>,
     /// Per block: `-c·Σ quants`, where the weights' values carry an implied offset of `c`
     /// units of their scale (`w = d·(q - c)`, see `packed`): the integer that turns the dot
@@ -39,19 +72,27 @@ pub struct Q8Activations {
 
 impl Q8Activations {
     /// ggml's `quantize_row_q8_0`: per block scale `amax / 127`, values rounded to nearest
-    /// (ties to even, as ggml's AVX2 path does); `offset` is the weights' implied offset `c`
-    /// for [`Q8Activations::folded`] (0 when they store their own).
-    pub fn quantize(x: &[f32], m: usize, k: usize, offset: i32) -> Self {
+    /// (ties to even, as ggml's AVX2 path does); with [`ActFormat::super_scales`], the same
+    /// with `amax` taken over each 256-value super-block and the scale kept in f32 (ggml's
+    /// `quantize_row_q8_K`). `format.offset` is the weights' implied offset `c` for
+    /// [`Q8Activations::folded`].
+    pub fn quantize(x: &[f32], m: usize, k: usize, format: ActFormat) -> Self {
         let mut a = empty();
-        a.quantize_into(x, m, k, offset);
+        a.quantize_into(x, m, k, format);
         a
     }
 
     /// [`Q8Activations::quantize`] into this value's buffers (no allocation once they are
     /// large enough).
-    pub fn quantize_into(&mut self, x: &[f32], m: usize, k: usize, offset: i32) {
+    pub fn quantize_into(&mut self, x: &[f32], m: usize, k: usize, format: ActFormat) {
         let nb = k / QK8_0;
+        let (offset, sup) = (format.offset, format.super_scales);
+        assert!(
+            !sup || k.is_multiple_of(QK_K),
+            "super-block scales need k % 256 == 0"
+        );
         self.m = m;
+        self.super_scales = sup;
         // every element is written below: resizing without clearing skips zero-filling
         // buffers that were already long enough
         self.quants.resize(m * k, 0);
@@ -67,20 +108,39 @@ impl Q8Activations {
             folded_halves: self.folded_halves.as_mut_ptr(),
         };
         let out = &out;
+        // SAFETY (both closures): `bi < m·nb`, so every slot written is inside its buffer
+        // (sized above), and the ranges of blocks given to tasks are disjoint.
+        let store = |bi: usize, scale: f32, [lo, hi]: [i32; 2]| unsafe {
+            *out.scales.add(bi) = scale;
+            *out.sums.add(bi) = if sup {
+                (lo + hi) as f32
+            } else {
+                scale * (lo + hi) as f32
+            };
+            *out.folded.add(bi) = -offset * (lo + hi);
+            *out.folded_halves.add(2 * bi) = -offset * lo;
+            *out.folded_halves.add(2 * bi + 1) = -offset * hi;
+        };
+        let quants = |bi: usize| unsafe {
+            std::slice::from_raw_parts_mut(out.quants.add(bi * QK8_0), QK8_0)
+        };
         let run = |blocks: std::ops::Range<usize>| {
-            for bi in blocks {
-                // SAFETY: `bi < m·nb`, so every slot written is inside its buffer (sized
-                // above), and the ranges of blocks given to tasks are disjoint.
-                unsafe {
-                    let qb = std::slice::from_raw_parts_mut(out.quants.add(bi * QK8_0), QK8_0);
-                    let (d, [lo, hi]) = quantize_block(&x[bi * QK8_0..(bi + 1) * QK8_0], qb);
+            if !sup {
+                for bi in blocks {
+                    let (d, halves) = quantize_block(&x[bi * QK8_0..(bi + 1) * QK8_0], quants(bi));
                     // the scale as ggml stores it (f16) so results match Q8_0 x Q8_0 products
-                    let scale = f16::from_f32(d).to_f32();
-                    *out.scales.add(bi) = scale;
-                    *out.sums.add(bi) = scale * (lo + hi) as f32;
-                    *out.folded.add(bi) = -offset * (lo + hi);
-                    *out.folded_halves.add(2 * bi) = -offset * lo;
-                    *out.folded_halves.add(2 * bi + 1) = -offset * hi;
+                    store(bi, f16::from_f32(d).to_f32(), halves);
+                }
+                return;
+            }
+            for b0 in blocks.step_by(SUPER) {
+                let xs = &x[b0 * QK8_0..(b0 + SUPER) * QK8_0];
+                let d = abs_max(xs) / 127.0;
+                let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+                for bi in b0..b0 + SUPER {
+                    let halves =
+                        quantize_block_by(&x[bi * QK8_0..(bi + 1) * QK8_0], quants(bi), id);
+                    store(bi, d, halves);
                 }
             }
         };
@@ -101,31 +161,31 @@ impl Q8Activations {
         x: &[f32],
         m: usize,
         k: usize,
-        offset: i32,
+        format: ActFormat,
         f: impl FnOnce(&Self) -> R,
     ) -> R {
         with_buffer(&BUFFERS, |a| {
-            a.quantize_into(x, m, k, offset);
+            a.quantize_into(x, m, k, format);
             f(a)
         })
     }
 
-    /// [`Self::with_quantized`] for products of two weight types at once: `x` quantized for
-    /// each of `offsets` (once when they are equal), in the thread's second set of buffers
+    /// [`Self::with_quantized`] for products of two weight types at once: `x` quantized in
+    /// each of `formats` (once when they are equal), in the thread's second set of buffers
     /// for the second.
     pub(crate) fn with_quantized_for<R>(
         x: &[f32],
         m: usize,
         k: usize,
-        offsets: [i32; 2],
+        formats: [ActFormat; 2],
         f: impl FnOnce([&Self; 2]) -> R,
     ) -> R {
-        Self::with_quantized(x, m, k, offsets[0], |first| {
-            if offsets[1] == offsets[0] {
+        Self::with_quantized(x, m, k, formats[0], |first| {
+            if formats[1] == formats[0] {
                 return f([first, first]);
             }
             with_buffer(&SECOND, |second| {
-                second.quantize_into(x, m, k, offsets[1]);
+                second.quantize_into(x, m, k, formats[1]);
                 f([first, second])
             })
         })
@@ -135,6 +195,7 @@ impl Q8Activations {
 const fn empty() -> Q8Activations {
     Q8Activations {
         m: 0,
+        super_scales: false,
         quants: Vec::new(),
         scales: Vec::new(),
         sums: Vec::new(),
@@ -172,19 +233,38 @@ pub fn quantize_block_q8_0(xb: &[f32], qb: &mut [i8]) -> f32 {
 /// Quantizes one block of [`QK8_0`] values; returns the scale and the sums of the quantized
 /// halves.
 fn quantize_block(xb: &[f32], qb: &mut [i8]) -> (f32, [i32; 2]) {
+    let d = abs_max(xb) / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    (d, quantize_block_by(xb, qb, id))
+}
+
+/// The largest `|x|` (0 for none); the same on every path (a maximum does not depend on the
+/// order of comparisons).
+fn abs_max(xs: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && xs.len().is_multiple_of(QK8_0) {
+        // SAFETY: AVX2 was detected; whole blocks of `xs` are read.
+        return xs
+            .chunks_exact(QK8_0)
+            .map(|b| unsafe { abs_max_avx2(b.as_ptr()) })
+            .fold(0f32, f32::max);
+    }
+    xs.iter().fold(0f32, |a, v| a.max(v.abs()))
+}
+
+/// One block of [`QK8_0`] values times `id` (the inverse scale), rounded to nearest, ties to
+/// even; returns the sums of the quantized halves.
+fn quantize_block_by(xb: &[f32], qb: &mut [i8], id: f32) -> [i32; 2] {
     assert!(xb.len() == QK8_0 && qb.len() == QK8_0);
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: AVX2 was detected; both blocks hold QK8_0 elements (asserted above).
-        return unsafe { quantize_block_avx2(xb.as_ptr(), qb.as_mut_ptr()) };
+        return unsafe { quantize_block_avx2(xb.as_ptr(), qb.as_mut_ptr(), id) };
     }
-    quantize_block_scalar(xb, qb)
+    quantize_block_scalar(xb, qb, id)
 }
 
-fn quantize_block_scalar(xb: &[f32], qb: &mut [i8]) -> (f32, [i32; 2]) {
-    let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let d = amax / 127.0;
-    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+fn quantize_block_scalar(xb: &[f32], qb: &mut [i8], id: f32) -> [i32; 2] {
     for (q, v) in qb.iter_mut().zip(xb) {
         *q = (v * id).round_ties_even() as i8;
     }
@@ -195,12 +275,13 @@ fn quantize_block_scalar(xb: &[f32], qb: &mut [i8]) -> (f32, [i32; 2]) {
             .map(|&q| q as i32)
             .sum::<i32>()
     };
-    (d, [half(0), half(1)])
+    [half(0), half(1)]
 }
 
+/// `max |x|` of one block of [`QK8_0`] values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn quantize_block_avx2(xb: *const f32, qb: *mut i8) -> (f32, [i32; 2]) {
+unsafe fn abs_max_avx2(xb: *const f32) -> f32 {
     use std::arch::x86_64::*;
     let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xb.add(8 * i)));
     let sign = _mm256_set1_ps(-0.0);
@@ -212,8 +293,15 @@ unsafe fn quantize_block_avx2(xb: *const f32, qb: *mut i8) -> (f32, [i32; 2]) {
     let mut m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    let d = _mm_cvtss_f32(m4) / 127.0;
-    let id = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+    _mm_cvtss_f32(m4)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_block_avx2(xb: *const f32, qb: *mut i8, id: f32) -> [i32; 2] {
+    use std::arch::x86_64::*;
+    let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xb.add(8 * i)));
+    let id = _mm256_set1_ps(id);
     let q: [__m256i; 4] = std::array::from_fn(|i| {
         let r = _mm256_round_ps(
             _mm256_mul_ps(v[i], id),
@@ -238,7 +326,7 @@ unsafe fn quantize_block_avx2(xb: *const f32, qb: *mut i8) -> (f32, [i32; 2]) {
     );
     let w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(qb as *mut __m256i, w);
-    (d, halves)
+    halves
 }
 
 // the scalar path against the AVX2 one
@@ -264,14 +352,52 @@ mod tests {
                 x.fill(0.0);
             }
             let (mut a, mut b) = ([0i8; QK8_0], [0i8; QK8_0]);
-            let scalar = quantize_block_scalar(&x, &mut a);
+            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            let scalar = quantize_block_scalar(&x, &mut a, id);
             #[cfg(target_arch = "x86_64")]
             if has_avx2() {
                 // SAFETY: AVX2 detected; both blocks hold QK8_0 elements.
-                let simd = unsafe { quantize_block_avx2(x.as_ptr(), b.as_mut_ptr()) };
+                let simd = unsafe { quantize_block_avx2(x.as_ptr(), b.as_mut_ptr(), id) };
                 assert_eq!(scalar, simd, "case {case}");
                 assert_eq!(a, b, "case {case}");
+                // SAFETY: as above.
+                assert_eq!(unsafe { abs_max_avx2(x.as_ptr()) }, amax, "case {case}");
             }
         }
+    }
+
+    /// With super-block scales every block of a 256-value super-block shares the scale of
+    /// the super-block's largest value, kept in f32, and the sums are plain; per-block
+    /// scales are f16-rounded and the sums scaled.
+    #[test]
+    fn super_block_scales_are_shared_and_sums_plain() {
+        let mut seed = 5u64;
+        let (m, k) = (3, 2 * QK_K);
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| lcg(&mut seed) * if i % 97 == 0 { 9.0 } else { 1.0 })
+            .collect();
+        let format = |super_scales| ActFormat {
+            offset: 8,
+            super_scales,
+        };
+        let a = Q8Activations::quantize(&x, m, k, format(true));
+        let plain = Q8Activations::quantize(&x, m, k, format(false));
+        let nb = k / QK8_0;
+        for (s, xs) in x.chunks(QK_K).enumerate() {
+            let d = xs.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+            for bi in s * SUPER..(s + 1) * SUPER {
+                assert_eq!(a.scales[bi], d, "block {bi}");
+                let mut q = [0i8; QK8_0];
+                let [lo, hi] = quantize_block_scalar(&x[bi * QK8_0..][..QK8_0], &mut q, 1.0 / d);
+                assert_eq!(&a.quants[bi * QK8_0..][..QK8_0], &q[..], "block {bi}");
+                assert_eq!(a.sums[bi], (lo + hi) as f32, "block {bi}");
+                assert_eq!(a.folded[bi], -8 * (lo + hi), "block {bi}");
+                let pd = plain.scales[bi];
+                assert_eq!(pd, f16::from_f32(pd).to_f32(), "block {bi}");
+            }
+        }
+        assert_eq!(a.scales.len(), m * nb);
+        assert!(a.super_scales && !plain.super_scales);
     }
 }

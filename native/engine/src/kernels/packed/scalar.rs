@@ -42,6 +42,8 @@ impl PackedMatrix {
         let (k, nb) = (self.n_in, self.nb);
         for r in act {
             let mut acc = 0f32;
+            // with super-block scales, the super-block's two sums before its activation scale
+            let (mut sup, mut sup2) = (0f32, 0f32);
             for (b, blk) in blocks.iter().enumerate() {
                 let x = &a.quants[r * k + b * QK4_1..][..QK4_1];
                 let dot = |range: std::ops::Range<usize>, folded: i32| -> f32 {
@@ -50,7 +52,24 @@ impl PackedMatrix {
                 };
                 let at = r * nb + b;
                 let dx = a.scales[at];
-                if self.kind.halves() == 2 {
+                if a.super_scales {
+                    // (K-quants: split or with a minimum)
+                    if self.kind.halves() == 2 {
+                        let half = QK4_1 / 2;
+                        let [lo, hi] = [a.folded_halves[2 * at], a.folded_halves[2 * at + 1]];
+                        sup = dot(0..half, lo).mul_add(blk.d[0], sup);
+                        sup2 = dot(half..QK4_1, hi).mul_add(blk.d[1], sup2);
+                    } else {
+                        sup = dot(0..QK4_1, a.folded[at]).mul_add(blk.d[0], sup);
+                        if self.kind.has_min() {
+                            sup2 = blk.m[0].mul_add(a.sums[at], sup2);
+                        }
+                    }
+                    if b % SUPER_BLOCKS == SUPER_BLOCKS - 1 {
+                        acc = (sup + sup2).mul_add(dx, acc);
+                        (sup, sup2) = (0.0, 0.0);
+                    }
+                } else if self.kind.halves() == 2 {
                     let half = QK4_1 / 2;
                     let [lo, hi] = [a.folded_halves[2 * at], a.folded_halves[2 * at + 1]];
                     let lo = dot(0..half, lo) * blk.d[0];

@@ -75,6 +75,12 @@ group_kernel!(
 #[cfg(target_arch = "x86_64")]
 pub(super) const WIDE_ROWS: usize = 8;
 
+/// Rows per pass of [`wide_kernel_vnni`] for split types (Q6_K) with super-block activation
+/// scales: each row's two dot products and three accumulators for 8 rows spill (an 8-row
+/// Q6_K product 27% slower).
+#[cfg(target_arch = "x86_64")]
+pub(super) const WIDE_ROWS_SPLIT_SUPER: usize = 4;
+
 /// Rows per pass of [`pair_kernel_vnni`]: 4 rows of 2 chains kept the `vpdpbusd` ports
 /// busier than 8 rows of one (1.1× on a Xeon; LLVM emits each row's chain in sequence,
 /// however the source interleaves them, so a row's chain length is what the out-of-order
@@ -148,18 +154,30 @@ unsafe fn wide_passes(
 ) {
     let mut r0 = act.start;
     while r0 < act.end {
-        let rows = (act.end - r0).min(WIDE_ROWS);
+        let rows = (act.end - r0).min(if a.super_scales && Dyn::halves(&p[0]) == 2 {
+            WIDE_ROWS_SPLIT_SUPER
+        } else {
+            WIDE_ROWS
+        });
         // the first pass asks for the next tile's blocks while computing this one's: unlike
         // one group's blocks, read as one sequential stream, two groups' blocks are read as
         // two streams that jump ahead by a group at every tile, which the hardware
         // prefetchers do not follow (without these prefetches a 512-bit pass over Gemma 3's
         // head read 12-13 GB/s on one core, 256-bit ones 18-21)
         let prefetch = r0 == act.start;
-        by_format!(all & p[0], |T| by_rows!(rows, |R, C| if prefetch {
-            wide_pass_vnni::<R, C, true, false, T>(w, p, &[], a, r0, valid, g, out)
-        } else {
-            wide_pass_vnni::<R, C, false, false, T>(w, p, &[], a, r0, valid, g, out)
-        }));
+        by_format!(all & p[0], |T| by_rows!(
+            rows,
+            |R, C| match (prefetch, a.super_scales) {
+                (true, false) =>
+                    wide_pass_vnni::<R, C, true, false, false, T>(w, p, &[], a, r0, valid, g, out),
+                (false, false) =>
+                    wide_pass_vnni::<R, C, false, false, false, T>(w, p, &[], a, r0, valid, g, out),
+                (true, true) =>
+                    wide_pass_vnni::<R, C, true, false, true, T>(w, p, &[], a, r0, valid, g, out),
+                (false, true) =>
+                    wide_pass_vnni::<R, C, false, false, true, T>(w, p, &[], a, r0, valid, g, out),
+            }
+        ));
         r0 += rows;
     }
 }
@@ -195,9 +213,15 @@ pub(super) unsafe fn pair_kernel_vnni(
                 let mut r0 = act.start;
                 while r0 < act.end {
                     let rows = (act.end - r0).min(PAIR_ROWS);
-                    by_rows!(rows, |R, C| wide_pass_vnni::<R, C, false, true, T>(
-                        w, p, buffered, a, r0, valid, g, out
-                    ));
+                    by_rows!(rows, |R, C| if a.super_scales {
+                        wide_pass_vnni::<R, C, false, true, true, T>(
+                            w, p, buffered, a, r0, valid, g, out,
+                        )
+                    } else {
+                        wide_pass_vnni::<R, C, false, true, false, T>(
+                            w, p, buffered, a, r0, valid, g, out,
+                        )
+                    });
                     r0 += rows;
                 }
             })
@@ -222,6 +246,7 @@ unsafe fn wide_pass_vnni<
     const C: usize,
     const PREFETCH: bool,
     const BUFFERED: bool,
+    const SUPER: bool,
     T: Format,
 >(
     w: &PackedMatrix,
@@ -236,80 +261,111 @@ unsafe fn wide_pass_vnni<
     use std::arch::x86_64::*;
     let (k, nb) = (w.n_in, w.nb);
     let mut acc = [_mm512_setzero_ps(); R];
-    for b in 0..nb {
-        if PREFETCH {
-            // the next tile (groups g + 2 and g + 3) to the outer caches: `T0` prefetches
-            // of 16 rows' blocks take the L1 miss buffers the loads need (an 8-row head
-            // product at 77-82 GMAC/s with them, 111-131 with `T2`)
-            p[0].prefetch_block::<T, _MM_HINT_T2>(2 * nb + b);
-            p[1].prefetch_block::<T, _MM_HINT_T2>(2 * nb + b);
-        }
-        let v = if BUFFERED {
-            *buffered.get_unchecked(b)
-        } else {
-            wide_block::<T>(p, b)
-        };
-        let x = |i: usize| a.quants.as_ptr().add((r0 + i) * k + b * QK4_1) as *const i32;
-        let at = |i: usize| (r0 + i) * nb + b;
-        // per row, the dot of quads `quads` plus `folded[i]`
-        let dots = |quads: std::ops::Range<usize>, folded: [i32; R]| -> [__m512i; R] {
-            let mut s = [[_mm512_setzero_si512(); C]; R];
-            for (n, q) in quads.enumerate() {
-                for (i, s) in s.iter_mut().enumerate() {
-                    s[n % C] = _mm512_dpbusd_epi32(s[n % C], v[q], _mm512_set1_epi32(*x(i).add(q)));
-                }
+    let mut sup = [_mm512_setzero_ps(); R];
+    let mut sup2 = [_mm512_setzero_ps(); R];
+    // with super-block scales (K-quants), a super-block's blocks at a time: each row's sums
+    // over them (two chains: the dots times their scales, and the minimums or the split
+    // types' second halves) are scaled by its activation scale once, after its last block
+    let span = if SUPER { SUPER_BLOCKS } else { nb.max(1) };
+    for b0 in (0..nb).step_by(span) {
+        for b in b0..(b0 + span).min(nb) {
+            if PREFETCH {
+                // the next tile (groups g + 2 and g + 3) to the outer caches: `T0` prefetches
+                // of 16 rows' blocks take the L1 miss buffers the loads need (an 8-row head
+                // product at 77-82 GMAC/s with them, 111-131 with `T2`)
+                p[0].prefetch_block::<T, _MM_HINT_T2>(2 * nb + b);
+                p[1].prefetch_block::<T, _MM_HINT_T2>(2 * nb + b);
             }
-            std::array::from_fn(|i| {
-                let mut sum = _mm512_set1_epi32(folded[i]);
-                for &c in &s[i] {
-                    sum = _mm512_add_epi32(sum, c);
+            let v = if BUFFERED {
+                *buffered.get_unchecked(b)
+            } else {
+                wide_block::<T>(p, b)
+            };
+            let x = |i: usize| a.quants.as_ptr().add((r0 + i) * k + b * QK4_1) as *const i32;
+            let at = |i: usize| (r0 + i) * nb + b;
+            // per row, the dot of quads `quads` plus `folded[i]`
+            let dots = |quads: std::ops::Range<usize>, folded: [i32; R]| -> [__m512i; R] {
+                let mut s = [[_mm512_setzero_si512(); C]; R];
+                for (n, q) in quads.enumerate() {
+                    for (i, s) in s.iter_mut().enumerate() {
+                        s[n % C] =
+                            _mm512_dpbusd_epi32(s[n % C], v[q], _mm512_set1_epi32(*x(i).add(q)));
+                    }
                 }
-                sum
-            })
-        };
-        if T::halves(&p[0]) == 2 {
-            // (split types have implied offsets, folded into the integers)
-            let dv = join_ps(p[0].d8::<T>(b, 0), p[1].d8::<T>(b, 0));
-            let dv1 = join_ps(p[0].d8::<T>(b, 1), p[1].d8::<T>(b, 1));
-            let lo = dots(
-                0..4,
-                std::array::from_fn(|i| *a.folded_halves.get_unchecked(2 * at(i))),
-            );
-            let hi = dots(
-                4..8,
-                std::array::from_fn(|i| *a.folded_halves.get_unchecked(2 * at(i) + 1)),
-            );
-            for (i, acc) in acc.iter_mut().enumerate() {
-                let dx = _mm512_set1_ps(*a.scales.get_unchecked(at(i)));
-                let dot_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(lo[i]), dv);
-                let dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[i]), dv1, dot_lo);
-                *acc = _mm512_fmadd_ps(dot, dx, *acc);
-            }
-            continue;
-        }
-        let dv = join_ps(p[0].d8::<T>(b, 0), p[1].d8::<T>(b, 0));
-        match T::has_min(&p[0]) {
-            true => {
-                let mv = join_ps(p[0].m8::<T>(b), p[1].m8::<T>(b));
-                let s = dots(0..8, [0; R]);
-                for (i, acc) in acc.iter_mut().enumerate() {
-                    let dot = _mm512_cvtepi32_ps(s[i]);
-                    let dx = _mm512_set1_ps(*a.scales.get_unchecked(at(i)));
-                    let sx = _mm512_set1_ps(*a.sums.get_unchecked(at(i)));
-                    *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, dx), *acc);
-                    *acc = _mm512_fmadd_ps(mv, sx, *acc);
-                }
-            }
-            false => {
-                let s = dots(
-                    0..8,
-                    std::array::from_fn(|i| *a.folded.get_unchecked(at(i))),
+                std::array::from_fn(|i| {
+                    let mut sum = _mm512_set1_epi32(folded[i]);
+                    for &c in &s[i] {
+                        sum = _mm512_add_epi32(sum, c);
+                    }
+                    sum
+                })
+            };
+            if T::halves(&p[0]) == 2 {
+                // (split types have implied offsets, folded into the integers)
+                let dv = join_ps(p[0].d8::<T>(b, 0), p[1].d8::<T>(b, 0));
+                let dv1 = join_ps(p[0].d8::<T>(b, 1), p[1].d8::<T>(b, 1));
+                let lo = dots(
+                    0..4,
+                    std::array::from_fn(|i| *a.folded_halves.get_unchecked(2 * at(i))),
+                );
+                let hi = dots(
+                    4..8,
+                    std::array::from_fn(|i| *a.folded_halves.get_unchecked(2 * at(i) + 1)),
                 );
                 for (i, acc) in acc.iter_mut().enumerate() {
-                    let dot = _mm512_cvtepi32_ps(s[i]);
                     let dx = _mm512_set1_ps(*a.scales.get_unchecked(at(i)));
-                    *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, dx), *acc);
+                    if SUPER {
+                        sup[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[i]), dv, sup[i]);
+                        sup2[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[i]), dv1, sup2[i]);
+                        continue;
+                    }
+                    let dot_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(lo[i]), dv);
+                    let dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[i]), dv1, dot_lo);
+                    *acc = _mm512_fmadd_ps(dot, dx, *acc);
                 }
+                continue;
+            }
+            let dv = join_ps(p[0].d8::<T>(b, 0), p[1].d8::<T>(b, 0));
+            match T::has_min(&p[0]) {
+                true => {
+                    let mv = join_ps(p[0].m8::<T>(b), p[1].m8::<T>(b));
+                    let s = dots(0..8, [0; R]);
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let dot = _mm512_cvtepi32_ps(s[i]);
+                        let dx = _mm512_set1_ps(*a.scales.get_unchecked(at(i)));
+                        let sx = _mm512_set1_ps(*a.sums.get_unchecked(at(i)));
+                        if SUPER {
+                            sup[i] = _mm512_fmadd_ps(dot, dv, sup[i]);
+                            sup2[i] = _mm512_fmadd_ps(mv, sx, sup2[i]);
+                            continue;
+                        }
+                        *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, dx), *acc);
+                        *acc = _mm512_fmadd_ps(mv, sx, *acc);
+                    }
+                }
+                false => {
+                    let s = dots(
+                        0..8,
+                        std::array::from_fn(|i| *a.folded.get_unchecked(at(i))),
+                    );
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let dot = _mm512_cvtepi32_ps(s[i]);
+                        let dx = _mm512_set1_ps(*a.scales.get_unchecked(at(i)));
+                        if SUPER {
+                            sup[i] = _mm512_fmadd_ps(dot, dv, sup[i]);
+                            continue;
+                        }
+                        *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, dx), *acc);
+                    }
+                }
+            }
+        }
+        if SUPER {
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let dx = _mm512_set1_ps(*a.scales.get_unchecked((r0 + i) * nb + b0));
+                *acc = _mm512_fmadd_ps(_mm512_add_ps(sup[i], sup2[i]), dx, *acc);
+                sup[i] = _mm512_setzero_ps();
+                sup2[i] = _mm512_setzero_ps();
             }
         }
     }

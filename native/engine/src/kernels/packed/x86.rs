@@ -734,11 +734,15 @@ macro_rules! group_kernel {
                         // no products in flight; a long batch computes long enough per group
                         // for the hardware prefetcher, and the extra loads only cost it
                         let prefetch = r0 == act.start && a.m <= PREFETCH_MAX_ROWS;
-                        match (rows, prefetch) {
-                            $(($r, true) =>
-                                $pass::<$r, true, T>(w, p, buffered, a, r0, valid, g, out),
-                              ($r, false) =>
-                                $pass::<$r, false, T>(w, p, buffered, a, r0, valid, g, out),)*
+                        match (rows, prefetch, a.super_scales) {
+                            $(($r, true, false) =>
+                                $pass::<$r, true, false, T>(w, p, buffered, a, r0, valid, g, out),
+                              ($r, false, false) =>
+                                $pass::<$r, false, false, T>(w, p, buffered, a, r0, valid, g, out),
+                              ($r, true, true) =>
+                                $pass::<$r, true, true, T>(w, p, buffered, a, r0, valid, g, out),
+                              ($r, false, true) =>
+                                $pass::<$r, false, true, T>(w, p, buffered, a, r0, valid, g, out),)*
                             _ => unreachable!(),
                         }
                         r0 += rows;
@@ -774,7 +778,7 @@ macro_rules! group_kernel {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $pass<const R: usize, const PREFETCH: bool, T: Format>(
+        unsafe fn $pass<const R: usize, const PREFETCH: bool, const SUPER: bool, T: Format>(
             w: &PackedMatrix,
             p: &GroupRef,
             buffered: &[[std::arch::x86_64::__m256i; 8]],
@@ -791,79 +795,110 @@ macro_rules! group_kernel {
             let narrow = $narrow && !T::bytes8(p) && !T::high(p) && !T::six(p);
             let l2 = crate::kernels::prefetch_to_l2();
             let mut acc = [_mm256_setzero_ps(); R];
+            let mut sup = [_mm256_setzero_ps(); R];
+            let mut sup2 = [_mm256_setzero_ps(); R];
             let mut bases = [_mm256_setzero_ps(); 2];
-            for b in 0..nb {
-                if PREFETCH {
-                    p.prefetch_next::<T>(nb, b, l2);
-                }
-                if b % SUPER_BLOCKS == 0 {
-                    bases = p.bases8::<T>(b);
-                }
-                let v = match buffered.get(b) {
-                    Some(v) => *v,
-                    None => group_block::<T>(p, b),
-                };
-                let x = |i: usize| a.quants.as_ptr().add((r0 + i) * k + b * QK4_1) as *const i32;
-                let at = |i: usize| (r0 + i) * nb + b;
-                if T::halves(p) == 2 {
-                    // (split types have implied offsets, folded into the integers)
+            // with super-block scales (K-quants), a super-block's blocks at a time: each row's
+            // sums over them (two chains: the dots times their scales, and the minimums or
+            // the split types' second halves) are scaled by its activation scale once, after
+            // its last block
+            let span = if SUPER { SUPER_BLOCKS } else { nb.max(1) };
+            for b0 in (0..nb).step_by(span) {
+                for b in b0..(b0 + span).min(nb) {
+                    if PREFETCH {
+                        p.prefetch_next::<T>(nb, b, l2);
+                    }
+                    if b % SUPER_BLOCKS == 0 {
+                        bases = p.bases8::<T>(b);
+                    }
+                    let v = match buffered.get(b) {
+                        Some(v) => *v,
+                        None => group_block::<T>(p, b),
+                    };
+                    let x = |i: usize| a.quants.as_ptr().add((r0 + i) * k + b * QK4_1) as *const i32;
+                    let at = |i: usize| (r0 + i) * nb + b;
+                    if T::halves(p) == 2 {
+                        // (split types have implied offsets, folded into the integers)
+                        let dv = p.d8_with::<T>(b, 0, &bases);
+                        let dv1 = p.d8_with::<T>(b, 1, &bases);
+                        for (i, acc) in acc.iter_mut().enumerate() {
+                            let f = a.folded_halves.as_ptr().add(2 * at(i));
+                            let f = [*f, *f.add(1)];
+                            let [lo, hi] = if R >= 4 {
+                                $half_dots::<1>(&v, x(i), f)
+                            } else {
+                                $half_dots::<2>(&v, x(i), f)
+                            };
+                            let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
+                            if SUPER {
+                                sup[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), dv, sup[i]);
+                                sup2[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), dv1, sup2[i]);
+                                continue;
+                            }
+                            let dot_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), dv);
+                            let dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), dv1, dot_lo);
+                            *acc = _mm256_fmadd_ps(dot, dx, *acc);
+                        }
+                        continue;
+                    }
                     let dv = p.d8_with::<T>(b, 0, &bases);
-                    let dv1 = p.d8_with::<T>(b, 1, &bases);
-                    for (i, acc) in acc.iter_mut().enumerate() {
-                        let f = a.folded_halves.as_ptr().add(2 * at(i));
-                        let f = [*f, *f.add(1)];
-                        let [lo, hi] = if R >= 4 {
-                            $half_dots::<1>(&v, x(i), f)
+                    let dot = |i: usize, folded: i32| {
+                        if $signed {
+                            block_dot_avx2_signed(&v, x(i))
+                        } else if R >= 4 {
+                            if narrow {
+                                $dot::<1, true>(&v, x(i), folded)
+                            } else {
+                                $dot::<1, false>(&v, x(i), folded)
+                            }
+                        } else if R >= 2 {
+                            if narrow {
+                                $dot::<2, true>(&v, x(i), folded)
+                            } else {
+                                $dot::<2, false>(&v, x(i), folded)
+                            }
+                        } else if narrow {
+                            $dot::<4, true>(&v, x(i), folded)
                         } else {
-                            $half_dots::<2>(&v, x(i), f)
-                        };
-                        let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
-                        let dot_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), dv);
-                        let dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), dv1, dot_lo);
-                        *acc = _mm256_fmadd_ps(dot, dx, *acc);
+                            $dot::<4, false>(&v, x(i), folded)
+                        }
+                    };
+                    match T::has_min(p) {
+                        true => {
+                            let mv = p.m8_with::<T>(b, &bases);
+                            for (i, acc) in acc.iter_mut().enumerate() {
+                                let dot = _mm256_cvtepi32_ps(dot(i, 0));
+                                let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
+                                let sx = _mm256_set1_ps(*a.sums.get_unchecked(at(i)));
+                                if SUPER {
+                                    sup[i] = _mm256_fmadd_ps(dot, dv, sup[i]);
+                                    sup2[i] = _mm256_fmadd_ps(mv, sx, sup2[i]);
+                                    continue;
+                                }
+                                *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
+                                *acc = _mm256_fmadd_ps(mv, sx, *acc);
+                            }
+                        }
+                        false => {
+                            for (i, acc) in acc.iter_mut().enumerate() {
+                                let folded = *a.folded.get_unchecked(at(i));
+                                let dot = _mm256_cvtepi32_ps(dot(i, folded));
+                                let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
+                                if SUPER {
+                                    sup[i] = _mm256_fmadd_ps(dot, dv, sup[i]);
+                                    continue;
+                                }
+                                *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
+                            }
+                        }
                     }
-                    continue;
                 }
-                let dv = p.d8_with::<T>(b, 0, &bases);
-                let dot = |i: usize, folded: i32| {
-                    if $signed {
-                        block_dot_avx2_signed(&v, x(i))
-                    } else if R >= 4 {
-                        if narrow {
-                            $dot::<1, true>(&v, x(i), folded)
-                        } else {
-                            $dot::<1, false>(&v, x(i), folded)
-                        }
-                    } else if R >= 2 {
-                        if narrow {
-                            $dot::<2, true>(&v, x(i), folded)
-                        } else {
-                            $dot::<2, false>(&v, x(i), folded)
-                        }
-                    } else if narrow {
-                        $dot::<4, true>(&v, x(i), folded)
-                    } else {
-                        $dot::<4, false>(&v, x(i), folded)
-                    }
-                };
-                match T::has_min(p) {
-                    true => {
-                        let mv = p.m8_with::<T>(b, &bases);
-                        for (i, acc) in acc.iter_mut().enumerate() {
-                            let dot = _mm256_cvtepi32_ps(dot(i, 0));
-                            let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
-                            let sx = _mm256_set1_ps(*a.sums.get_unchecked(at(i)));
-                            *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
-                            *acc = _mm256_fmadd_ps(mv, sx, *acc);
-                        }
-                    }
-                    false => {
-                        for (i, acc) in acc.iter_mut().enumerate() {
-                            let folded = *a.folded.get_unchecked(at(i));
-                            let dot = _mm256_cvtepi32_ps(dot(i, folded));
-                            let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
-                            *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
-                        }
+                if SUPER {
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let dx = _mm256_set1_ps(*a.scales.get_unchecked((r0 + i) * nb + b0));
+                        *acc = _mm256_fmadd_ps(_mm256_add_ps(sup[i], sup2[i]), dx, *acc);
+                        sup[i] = _mm256_setzero_ps();
+                        sup2[i] = _mm256_setzero_ps();
                     }
                 }
             }
