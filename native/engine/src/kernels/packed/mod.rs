@@ -846,8 +846,9 @@ impl PackedMatrix {
             f.super_scales == want.super_scales && (w.kind.has_min() || f.offset == want.offset)
         };
         let mut formats: [Option<ActFormat>; 2] = [None; 2];
-        let (no_min, min): (Vec<_>, Vec<_>) = mats.iter().partition(|w| !w.kind.has_min());
-        for w in no_min.into_iter().chain(min) {
+        // (those without a minimum first; no allocation: a decode step calls this per layer)
+        let min_last = mats.iter().filter(|w| !w.kind.has_min());
+        for w in min_last.chain(mats.iter().filter(|w| w.kind.has_min())) {
             if formats.iter().flatten().any(|f| serves(f, w)) {
                 continue;
             }
