@@ -847,8 +847,8 @@ impl PackedMatrix {
         };
         let mut formats: [Option<ActFormat>; 2] = [None; 2];
         // (those without a minimum first; no allocation: a decode step calls this per layer)
-        let min_last = mats.iter().filter(|w| !w.kind.has_min());
-        for w in min_last.chain(mats.iter().filter(|w| w.kind.has_min())) {
+        let without_min = mats.iter().filter(|w| !w.kind.has_min());
+        for w in without_min.chain(mats.iter().filter(|w| w.kind.has_min())) {
             if formats.iter().flatten().any(|f| serves(f, w)) {
                 continue;
             }
