@@ -165,17 +165,12 @@ unsafe fn wide_passes(
         // prefetchers do not follow (without these prefetches a 512-bit pass over Gemma 3's
         // head read 12-13 GB/s on one core, 256-bit ones 18-21)
         let prefetch = r0 == act.start;
-        by_format!(all & p[0], |T| by_rows!(
+        by_format!(all & p[0], a.super_scales, |T, S| by_rows!(
             rows,
-            |R, C| match (prefetch, a.super_scales) {
-                (true, false) =>
-                    wide_pass_vnni::<R, C, true, false, false, T>(w, p, &[], a, r0, valid, g, out),
-                (false, false) =>
-                    wide_pass_vnni::<R, C, false, false, false, T>(w, p, &[], a, r0, valid, g, out),
-                (true, true) =>
-                    wide_pass_vnni::<R, C, true, false, true, T>(w, p, &[], a, r0, valid, g, out),
-                (false, true) =>
-                    wide_pass_vnni::<R, C, false, false, true, T>(w, p, &[], a, r0, valid, g, out),
+            |R, C| if prefetch {
+                wide_pass_vnni::<R, C, true, false, S, T>(w, p, &[], a, r0, valid, g, out)
+            } else {
+                wide_pass_vnni::<R, C, false, false, S, T>(w, p, &[], a, r0, valid, g, out)
             }
         ));
         r0 += rows;
@@ -209,19 +204,13 @@ pub(super) unsafe fn pair_kernel_vnni(
         buffered.clear();
         buffered.extend((0..w.nb).map(|b| wide_block::<Dyn>(&p, b)));
         with_plain_scales(&p, w.nb, |p| {
-            by_format!(all & p[0], |T| {
+            by_format!(all & p[0], a.super_scales, |T, S| {
                 let mut r0 = act.start;
                 while r0 < act.end {
                     let rows = (act.end - r0).min(PAIR_ROWS);
-                    by_rows!(rows, |R, C| if a.super_scales {
-                        wide_pass_vnni::<R, C, false, true, true, T>(
-                            w, p, buffered, a, r0, valid, g, out,
-                        )
-                    } else {
-                        wide_pass_vnni::<R, C, false, true, false, T>(
-                            w, p, buffered, a, r0, valid, g, out,
-                        )
-                    });
+                    by_rows!(rows, |R, C| wide_pass_vnni::<R, C, false, true, S, T>(
+                        w, p, buffered, a, r0, valid, g, out,
+                    ));
                     r0 += rows;
                 }
             })

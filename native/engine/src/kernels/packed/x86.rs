@@ -296,76 +296,55 @@ impl<const K: u8, const S: u8> Format for Fixed<K, S> {
     }
 }
 
-/// Runs `$call` with `$t` the [`Format`] of row group `$p`: with `all`, a [`Fixed`] one for
-/// the layouts models have (the native types' f16 scales, K-quants' factored scales and
-/// their f32 copies), [`Dyn`] for any other; with `q8`, [`Fixed`] only for Q8_0 (a kernel
-/// only Q8_0 reaches); with `dyn`, always [`Dyn`] (a kernel off the hot paths, not worth
-/// its copies).
+/// Runs `$call` with `$t` the [`Format`] of row group `$p` and `$s` a `const bool`, whether
+/// the activations carry one scale per super-block (`$super`, true only for K-quants): with
+/// `all`, a [`Fixed`] format for the layouts models have (the native types' scales, f16 or
+/// f32 where a folded minimum is not an f16, without super-block scales; K-quants' factored
+/// scales and their f32 copies with them),
+/// [`Dyn`] for any other; with `q8`, [`Fixed`] only for Q8_0 (a kernel only Q8_0 reaches);
+/// with `dyn`, always [`Dyn`] (a kernel off the hot paths, not worth its copies). Pairing
+/// each layout with the one activation form it meets keeps the kernels' copies (and the
+/// build's time) to those that run.
 macro_rules! by_format {
-    (dyn $p:expr, |$t:ident| $call:expr) => {{
+    ($formats:ident $p:expr, $super:expr, |$t:ident, $s:ident| $call:expr) => {{
+        if $super {
+            const $s: bool = true;
+            by_format!(@ $formats true $p, |$t| $call)
+        } else {
+            const $s: bool = false;
+            by_format!(@ $formats false $p, |$t| $call)
+        }
+    }};
+    (@ dyn $super:literal $p:expr, |$t:ident| $call:expr) => {{
         type $t = Dyn;
         $call
     }};
-    (q8 $p:expr, |$t:ident| $call:expr) => {{
+    (@ q8 true $p:expr, |$t:ident| $call:expr) => {
+        by_format!(@ dyn true $p, |$t| $call)
+    };
+    (@ q8 false $p:expr, |$t:ident| $call:expr) => {
+        by_format!(@ fixed $p, |$t| $call, [(Q8_0, F16) 4 0])
+    };
+    (@ all false $p:expr, |$t:ident| $call:expr) => {
+        by_format!(@ fixed $p, |$t| $call, [
+            (Q4_0, F16) 0 0, (Q4_1, F16) 1 0, (Q4_1, F32) 1 1, (Q5_0, F16) 2 0,
+            (Q5_1, F16) 3 0, (Q5_1, F32) 3 1, (Q8_0, F16) 4 0
+        ])
+    };
+    (@ all true $p:expr, |$t:ident| $call:expr) => {
+        by_format!(@ fixed $p, |$t| $call, [
+            (Q4_1, F32) 1 1, (Q4_1, Factored) 1 2, (Q5_1, F32) 3 1, (Q5_1, Factored) 3 2,
+            (Q6K, F32) 5 1, (Q6K, Factored) 5 2
+        ])
+    };
+    (@ fixed $p:expr, |$t:ident| $call:expr,
+     [$(($kind:ident, $form:ident) $k:literal $f:literal),*]) => {{
         let p: &GroupRef = $p;
         match (p.kind, Dyn::scales(p)) {
-            (PackedType::Q8_0, Form::F16) => {
-                type $t = Fixed<4, 0>;
+            $((PackedType::$kind, Form::$form) => {
+                type $t = Fixed<$k, $f>;
                 $call
-            }
-            _ => {
-                type $t = Dyn;
-                $call
-            }
-        }
-    }};
-    (all $p:expr, |$t:ident| $call:expr) => {{
-        let p: &GroupRef = $p;
-        match (p.kind, Dyn::scales(p)) {
-            (PackedType::Q4_0, Form::F16) => {
-                type $t = Fixed<0, 0>;
-                $call
-            }
-            (PackedType::Q4_1, Form::F16) => {
-                type $t = Fixed<1, 0>;
-                $call
-            }
-            (PackedType::Q4_1, Form::F32) => {
-                type $t = Fixed<1, 1>;
-                $call
-            }
-            (PackedType::Q4_1, Form::Factored) => {
-                type $t = Fixed<1, 2>;
-                $call
-            }
-            (PackedType::Q5_0, Form::F16) => {
-                type $t = Fixed<2, 0>;
-                $call
-            }
-            (PackedType::Q5_1, Form::F16) => {
-                type $t = Fixed<3, 0>;
-                $call
-            }
-            (PackedType::Q5_1, Form::F32) => {
-                type $t = Fixed<3, 1>;
-                $call
-            }
-            (PackedType::Q5_1, Form::Factored) => {
-                type $t = Fixed<3, 2>;
-                $call
-            }
-            (PackedType::Q8_0, Form::F16) => {
-                type $t = Fixed<4, 0>;
-                $call
-            }
-            (PackedType::Q6K, Form::F32) => {
-                type $t = Fixed<5, 1>;
-                $call
-            }
-            (PackedType::Q6K, Form::Factored) => {
-                type $t = Fixed<5, 2>;
-                $call
-            }
+            })*
             _ => {
                 type $t = Dyn;
                 $call
@@ -723,7 +702,7 @@ macro_rules! group_kernel {
                           g: usize,
                           buffered: &[[std::arch::x86_64::__m256i; 8]],
                           chunk: usize| {
-                by_format!($formats p, |T| {
+                by_format!($formats p, a.super_scales, |T, S| {
                     let valid = GROUP.min(w.n_out - g * GROUP);
                     let mut r0 = act.start;
                     while r0 < act.end {
@@ -734,15 +713,11 @@ macro_rules! group_kernel {
                         // no products in flight; a long batch computes long enough per group
                         // for the hardware prefetcher, and the extra loads only cost it
                         let prefetch = r0 == act.start && a.m <= PREFETCH_MAX_ROWS;
-                        match (rows, prefetch, a.super_scales) {
-                            $(($r, true, false) =>
-                                $pass::<$r, true, false, T>(w, p, buffered, a, r0, valid, g, out),
-                              ($r, false, false) =>
-                                $pass::<$r, false, false, T>(w, p, buffered, a, r0, valid, g, out),
-                              ($r, true, true) =>
-                                $pass::<$r, true, true, T>(w, p, buffered, a, r0, valid, g, out),
-                              ($r, false, true) =>
-                                $pass::<$r, false, true, T>(w, p, buffered, a, r0, valid, g, out),)*
+                        match (rows, prefetch) {
+                            $(($r, true) =>
+                                $pass::<$r, true, S, T>(w, p, buffered, a, r0, valid, g, out),
+                              ($r, false) =>
+                                $pass::<$r, false, S, T>(w, p, buffered, a, r0, valid, g, out),)*
                             _ => unreachable!(),
                         }
                         r0 += rows;
