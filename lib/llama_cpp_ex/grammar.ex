@@ -26,7 +26,10 @@ defmodule LlamaCppEx.Grammar do
 
   JSON output is laid out compactly with `", "` and `": "` separators (a small model allowed
   arbitrary whitespace can loop on it); set llguidance's `"x-guidance"` key in the schema to
-  change that.
+  change that. For the same reason each run of digits in a number (its integer part,
+  fraction, exponent) stops at 16 digits, llama.cpp's bound, unless the schema needs more: a
+  model that keeps choosing `0` after `1.` still finishes its JSON. The bound applies where
+  the whole output is the JSON value (`:json_schema`), not to JSON inside tool-call markup.
   """
 
   alias LlamaCppEx.{JSON, Model, NIF}

@@ -404,6 +404,76 @@ fn json_schema_as_grammar_text() {
     assert!(llama_cpp_ex_engine::grammar::json_schema_grammar(r#"{"type":"frob"}"#).is_err());
 }
 
+/// Drives a constraint from `prefix` on with logits that always prefer `favourite`, as a
+/// model stuck on one token would; ties go to the lowest token id. Returns the text and
+/// whether the grammar let it end within 80 tokens.
+fn drive(model: &Model, spec: &GrammarSpec, prefix: &str, favourite: &str) -> (String, bool) {
+    let mut c = model.compile_grammar(spec).unwrap();
+    let fav = model.tokenizer.encode(favourite, false, false).unwrap();
+    assert_eq!(fav.len(), 1, "{favourite:?} is one token");
+    for t in model.tokenizer.encode(prefix, false, false).unwrap() {
+        c.accept(t);
+    }
+    let mut text = prefix.as_bytes().to_vec();
+    for _ in 0..80 {
+        let mut logits = vec![0.0f32; model.config.n_vocab];
+        logits[fav[0] as usize] = 10.0;
+        c.mask(&mut logits);
+        let best = (0..logits.len())
+            .filter(|&i| logits[i].is_finite())
+            .fold(None, |b: Option<usize>, i| match b {
+                Some(j) if logits[j] >= logits[i] => Some(j),
+                _ => Some(i),
+            })
+            .expect("the grammar allows a token") as u32;
+        if model.tokenizer.is_eog(best) {
+            return (String::from_utf8(text).unwrap(), true);
+        }
+        c.accept(best);
+        text.extend_from_slice(model.tokenizer.token_to_piece(best).unwrap());
+    }
+    (String::from_utf8(text).unwrap(), false)
+}
+
+fn longest_digit_run(text: &str) -> usize {
+    text.split(|c: char| !c.is_ascii_digit())
+        .map(str::len)
+        .max()
+        .unwrap_or(0)
+}
+
+/// A model that keeps choosing "0" after `1.` would fill `max_tokens` (1.000… is still ≤ 1);
+/// JSON-valued grammars cap each run of digits at 16, as llama.cpp's converter does, on both
+/// routes to llguidance's compiler. Where the schema needs more digits the cap steps aside.
+#[test]
+fn json_number_digits_are_capped() {
+    for file in [SMOLLM2, GEMMA3] {
+        let model = load_vocab(file);
+        let schema = r#"{"type":"object","properties":{"score":{"type":"number","minimum":0,"maximum":1}},"required":["score"]}"#;
+        let lark = llama_cpp_ex_engine::grammar::json_schema_grammar(schema).unwrap();
+        for spec in [GrammarSpec::JsonSchema(schema.into()), gbnf(&lark)] {
+            let (text, ended) = drive(&model, &spec, "{\"score\": 1.", "0");
+            assert!(ended, "{file}: {text:?}");
+            assert!(longest_digit_run(&text) <= 16, "{file}: {text:?}");
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(v["score"].as_f64(), Some(1.0), "{file}: {text}");
+        }
+        // 18 integral digits are needed: the cap gives way
+        let big = r#"{"type":"number","minimum":100000000000000000}"#;
+        let (text, ended) = drive(&model, &GrammarSpec::JsonSchema(big.into()), "1", "0");
+        assert!(ended, "{file}: {text:?}");
+        assert!(text.starts_with("100000000000000000"), "{file}: {text:?}");
+        assert!(
+            serde_json::from_str::<f64>(&text).unwrap() >= 1e17,
+            "{file}: {text}"
+        );
+        // a grammar that is not one JSON value is not capped
+        let digits = "%llguidance {}\nstart: /[0-9]+/ \"x\"";
+        let (text, _) = drive(&model, &gbnf(digits), "1", "0");
+        assert!(longest_digit_run(&text) > 16, "{file}: {text:?}");
+    }
+}
+
 #[test]
 fn invalid_grammars_are_errors() {
     let model = load_vocab(SMOLLM2);

@@ -5,11 +5,13 @@
 //! takes a moment) and compiles grammars into [`Constraint`]s, one per request.
 
 pub mod analysis;
+mod digits;
 pub mod gbnf;
 pub mod json_schema;
 pub mod lark;
 
 use crate::tokenizer::{TokenId, TokenType, Tokenizer};
+use digits::{DigitCap, DigitTokens};
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{self, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
@@ -43,6 +45,22 @@ const JSON_LAYOUT: &str =
     r#"{"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}"#;
 
 impl GrammarSpec {
+    /// Whether the whole output is one JSON value: a schema, or the Lark text of
+    /// [`json_schema_grammar`]. Such grammars cap the digits of numbers ([`digits`]).
+    fn is_json_value(&self) -> bool {
+        match self {
+            GrammarSpec::JsonSchema(_) => true,
+            GrammarSpec::Gbnf { text, .. } => text
+                .trim()
+                .strip_prefix(LLGUIDANCE_PREFIX)
+                .and_then(|rest| rest.trim_start().strip_prefix("{}"))
+                .is_some_and(|rest| {
+                    let rest = rest.trim();
+                    rest.starts_with("start: %json") && !rest.contains('\n')
+                }),
+        }
+    }
+
     /// Checks the text and translates it into llguidance's input.
     pub fn to_llguidance(&self) -> Result<TopLevelGrammar, GrammarError> {
         match self {
@@ -234,6 +252,7 @@ pub struct GrammarFactory {
     eog: Arc<[TokenId]>,
     eos: TokenId,
     n_vocab: usize,
+    digits: Arc<DigitTokens>,
 }
 
 impl std::fmt::Debug for GrammarFactory {
@@ -288,6 +307,7 @@ impl GrammarFactory {
         factory.quiet();
         Ok(GrammarFactory {
             factory,
+            digits: Arc::new(DigitTokens::new(env.tok_trie())),
             env,
             eog,
             eos,
@@ -318,6 +338,9 @@ impl GrammarFactory {
             eos: self.eos,
             n_vocab: self.n_vocab,
             lazy: None,
+            digit_cap: spec
+                .is_json_value()
+                .then(|| DigitCap::new(self.digits.clone(), self.env.clone())),
         })
     }
 
@@ -336,6 +359,8 @@ impl GrammarFactory {
             .map(|t| t.as_bytes().to_vec())
             .collect();
         if !triggers.is_empty() {
+            // the cap follows JSON from the output's first byte; a lazy grammar's starts later
+            c.digit_cap = None;
             c.lazy = Some(Box::new(Lazy {
                 triggers,
                 seen: Vec::new(),
@@ -411,6 +436,7 @@ pub struct Constraint {
     eos: TokenId,
     n_vocab: usize,
     lazy: Option<Box<Lazy>>,
+    digit_cap: Option<DigitCap>,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -458,6 +484,9 @@ impl Constraint {
         for (i, l) in saved {
             logits[i] = if eos_ok { l } else { f32::NEG_INFINITY };
         }
+        if let Some(cap) = &self.digit_cap {
+            cap.mask(logits);
+        }
     }
 
     fn only_eog(&self, logits: &mut [f32]) {
@@ -480,7 +509,10 @@ impl Constraint {
         if self.eog.contains(&token) {
             return self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false);
         }
-        !self.matcher.is_stopped() && self.matcher.validate_tokens(&[token]).is_ok_and(|n| n == 1)
+        // a token the cap forbids goes to the full mask, where the cap may step aside
+        !self.matcher.is_stopped()
+            && !self.digit_cap.as_ref().is_some_and(|c| c.forbids(token))
+            && self.matcher.validate_tokens(&[token]).is_ok_and(|n| n == 1)
     }
 
     /// Advances the grammar past a sampled token (end-of-generation tokens count as EOS).
@@ -505,6 +537,9 @@ impl Constraint {
         if !self.matcher.is_stopped() {
             let _ = self.matcher.consume_token(t);
         }
+        if let Some(cap) = self.digit_cap.as_mut() {
+            cap.accept(t);
+        }
     }
 
     /// Whether the grammar is complete (only end-of-generation may follow).
@@ -519,6 +554,9 @@ impl Constraint {
 
     pub fn reset(&mut self) {
         let _ = self.matcher.reset();
+        if let Some(cap) = self.digit_cap.as_mut() {
+            cap.reset();
+        }
         if let Some(l) = self.lazy.as_mut() {
             l.active = false;
             l.seen.clear();
