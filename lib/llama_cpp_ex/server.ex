@@ -478,13 +478,15 @@ defmodule LlamaCppEx.Server do
   @doc """
   Pauses the server: `:full` (default) runs no forward pass, `:prefill` keeps decoding the
   requests already generating but evaluates no prompt chunk and no embedding text. Queued and
-  active requests are kept; their callers' timeouts still apply. `get_stats/1` shows
-  `paused: true`, and time in a full pause is left out of its `tokens_per_second`. A
-  `:pause_policy` (see `LlamaCppEx.Server.PausePolicy`) may pause further, never less.
+  active requests are kept; their callers' timeouts still apply. A `:full` pause returns
+  once it holds: after the step in flight, if any, has finished and delivered its tokens, so
+  no token is generated from then until `resume/1`. `get_stats/1` shows `paused: true`, and
+  time in a full pause is left out of its `tokens_per_second`. A `:pause_policy` (see
+  `LlamaCppEx.Server.PausePolicy`) may pause further, never less.
   """
   @spec pause(GenServer.server(), :full | :prefill) :: :ok
   def pause(server, level \\ :full) when level in [:full, :prefill],
-    do: GenServer.call(server, {:pause, level})
+    do: GenServer.call(server, {:pause, level}, :infinity)
 
   @doc "Ends a `pause/2` (a `:pause_policy` may still hold the server paused)."
   @spec resume(GenServer.server()) :: :ok
@@ -809,8 +811,15 @@ defmodule LlamaCppEx.Server do
     end
   end
 
+  # a step is bounded by `n_batch` rows and always ends (or fails), so a full pause waits for
+  # the one in flight
+  def handle_call({:pause, :full}, from, %State{in_flight: f} = st) when f != nil do
+    st = Tick.set_manual_pause(st, :full)
+    {:noreply, %{st | pause_waiters: [from | st.pause_waiters]}}
+  end
+
   def handle_call({:pause, level}, _from, st),
-    do: {:reply, :ok, Tick.set_manual_pause(st, level)}
+    do: {:reply, :ok, st |> Tick.set_manual_pause(level) |> answer_pause_waiters()}
 
   def handle_call(:reset_stats_window, _from, st),
     do: {:reply, :ok, %{st | stats: Stats.reset_window(st.stats)}}
@@ -874,10 +883,10 @@ defmodule LlamaCppEx.Server do
   def handle_info(:tick, st), do: {:noreply, st |> Tick.run() |> answer_audits()}
 
   def handle_info({ref, {:ok, outcome}}, %State{in_flight: %{ref: ref}} = st),
-    do: {:noreply, st |> Tick.apply_outcome(outcome) |> answer_audits()}
+    do: {:noreply, st |> Tick.apply_outcome(outcome) |> answer_audits() |> answer_pause_waiters()}
 
   def handle_info({ref, {:error, reason}}, %State{in_flight: %{ref: ref}} = st),
-    do: {:noreply, st |> Tick.apply_error(reason) |> answer_audits()}
+    do: {:noreply, st |> Tick.apply_error(reason) |> answer_audits() |> answer_pause_waiters()}
 
   def handle_info({:DOWN, mref, :process, _pid, _reason}, st),
     do: {:noreply, st |> Tick.consumer_down(mref) |> answer_audits()}
@@ -898,6 +907,19 @@ defmodule LlamaCppEx.Server do
   end
 
   def terminate(_reason, _state), do: :ok
+
+  # full pauses hold once no step is in flight; a caller whose full pause was lifted or
+  # lowered meanwhile is answered too
+  defp answer_pause_waiters(%State{pause_waiters: []} = st), do: st
+
+  defp answer_pause_waiters(st) do
+    if st.in_flight == nil or st.pause_manual != :full do
+      Enum.each(st.pause_waiters, &GenServer.reply(&1, :ok))
+      %{st | pause_waiters: []}
+    else
+      st
+    end
+  end
 
   defp answer_audits(%State{audits: []} = st), do: st
 

@@ -23,6 +23,7 @@ defmodule LlamaCppEx.Server.State do
     tick: 0,
     pending_ops: [],
     audits: [],
+    pause_waiters: [],
     embed_jobs: %{},
     embed_order: [],
     embed_free: [],
@@ -69,6 +70,8 @@ defmodule LlamaCppEx.Server.State do
           pending_ops: [Step.kv_op()],
           # kv_audit/1 callers waiting for the engine to go idle
           audits: [GenServer.from()],
+          # pause/2 callers waiting for the step in flight to finish
+          pause_waiters: [GenServer.from()],
           # Server.embed/3 calls by reply ref, their order, the free embedding sequence ids
           embed_jobs: %{reference() => EmbedJob.t()},
           embed_order: [reference()],
