@@ -13,6 +13,10 @@ use std::sync::Arc;
 /// Digits in one run: llama.cpp's `integral-part` and `decimal-part` bounds.
 pub const MAX_RUN: usize = 16;
 
+fn leading_digits(bytes: &[u8]) -> usize {
+    bytes.iter().take_while(|b| b.is_ascii_digit()).count()
+}
+
 /// The vocabulary's digit-leading tokens, built once per model.
 #[derive(Debug, Default)]
 pub struct DigitTokens {
@@ -27,11 +31,7 @@ impl DigitTokens {
     pub fn new(trie: &TokTrie) -> Self {
         let mut leading = Vec::new();
         for id in 0..trie.vocab_size() as TokenId {
-            let n = trie
-                .token(id)
-                .iter()
-                .take_while(|b| b.is_ascii_digit())
-                .count();
+            let n = leading_digits(trie.token(id));
             if n > 0 {
                 leading.push((id, n));
             }
@@ -70,10 +70,8 @@ impl DigitCap {
 
     /// Whether `token` would extend the run of digits past the cap.
     pub fn forbids(&self, token: TokenId) -> bool {
-        self.budget().is_some_and(|budget| {
-            let bytes = self.env.tok_trie().token(token);
-            bytes.iter().take_while(|b| b.is_ascii_digit()).count() > budget
-        })
+        self.budget()
+            .is_some_and(|budget| leading_digits(self.env.tok_trie().token(token)) > budget)
     }
 
     /// Forbids (in `logits`, already masked by the grammar) the tokens that would extend the
