@@ -44,6 +44,7 @@ struct Outputs {
     quants: *mut i8,
     scales: *mut f32,
     sums: *mut f32,
+    block_sums: *mut i16,
     folded: *mut i32,
     folded_halves: *mut i32,
 }
@@ -55,13 +56,17 @@ unsafe impl Sync for Outputs {}
 pub struct Q8Activations {
     pub(crate) m: usize,
     /// Whether [`ActFormat::super_scales`]: every block's entry of `scales` is then its
-    /// super-block's scale, and `sums` hold the plain `Σ quants`.
+    /// super-block's scale, and `block_sums` (not `sums`) are written.
     pub(crate) super_scales: bool,
     pub(crate) quants: Vec<i8>,
     pub(crate) scales: Vec<f32>,
-    /// Per block: scale × Σ quants (ggml's Q8_1 `s`), for weight types with a stored offset;
-    /// with super-block scales, `Σ quants` alone (the kernels scale a super-block at once).
+    /// Per block: scale × Σ quants (ggml's Q8_1 `s`), for weight types with a stored offset
+    /// (without super-block scales).
     pub(crate) sums: Vec<f32>,
+    /// With super-block scales, per block `Σ quants` (at most 32 · 127 in magnitude), so
+    /// that two blocks' sums read as one `i32` are the 16-bit pair a `vpmaddwd` lane
+    /// multiplies with two blocks' minimums (ggml's Q8_K `bsums`, per 32 values).
+    pub(crate) block_sums: Vec<i16>,
     /// Per block: `-c·Σ quants`, where the weights' values carry an implied offset of `c`
     /// units of their scale (`w = d·(q - c)`, see `packed`): the integer that turns the dot
     /// product of the stored values into the one of `q - c`, exactly.
@@ -97,13 +102,18 @@ impl Q8Activations {
         // buffers that were already long enough
         self.quants.resize(m * k, 0);
         self.scales.resize(m * nb, 0.0);
-        self.sums.resize(m * nb, 0.0);
+        if sup {
+            self.block_sums.resize(m * nb, 0);
+        } else {
+            self.sums.resize(m * nb, 0.0);
+        }
         self.folded.resize(m * nb, 0);
         self.folded_halves.resize(2 * m * nb, 0);
         let out = Outputs {
             quants: self.quants.as_mut_ptr(),
             scales: self.scales.as_mut_ptr(),
             sums: self.sums.as_mut_ptr(),
+            block_sums: self.block_sums.as_mut_ptr(),
             folded: self.folded.as_mut_ptr(),
             folded_halves: self.folded_halves.as_mut_ptr(),
         };
@@ -112,11 +122,11 @@ impl Q8Activations {
         // (sized above), and the ranges of blocks given to tasks are disjoint.
         let store = |bi: usize, scale: f32, [lo, hi]: [i32; 2]| unsafe {
             *out.scales.add(bi) = scale;
-            *out.sums.add(bi) = if sup {
-                (lo + hi) as f32
+            if sup {
+                *out.block_sums.add(bi) = (lo + hi) as i16;
             } else {
-                scale * (lo + hi) as f32
-            };
+                *out.sums.add(bi) = scale * (lo + hi) as f32;
+            }
             *out.folded.add(bi) = -offset * (lo + hi);
             *out.folded_halves.add(2 * bi) = -offset * lo;
             *out.folded_halves.add(2 * bi + 1) = -offset * hi;
@@ -199,6 +209,7 @@ const fn empty() -> Q8Activations {
         quants: Vec::new(),
         scales: Vec::new(),
         sums: Vec::new(),
+        block_sums: Vec::new(),
         folded: Vec::new(),
         folded_halves: Vec::new(),
     }
@@ -368,8 +379,8 @@ mod tests {
     }
 
     /// With super-block scales every block of a 256-value super-block shares the scale of
-    /// the super-block's largest value, kept in f32, and the sums are plain; per-block
-    /// scales are f16-rounded and the sums scaled.
+    /// the super-block's largest value, kept in f32, and the sums are plain integers; per-block
+    /// scales are f16-rounded.
     #[test]
     fn super_block_scales_are_shared_and_sums_plain() {
         let mut seed = 5u64;
@@ -391,7 +402,7 @@ mod tests {
                 let mut q = [0i8; QK8_0];
                 let [lo, hi] = quantize_block_scalar(&x[bi * QK8_0..][..QK8_0], &mut q, 1.0 / d);
                 assert_eq!(&a.quants[bi * QK8_0..][..QK8_0], &q[..], "block {bi}");
-                assert_eq!(a.sums[bi], (lo + hi) as f32, "block {bi}");
+                assert_eq!(a.block_sums[bi] as i32, lo + hi, "block {bi}");
                 assert_eq!(a.folded[bi], -8 * (lo + hi), "block {bi}");
                 let pd = plain.scales[bi];
                 assert_eq!(pd, f16::from_f32(pd).to_f32(), "block {bi}");

@@ -1295,7 +1295,8 @@ pub(crate) mod tests {
         let kind = w12.kind;
         let (n_out, k) = (w12.n_out, w12.n_in);
         let groups = n_out.div_ceil(GROUP);
-        for m in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 15, 17] {
+        // (33 rows: more than `UNPACK_MAX_ROWS`, the one-group kernels' buffered passes)
+        for m in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 15, 17, 33] {
             let x: Vec<f32> = (0..m * k).map(|_| lcg(seed)).collect();
             let a = Q8Activations::quantize(&x, m, k, w12.act_format());
             let mut scalar = vec![0f32; m * n_out];

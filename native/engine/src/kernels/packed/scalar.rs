@@ -43,7 +43,10 @@ impl PackedMatrix {
         for r in act {
             let mut acc = 0f32;
             // with super-block scales, the super-block's two sums before its activation scale
+            // (the dots times their scales; split types' second halves), and for types with a
+            // minimum its integer sum of minimums times block sums, and their factor
             let (mut sup, mut sup2) = (0f32, 0f32);
+            let (mut mins, mut min_base) = (0i32, 0f32);
             for (b, blk) in blocks.iter().enumerate() {
                 let x = &a.quants[r * k + b * QK4_1..][..QK4_1];
                 let dot = |range: std::ops::Range<usize>, folded: i32| -> f32 {
@@ -62,12 +65,19 @@ impl PackedMatrix {
                     } else {
                         sup = dot(0..QK4_1, a.folded[at]).mul_add(blk.d[0], sup);
                         if self.kind.has_min() {
-                            sup2 = blk.m[0].mul_add(a.sums[at], sup2);
+                            let f = blk.factors.expect("super-block scales are factored");
+                            mins += f.m_mul as i32 * a.block_sums[at] as i32;
+                            min_base = f.m_base.to_f32();
                         }
                     }
                     if b % SUPER_BLOCKS == SUPER_BLOCKS - 1 {
-                        acc = (sup + sup2).mul_add(dx, acc);
-                        (sup, sup2) = (0.0, 0.0);
+                        // (the sum of minimums is below 2^24: exact as an f32)
+                        let sums = match self.kind.has_min() {
+                            true => (mins as f32).mul_add(min_base, sup),
+                            false => sup + sup2,
+                        };
+                        acc = sums.mul_add(dx, acc);
+                        (sup, sup2, mins) = (0.0, 0.0, 0);
                     }
                 } else if self.kind.halves() == 2 {
                     let half = QK4_1 / 2;

@@ -200,9 +200,18 @@ pub(super) unsafe fn pair_kernel_vnni(
     out: &Dest,
 ) {
     let (p, valid) = GroupRef::pair(base, w, g);
-    let run = |buffered: &mut Vec<[std::arch::x86_64::__m512i; 8]>| {
+    use std::arch::x86_64::*;
+    let run = |buffered: &mut Vec<[__m512i; 8]>| {
         buffered.clear();
         buffered.extend((0..w.nb).map(|b| wide_block::<Dyn>(&p, b)));
+        if a.super_scales && Dyn::has_min(&p[0]) {
+            // after the blocks, each super-block's minimums
+            buffered.extend((0..w.nb / SUPER_BLOCKS).map(|sb| {
+                let ([p0, p1, p2, p3], base) = wide_min_pairs(&p, sb);
+                let z = _mm512_setzero_si512();
+                [p0, p1, p2, p3, _mm512_castps_si512(base), z, z, z]
+            }));
+        }
         with_plain_scales(&p, w.nb, |p| {
             by_format!(all & p[0], a.super_scales, |T, S| {
                 let mut r0 = act.start;
@@ -252,11 +261,20 @@ unsafe fn wide_pass_vnni<
     let mut acc = [_mm512_setzero_ps(); R];
     let mut sup = [_mm512_setzero_ps(); R];
     let mut sup2 = [_mm512_setzero_ps(); R];
+    let min_super = SUPER && T::has_min(&p[0]);
     // with super-block scales (K-quants), a super-block's blocks at a time: each row's sums
-    // over them (two chains: the dots times their scales, and the minimums or the split
-    // types' second halves) are scaled by its activation scale once, after its last block
+    // over them (the dots times their scales, and the split types' second halves, or the
+    // integer sum of minimums) are scaled by its activation scale once, after its last block
     let span = if SUPER { SUPER_BLOCKS } else { nb.max(1) };
     for b0 in (0..nb).step_by(span) {
+        let mins = match (min_super, BUFFERED) {
+            (false, _) => ([_mm512_setzero_si512(); 4], _mm512_setzero_ps()),
+            (true, true) => {
+                let e = buffered.get_unchecked(nb + b0 / SUPER_BLOCKS);
+                ([e[0], e[1], e[2], e[3]], _mm512_castsi512_ps(e[4]))
+            }
+            (true, false) => wide_min_pairs(p, b0 / SUPER_BLOCKS),
+        };
         for b in b0..(b0 + span).min(nb) {
             if PREFETCH {
                 // the next tile (groups g + 2 and g + 3) to the outer caches: `T0` prefetches
@@ -316,6 +334,13 @@ unsafe fn wide_pass_vnni<
             }
             let dv = join_ps(p[0].d8::<T>(b, 0), p[1].d8::<T>(b, 0));
             match T::has_min(&p[0]) {
+                true if SUPER => {
+                    // (the minimums once per super-block, below)
+                    let s = dots(0..8, [0; R]);
+                    for (i, sup) in sup.iter_mut().enumerate() {
+                        *sup = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), dv, *sup);
+                    }
+                }
                 true => {
                     let mv = join_ps(p[0].m8::<T>(b), p[1].m8::<T>(b));
                     let s = dots(0..8, [0; R]);
@@ -323,11 +348,6 @@ unsafe fn wide_pass_vnni<
                         let dot = _mm512_cvtepi32_ps(s[i]);
                         let dx = _mm512_set1_ps(*a.scales.get_unchecked(at(i)));
                         let sx = _mm512_set1_ps(*a.sums.get_unchecked(at(i)));
-                        if SUPER {
-                            sup[i] = _mm512_fmadd_ps(dot, dv, sup[i]);
-                            sup2[i] = _mm512_fmadd_ps(mv, sx, sup2[i]);
-                            continue;
-                        }
                         *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, dx), *acc);
                         *acc = _mm512_fmadd_ps(mv, sx, *acc);
                     }
@@ -351,8 +371,16 @@ unsafe fn wide_pass_vnni<
         }
         if SUPER {
             for (i, acc) in acc.iter_mut().enumerate() {
-                let dx = _mm512_set1_ps(*a.scales.get_unchecked((r0 + i) * nb + b0));
-                *acc = _mm512_fmadd_ps(_mm512_add_ps(sup[i], sup2[i]), dx, *acc);
+                let at = (r0 + i) * nb + b0;
+                let dx = _mm512_set1_ps(*a.scales.get_unchecked(at));
+                // (the sum of minimums is below 2^24: exact as an f32)
+                let sums = if min_super {
+                    let m = wide_min_dot(&mins.0, a.block_sums.as_ptr().add(at));
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), mins.1, sup[i])
+                } else {
+                    _mm512_add_ps(sup[i], sup2[i])
+                };
+                *acc = _mm512_fmadd_ps(sums, dx, *acc);
                 sup[i] = _mm512_setzero_ps();
                 sup2[i] = _mm512_setzero_ps();
             }
@@ -365,6 +393,39 @@ unsafe fn wide_pass_vnni<
         store_group(lo, out.at(r0 + i, g * GROUP), valid[0]);
         store_group(hi, out.at(r0 + i, (g + 1) * GROUP), valid[1]);
     }
+}
+
+/// [`GroupRef::min_pairs8`] of both groups (`p[0]` in lanes 0..8).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c,avx512f")]
+#[inline]
+unsafe fn wide_min_pairs(
+    p: &[GroupRef; 2],
+    sb: usize,
+) -> ([std::arch::x86_64::__m512i; 4], std::arch::x86_64::__m512) {
+    let (lo, d_lo) = p[0].min_pairs8(sb);
+    let (hi, d_hi) = p[1].min_pairs8(sb);
+    (
+        std::array::from_fn(|q| join_si(lo[q], hi[q])),
+        join_ps(d_lo, d_hi),
+    )
+}
+
+/// [`min_dot8`] for both groups of [`wide_min_pairs`], in two `vpdpwssd` chains (the same
+/// integers).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+#[inline]
+unsafe fn wide_min_dot(
+    pairs: &[std::arch::x86_64::__m512i; 4],
+    sums: *const i16,
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let s = |q: usize| _mm512_set1_epi32((sums as *const i32).add(q).read_unaligned());
+    let z = _mm512_setzero_si512();
+    let lo = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, pairs[0], s(0)), pairs[1], s(1));
+    let hi = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, pairs[2], s(2)), pairs[3], s(3));
+    _mm512_add_epi32(lo, hi)
 }
 
 /// Two 256-bit halves as one 512-bit vector (`lo` in lanes 0..8).

@@ -106,8 +106,9 @@ thread_local! {
 /// copies made here: a kernel that passes over a row group's blocks once per few activation
 /// rows (a prompt, a longer decode batch) would otherwise multiply the factors out again in
 /// every pass, on the vector ports its products are bound by. The copies are the values
-/// [`GroupRef::d8`] and [`GroupRef::m8`] compute, so results are bitwise the same. Groups
-/// whose scales are not factored are read as they are.
+/// [`GroupRef::d8`] computes, so results are bitwise the same. Minimums stay factored (the
+/// kernels read them as integers, [`GroupRef::min_pairs8`]). Groups whose scales are not
+/// factored are read as they are.
 ///
 /// # Safety
 /// The groups are inside their matrix (as for the kernels); AVX2 and F16C are available.
@@ -123,41 +124,24 @@ pub(super) unsafe fn with_plain_scales<const N: usize, R>(
         return f(refs);
     }
     let run = |buf: &mut Vec<f32>| {
-        // per group, its `d` then its `m` (when it has one): `units` runs of GROUP values
+        // per group, its `d`: `units` runs of GROUP values
         let units = nb * Dyn::halves(&refs[0]);
         buf.clear();
         for p in refs {
-            for min in [false, true] {
-                if min && !Dyn::has_min(p) {
-                    continue;
-                }
-                for u in 0..units {
-                    let halves = Dyn::halves(p);
-                    let (b, h) = (u / halves, u % halves);
-                    let v = if min {
-                        p.m8::<Dyn>(b)
-                    } else {
-                        p.d8::<Dyn>(b, h)
-                    };
-                    let mut lanes = [0f32; GROUP];
-                    _mm256_storeu_ps(lanes.as_mut_ptr(), v);
-                    buf.extend_from_slice(&lanes);
-                }
+            for u in 0..units {
+                let halves = Dyn::halves(p);
+                let mut lanes = [0f32; GROUP];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), p.d8::<Dyn>(u / halves, u % halves));
+                buf.extend_from_slice(&lanes);
             }
         }
         // (pointers taken once the buffer no longer grows)
         let mut at = 0;
-        let mut next = || {
-            let s = ScalePtr::f32(buf.as_ptr().wrapping_add(at));
-            at += units * GROUP;
-            s
-        };
         let plain = refs.map(|p| {
-            let d = next();
-            let m = if Dyn::has_min(&p) { next() } else { p.m };
+            let d = ScalePtr::f32(buf.as_ptr().wrapping_add(at));
+            at += units * GROUP;
             GroupRef {
                 d,
-                m,
                 factored: false,
                 ..p
             }
@@ -517,6 +501,30 @@ impl GroupRef {
         }
     }
 
+    /// Super-block `sb`'s minimums ([`Scales::Factored`], which super-block activation
+    /// scales imply) for [`min_dot8`]: vector `p` holds, per row, the integers of blocks
+    /// `2p` and `2p + 1` as the low and high 16 bits of its lane; and their factor per row.
+    ///
+    /// # Safety
+    /// The matrix's minimums are factored and the super-block is inside it; AVX2 and F16C
+    /// are available.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    pub(super) unsafe fn min_pairs8(
+        &self,
+        sb: usize,
+    ) -> ([std::arch::x86_64::__m256i; 4], std::arch::x86_64::__m256) {
+        use std::arch::x86_64::*;
+        let pairs = std::array::from_fn(|p| {
+            // blocks 2p and 2p + 1: 8 rows' integers each, one after the other
+            let two = _mm_loadu_si128(
+                self.fm.mult.add((SUPER_BLOCKS * sb + 2 * p) * GROUP) as *const __m128i
+            );
+            _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(two, _mm_srli_si128::<8>(two)))
+        });
+        (pairs, self.fm.base8(sb))
+    }
+
     /// Starts loading the `nb` blocks of this group (values, scales, fifth bits; the first
     /// [`COLD_SPAN`] bytes of each) into L2, as many lines in flight at once as they take:
     /// the first group of a tile that no kernel's prefetch of a next group reached (see
@@ -674,6 +682,53 @@ pub(super) unsafe fn group_block<T: Format>(
     }
 }
 
+/// [`GroupRef::min_pairs8`] as an entry of a buffer of unpacked blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn min_entry(
+    (pairs, base): ([std::arch::x86_64::__m256i; 4], std::arch::x86_64::__m256),
+) -> [std::arch::x86_64::__m256i; 8] {
+    use std::arch::x86_64::*;
+    let z = _mm256_setzero_si256();
+    let [p0, p1, p2, p3] = pairs;
+    [p0, p1, p2, p3, _mm256_castps_si256(base), z, z, z]
+}
+
+/// The minimums [`min_entry`] stored.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn from_min_entry(
+    e: &[std::arch::x86_64::__m256i; 8],
+) -> ([std::arch::x86_64::__m256i; 4], std::arch::x86_64::__m256) {
+    use std::arch::x86_64::*;
+    ([e[0], e[1], e[2], e[3]], _mm256_castsi256_ps(e[4]))
+}
+
+/// Per row of a group, the sum over super-block's blocks of each block's minimum integer
+/// ([`GroupRef::min_pairs8`]) times its activation block's sum, from `sums`, the activation
+/// row's [`Q8Activations::block_sums`] of the super-block: exact in any order, so every
+/// path's integers are equal.
+///
+/// # Safety
+/// `sums` holds 8 values; AVX2 is available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn min_dot8(
+    pairs: &[std::arch::x86_64::__m256i; 4],
+    sums: *const i16,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let s = |p: usize| _mm256_set1_epi32((sums as *const i32).add(p).read_unaligned());
+    let madd = |p: usize| _mm256_madd_epi16(pairs[p], s(p));
+    _mm256_add_epi32(
+        _mm256_add_epi32(madd(0), madd(1)),
+        _mm256_add_epi32(madd(2), madd(3)),
+    )
+}
+
 /// A run of row groups, one after the other, times every activation row (a decode tile's
 /// several groups in one call: per group, the call and its thread-local buffer's borrow
 /// were a few percent of a small model's step). `$rows` activation rows share one pass over
@@ -734,6 +789,12 @@ macro_rules! group_kernel {
                     buffered.clear();
                     if buffer {
                         buffered.extend((0..w.nb).map(|b| group_block::<Dyn>(&p, b)));
+                        if a.super_scales && Dyn::has_min(&p) {
+                            // after the blocks, each super-block's minimums
+                            buffered.extend((0..w.nb / SUPER_BLOCKS).map(|sb| {
+                                min_entry(p.min_pairs8(sb))
+                            }));
+                        }
                     }
                     if act.len() > chunk {
                         with_plain_scales(&[p], w.nb, |[p]| passes(p, g, buffered, chunk))
@@ -773,6 +834,8 @@ macro_rules! group_kernel {
             let mut sup = [_mm256_setzero_ps(); R];
             let mut sup2 = [_mm256_setzero_ps(); R];
             let mut bases = [_mm256_setzero_ps(); 2];
+            let mut mins = ([_mm256_setzero_si256(); 4], _mm256_setzero_ps());
+            let min_super = SUPER && T::has_min(p);
             // with super-block scales (K-quants), a super-block's blocks at a time: each row's
             // sums over them (two chains: the dots times their scales, and the minimums or
             // the split types' second halves) are scaled by its activation scale once, after
@@ -785,6 +848,12 @@ macro_rules! group_kernel {
                     }
                     if b % SUPER_BLOCKS == 0 {
                         bases = p.bases8::<T>(b);
+                        if min_super {
+                            mins = match buffered.get(nb + b / SUPER_BLOCKS) {
+                                Some(e) => from_min_entry(e),
+                                None => p.min_pairs8(b / SUPER_BLOCKS),
+                            };
+                        }
                     }
                     let v = match buffered.get(b) {
                         Some(v) => *v,
@@ -839,17 +908,18 @@ macro_rules! group_kernel {
                         }
                     };
                     match T::has_min(p) {
+                        true if SUPER => {
+                            // (the minimums once per super-block, below)
+                            for (i, sup) in sup.iter_mut().enumerate() {
+                                *sup = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(i, 0)), dv, *sup);
+                            }
+                        }
                         true => {
                             let mv = p.m8_with::<T>(b, &bases);
                             for (i, acc) in acc.iter_mut().enumerate() {
                                 let dot = _mm256_cvtepi32_ps(dot(i, 0));
                                 let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
                                 let sx = _mm256_set1_ps(*a.sums.get_unchecked(at(i)));
-                                if SUPER {
-                                    sup[i] = _mm256_fmadd_ps(dot, dv, sup[i]);
-                                    sup2[i] = _mm256_fmadd_ps(mv, sx, sup2[i]);
-                                    continue;
-                                }
                                 *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
                                 *acc = _mm256_fmadd_ps(mv, sx, *acc);
                             }
@@ -870,8 +940,16 @@ macro_rules! group_kernel {
                 }
                 if SUPER {
                     for (i, acc) in acc.iter_mut().enumerate() {
-                        let dx = _mm256_set1_ps(*a.scales.get_unchecked((r0 + i) * nb + b0));
-                        *acc = _mm256_fmadd_ps(_mm256_add_ps(sup[i], sup2[i]), dx, *acc);
+                        let at = (r0 + i) * nb + b0;
+                        let dx = _mm256_set1_ps(*a.scales.get_unchecked(at));
+                        // (the sum of minimums is below 2^24: exact as an f32)
+                        let sums = if min_super {
+                            let m = min_dot8(&mins.0, a.block_sums.as_ptr().add(at));
+                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), mins.1, sup[i])
+                        } else {
+                            _mm256_add_ps(sup[i], sup2[i])
+                        };
+                        *acc = _mm256_fmadd_ps(sums, dx, *acc);
                         sup[i] = _mm256_setzero_ps();
                         sup2[i] = _mm256_setzero_ps();
                     }
