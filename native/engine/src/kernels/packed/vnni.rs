@@ -290,34 +290,47 @@ unsafe fn wide_pass_vnni<
             };
             let x = |i: usize| a.quants.as_ptr().add((r0 + i) * k + b * QK4_1) as *const i32;
             let at = |i: usize| (r0 + i) * nb + b;
-            // per row, the dot of quads `quads` plus `folded[i]`
-            let dots = |quads: std::ops::Range<usize>, folded: [i32; R]| -> [__m512i; R] {
-                let mut s = [[_mm512_setzero_si512(); C]; R];
-                for (n, q) in quads.enumerate() {
-                    for (i, s) in s.iter_mut().enumerate() {
-                        s[n % C] =
-                            _mm512_dpbusd_epi32(s[n % C], v[q], _mm512_set1_epi32(*x(i).add(q)));
+            // per row, the dot of quads `quads` plus `folded[i]`, in `chains` (≤ C) chains,
+            // the first starting from `folded[i]` (integers: exact in any order)
+            let dots =
+                |quads: std::ops::Range<usize>, folded: [i32; R], chains: usize| -> [__m512i; R] {
+                    let mut s: [[__m512i; C]; R] = std::array::from_fn(|i| {
+                        let mut c = [_mm512_setzero_si512(); C];
+                        c[0] = _mm512_set1_epi32(folded[i]);
+                        c
+                    });
+                    for (n, q) in quads.enumerate() {
+                        for (i, s) in s.iter_mut().enumerate() {
+                            s[n % chains] = _mm512_dpbusd_epi32(
+                                s[n % chains],
+                                v[q],
+                                _mm512_set1_epi32(*x(i).add(q)),
+                            );
+                        }
                     }
-                }
-                std::array::from_fn(|i| {
-                    let mut sum = _mm512_set1_epi32(folded[i]);
-                    for &c in &s[i] {
-                        sum = _mm512_add_epi32(sum, c);
-                    }
-                    sum
-                })
-            };
+                    std::array::from_fn(|i| {
+                        let mut sum = s[i][0];
+                        for &c in &s[i][1..chains] {
+                            sum = _mm512_add_epi32(sum, c);
+                        }
+                        sum
+                    })
+                };
             if T::halves(&p[0]) == 2 {
                 // (split types have implied offsets, folded into the integers)
                 let dv = join_ps(p[0].d8::<T>(b, 0), p[1].d8::<T>(b, 0));
                 let dv1 = join_ps(p[0].d8::<T>(b, 1), p[1].d8::<T>(b, 1));
+                // (the two halves are independent chains already)
+                let chains = (C / 2).max(1);
                 let lo = dots(
                     0..4,
                     std::array::from_fn(|i| *a.folded_halves.get_unchecked(2 * at(i))),
+                    chains,
                 );
                 let hi = dots(
                     4..8,
                     std::array::from_fn(|i| *a.folded_halves.get_unchecked(2 * at(i) + 1)),
+                    chains,
                 );
                 for (i, acc) in acc.iter_mut().enumerate() {
                     let dx = _mm512_set1_ps(*a.scales.get_unchecked(at(i)));
@@ -336,14 +349,14 @@ unsafe fn wide_pass_vnni<
             match T::has_min(&p[0]) {
                 true if SUPER => {
                     // (the minimums once per super-block, below)
-                    let s = dots(0..8, [0; R]);
+                    let s = dots(0..8, [0; R], C);
                     for (i, sup) in sup.iter_mut().enumerate() {
                         *sup = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), dv, *sup);
                     }
                 }
                 true => {
                     let mv = join_ps(p[0].m8::<T>(b), p[1].m8::<T>(b));
-                    let s = dots(0..8, [0; R]);
+                    let s = dots(0..8, [0; R], C);
                     for (i, acc) in acc.iter_mut().enumerate() {
                         let dot = _mm512_cvtepi32_ps(s[i]);
                         let dx = _mm512_set1_ps(*a.scales.get_unchecked(at(i)));
@@ -356,6 +369,7 @@ unsafe fn wide_pass_vnni<
                     let s = dots(
                         0..8,
                         std::array::from_fn(|i| *a.folded.get_unchecked(at(i))),
+                        C,
                     );
                     for (i, acc) in acc.iter_mut().enumerate() {
                         let dot = _mm512_cvtepi32_ps(s[i]);

@@ -351,10 +351,11 @@ pub(super) struct GroupRef {
     pub(super) q: *const u8,
     pub(super) h: Option<*const u32>,
     /// The scales and minimums (unused when `factored`, or the minimums without
-    /// `has_min`).
+    /// `has_min`; a factored matrix's minimums even after [`with_plain_scales`]).
     pub(super) d: ScalePtr,
     pub(super) m: ScalePtr,
-    /// The factored scales and minimums ([`Scales::Factored`]; unused unless `factored`).
+    /// The factored scales and minimums ([`Scales::Factored`]; the scales unused unless
+    /// `factored`, the minimums read by [`Self::min_pairs8`] either way).
     fd: FactorPtr,
     fm: FactorPtr,
     /// Whether the scales are read from `fd`/`fm` instead of `d`/`m`.
@@ -706,7 +707,7 @@ pub(super) unsafe fn from_min_entry(
     ([e[0], e[1], e[2], e[3]], _mm256_castsi256_ps(e[4]))
 }
 
-/// Per row of a group, the sum over super-block's blocks of each block's minimum integer
+/// Per row of a group, the sum over a super-block's blocks of each block's minimum integer
 /// ([`GroupRef::min_pairs8`]) times its activation block's sum, from `sums`, the activation
 /// row's [`Q8Activations::block_sums`] of the super-block: exact in any order, so every
 /// path's integers are equal.
