@@ -430,43 +430,39 @@ impl GroupRef {
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     pub(super) unsafe fn d8<T: Format>(&self, b: usize, h: usize) -> std::arch::x86_64::__m256 {
-        self.d8_with::<T>(b, h, &self.bases8::<T>(b))
+        self.d8_with::<T>(b, h, self.d_base8::<T>(b))
     }
 
-    /// The 8 rows' minimums of block `b` (types with a stored one), as [`Self::d8`].
+    /// The 8 rows' minimums of block `b` (types with a stored one), as [`Self::d8`]. The
+    /// kernels read factored minimums as integers instead ([`Self::min_pairs8`]).
     ///
     /// # Safety
     /// As [`Self::d8`].
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     pub(super) unsafe fn m8<T: Format>(&self, b: usize) -> std::arch::x86_64::__m256 {
-        self.m8_with::<T>(b, &self.bases8::<T>(b))
+        match T::scales(self) {
+            Form::Factored => self.fm.load8_with(b, self.fm.base8(b / SUPER_BLOCKS)),
+            form => self.m.add(b * GROUP).load8_as(form == Form::F16),
+        }
     }
 
-    /// The converted super-block factors of block `b`'s scales and minimums, for
-    /// [`Self::d8_with`] and [`Self::m8_with`] (unused unless the scales are factored): a
-    /// pass over a group's blocks converts them once per super-block instead of per block.
+    /// The converted super-block factor of block `b`'s scales, for [`Self::d8_with`]
+    /// (unused unless the scales are factored): a pass over a group's blocks converts it once
+    /// per super-block instead of per block.
     ///
     /// # Safety
     /// As [`Self::d8`].
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
-    pub(super) unsafe fn bases8<T: Format>(&self, b: usize) -> [std::arch::x86_64::__m256; 2] {
-        use std::arch::x86_64::_mm256_setzero_ps;
+    pub(super) unsafe fn d_base8<T: Format>(&self, b: usize) -> std::arch::x86_64::__m256 {
         match T::scales(self) {
-            Form::Factored => [
-                self.fd.base8(b / SUPER_BLOCKS),
-                if T::has_min(self) {
-                    self.fm.base8(b / SUPER_BLOCKS)
-                } else {
-                    _mm256_setzero_ps()
-                },
-            ],
-            _ => [_mm256_setzero_ps(); 2],
+            Form::Factored => self.fd.base8(b / SUPER_BLOCKS),
+            _ => std::arch::x86_64::_mm256_setzero_ps(),
         }
     }
 
-    /// [`Self::d8`] given block `b`'s [`Self::bases8`]: the same values, bitwise.
+    /// [`Self::d8`] given block `b`'s [`Self::d_base8`]: the same values, bitwise.
     ///
     /// # Safety
     /// As [`Self::d8`].
@@ -476,29 +472,12 @@ impl GroupRef {
         &self,
         b: usize,
         h: usize,
-        bases: &[std::arch::x86_64::__m256; 2],
+        base: std::arch::x86_64::__m256,
     ) -> std::arch::x86_64::__m256 {
         let unit = b * T::halves(self) + h;
         match T::scales(self) {
-            Form::Factored => self.fd.load8_with(unit, bases[0]),
+            Form::Factored => self.fd.load8_with(unit, base),
             form => self.d.add(unit * GROUP).load8_as(form == Form::F16),
-        }
-    }
-
-    /// [`Self::m8`] given block `b`'s [`Self::bases8`].
-    ///
-    /// # Safety
-    /// As [`Self::d8`].
-    #[target_feature(enable = "avx2,f16c")]
-    #[inline]
-    pub(super) unsafe fn m8_with<T: Format>(
-        &self,
-        b: usize,
-        bases: &[std::arch::x86_64::__m256; 2],
-    ) -> std::arch::x86_64::__m256 {
-        match T::scales(self) {
-            Form::Factored => self.fm.load8_with(b, bases[1]),
-            form => self.m.add(b * GROUP).load8_as(form == Form::F16),
         }
     }
 
@@ -834,7 +813,7 @@ macro_rules! group_kernel {
             let mut acc = [_mm256_setzero_ps(); R];
             let mut sup = [_mm256_setzero_ps(); R];
             let mut sup2 = [_mm256_setzero_ps(); R];
-            let mut bases = [_mm256_setzero_ps(); 2];
+            let mut d_base = _mm256_setzero_ps();
             let mut mins = ([_mm256_setzero_si256(); 4], _mm256_setzero_ps());
             let min_super = SUPER && T::has_min(p);
             // with super-block scales (K-quants), a super-block's blocks at a time: each row's
@@ -848,7 +827,7 @@ macro_rules! group_kernel {
                         p.prefetch_next::<T>(nb, b, l2);
                     }
                     if b % SUPER_BLOCKS == 0 {
-                        bases = p.bases8::<T>(b);
+                        d_base = p.d_base8::<T>(b);
                         if min_super {
                             mins = match buffered.get(nb + b / SUPER_BLOCKS) {
                                 Some(e) => from_min_entry(e),
@@ -864,8 +843,8 @@ macro_rules! group_kernel {
                     let at = |i: usize| (r0 + i) * nb + b;
                     if T::halves(p) == 2 {
                         // (split types have implied offsets, folded into the integers)
-                        let dv = p.d8_with::<T>(b, 0, &bases);
-                        let dv1 = p.d8_with::<T>(b, 1, &bases);
+                        let dv = p.d8_with::<T>(b, 0, d_base);
+                        let dv1 = p.d8_with::<T>(b, 1, d_base);
                         for (i, acc) in acc.iter_mut().enumerate() {
                             let f = a.folded_halves.as_ptr().add(2 * at(i));
                             let f = [*f, *f.add(1)];
@@ -886,7 +865,7 @@ macro_rules! group_kernel {
                         }
                         continue;
                     }
-                    let dv = p.d8_with::<T>(b, 0, &bases);
+                    let dv = p.d8_with::<T>(b, 0, d_base);
                     let dot = |i: usize, folded: i32| {
                         if $signed {
                             block_dot_avx2_signed(&v, x(i))
@@ -916,7 +895,7 @@ macro_rules! group_kernel {
                             }
                         }
                         true => {
-                            let mv = p.m8_with::<T>(b, &bases);
+                            let mv = p.m8::<T>(b);
                             for (i, acc) in acc.iter_mut().enumerate() {
                                 let dot = _mm256_cvtepi32_ps(dot(i, 0));
                                 let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
