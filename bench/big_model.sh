@@ -18,11 +18,11 @@ models=${LLAMA_CPP_EX_MODELS:-$HOME/.cache/llama_cpp_ex/models}
 tokenizer=$models/SmolLM2-135M-Instruct.Q4_1.gguf
 f16=$models/random-$shape-f16.gguf
 out=$models/random-$shape-$(echo "$quant" | tr 'A-Z' 'a-z').gguf
-export LD_LIBRARY_PATH=$LLAMA_CPP_BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 [ -f "$tokenizer" ] || python3 scripts/fetch_models.py
 python3 -c "import gguf, numpy" 2>/dev/null || python3 -m pip install -q gguf numpy
 [ -f "$f16" ] || python3 scripts/random_llama.py "$tokenizer" "$f16" --shape "$shape"
-[ -f "$out" ] || "$LLAMA_CPP_BIN/llama-quantize" "$f16" "$out" "$quant" 2>&1 | tail -2
+[ -f "$out" ] || LD_LIBRARY_PATH=$LLAMA_CPP_BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+  "$LLAMA_CPP_BIN/llama-quantize" "$f16" "$out" "$quant" 2>&1 | tail -2
 echo "== $out ($(du -h "$out" | cut -f1))"
 LLAMA_MODEL_PATH=$out mix run bench/generate.exs

@@ -50,7 +50,10 @@ defmodule Bench.Embeddings do
         for _ <- 1..@reps do
           {us, {_, 0}} =
             :timer.tc(fn ->
-              System.cmd(Path.join(bin, "llama-embedding"), args, stderr_to_stdout: true)
+              System.cmd(Path.join(bin, "llama-embedding"), args,
+                stderr_to_stdout: true,
+                env: Bench.LlamaCpp.env(bin)
+              )
             end)
 
           us
@@ -64,6 +67,7 @@ defmodule Bench.Embeddings do
 end
 
 Code.require_file("support/models.exs", __DIR__)
+Code.require_file("support/llama_cpp.exs", __DIR__)
 path = Bench.Models.default_path()
 
 threads = String.to_integer(System.get_env("LLAMA_THREADS", "2"))

@@ -13,6 +13,8 @@
 # (`GGML_NATIVE=OFF GGML_AVX512=OFF`: what llama.cpp runs on an AVX2-only CPU), for runs of
 # our AVX2 path on an AVX-512 machine (bench/simd_levels.sh sets it for its avx2 rows).
 
+Code.require_file("support/llama_cpp.exs", __DIR__)
+
 alias LlamaCppEx.{Context, Model, NIF}
 
 defmodule Bench.Generate do
@@ -96,7 +98,8 @@ defmodule Bench.Generate do
         System.cmd(
           exe,
           ["-m", path, "-t", "#{threads}", "-p", "128,512", "-n", "128", "-o", "csv"],
-          stderr_to_stdout: false
+          stderr_to_stdout: false,
+          env: Bench.LlamaCpp.env(bin)
         )
 
       [header | rows] = out |> String.split("\n", trim: true) |> Enum.map(&parse_csv/1)

@@ -8,6 +8,8 @@
 #   LLAMA_MODEL_PATH=path/to/model.gguf [LLAMA_THREADS=2] [LLAMA_SERVER=/path/to/llama-server] \
 #     mix run bench/http.exs
 
+Code.require_file("support/llama_cpp.exs", __DIR__)
+
 alias LlamaCppEx.{HTTPServer, JSON, Server}
 
 defmodule Bench.HTTP do
@@ -150,7 +152,7 @@ if bin = System.get_env("LLAMA_SERVER") do
       :binary,
       :exit_status,
       args: ~w(-m #{path} --port #{lport} -np 8 -c 8192 -t #{threads} --jinja --log-disable),
-      env: [{~c"LD_LIBRARY_PATH", String.to_charlist(Path.dirname(bin))}]
+      env: Bench.LlamaCpp.port_env(Path.dirname(bin))
     ])
 
   ready = fn ready ->

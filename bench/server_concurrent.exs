@@ -23,6 +23,7 @@
 alias LlamaCppEx.Server
 
 Code.require_file("support/tele.exs", __DIR__)
+Code.require_file("support/llama_cpp.exs", __DIR__)
 
 defmodule Bench.Concurrent do
   def pct([], _), do: 0.0
@@ -123,7 +124,8 @@ defmodule Bench.Concurrent do
           "#{port}",
           "-cb",
           "--no-webui"
-        ]
+        ],
+        env: Bench.LlamaCpp.port_env(bin)
       ])
 
     with {:error, why} <- wait_http(server, port, 200) do
