@@ -207,9 +207,8 @@ pub(super) unsafe fn pair_kernel_vnni(
         if a.super_scales && Dyn::has_min(&p[0]) {
             // after the blocks, each super-block's minimums
             buffered.extend((0..w.nb / SUPER_BLOCKS).map(|sb| {
-                let ([p0, p1, p2, p3], base) = wide_min_pairs(&p, sb);
-                let z = _mm512_setzero_si512();
-                [p0, p1, p2, p3, _mm512_castps_si512(base), z, z, z]
+                let (pairs, factor) = wide_min_pairs(&p, sb);
+                min_entry(pairs, _mm512_castps_si512(factor), _mm512_setzero_si512())
             }));
         }
         with_plain_scales(&p, w.nb, |p| {
@@ -270,8 +269,9 @@ unsafe fn wide_pass_vnni<
         let mins = match (min_super, BUFFERED) {
             (false, _) => ([_mm512_setzero_si512(); 4], _mm512_setzero_ps()),
             (true, true) => {
-                let e = buffered.get_unchecked(nb + b0 / SUPER_BLOCKS);
-                ([e[0], e[1], e[2], e[3]], _mm512_castsi512_ps(e[4]))
+                let (pairs, factor) =
+                    from_min_entry(buffered.get_unchecked(nb + b0 / SUPER_BLOCKS));
+                (pairs, _mm512_castsi512_ps(factor))
             }
             (true, false) => wide_min_pairs(p, b0 / SUPER_BLOCKS),
         };

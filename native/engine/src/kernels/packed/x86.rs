@@ -433,18 +433,21 @@ impl GroupRef {
         self.d8_with::<T>(b, h, self.d_base8::<T>(b))
     }
 
-    /// The 8 rows' minimums of block `b` (types with a stored one), as [`Self::d8`]. The
-    /// kernels read factored minimums as integers instead ([`Self::min_pairs8`]).
+    /// The 8 rows' minimums of block `b` (types with a stored one, scales not factored), as
+    /// [`Self::d8`]. Factored scales come with super-block activation scales, whose kernels
+    /// read the minimums as integers ([`Self::min_pairs8`]).
     ///
     /// # Safety
     /// As [`Self::d8`].
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     pub(super) unsafe fn m8<T: Format>(&self, b: usize) -> std::arch::x86_64::__m256 {
-        match T::scales(self) {
-            Form::Factored => self.fm.load8_with(b, self.fm.base8(b / SUPER_BLOCKS)),
-            form => self.m.add(b * GROUP).load8_as(form == Form::F16),
-        }
+        let form = T::scales(self);
+        debug_assert!(
+            form != Form::Factored,
+            "factored minimums are read as integers"
+        );
+        self.m.add(b * GROUP).load8_as(form == Form::F16)
     }
 
     /// The converted super-block factor of block `b`'s scales, for [`Self::d8_with`]
@@ -662,28 +665,19 @@ pub(super) unsafe fn group_block<T: Format>(
     }
 }
 
-/// [`GroupRef::min_pairs8`] as an entry of a buffer of unpacked blocks.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[inline]
-pub(super) unsafe fn min_entry(
-    (pairs, base): ([std::arch::x86_64::__m256i; 4], std::arch::x86_64::__m256),
-) -> [std::arch::x86_64::__m256i; 8] {
-    use std::arch::x86_64::*;
-    let z = _mm256_setzero_si256();
+/// A super-block's minimums (its pair vectors and its factor's bits, as
+/// [`GroupRef::min_pairs8`] gives them, at any vector width) as an entry of a buffer of
+/// unpacked blocks, after the blocks: the pairs, the factor, then `zero`s.
+#[inline(always)]
+pub(super) fn min_entry<V: Copy>(pairs: [V; 4], factor: V, zero: V) -> [V; 8] {
     let [p0, p1, p2, p3] = pairs;
-    [p0, p1, p2, p3, _mm256_castps_si256(base), z, z, z]
+    [p0, p1, p2, p3, factor, zero, zero, zero]
 }
 
-/// The minimums [`min_entry`] stored.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[inline]
-pub(super) unsafe fn from_min_entry(
-    e: &[std::arch::x86_64::__m256i; 8],
-) -> ([std::arch::x86_64::__m256i; 4], std::arch::x86_64::__m256) {
-    use std::arch::x86_64::*;
-    ([e[0], e[1], e[2], e[3]], _mm256_castsi256_ps(e[4]))
+/// The pairs and factor bits [`min_entry`] stored.
+#[inline(always)]
+pub(super) fn from_min_entry<V: Copy>(e: &[V; 8]) -> ([V; 4], V) {
+    ([e[0], e[1], e[2], e[3]], e[4])
 }
 
 /// Per row of a group, the sum over a super-block's blocks of each block's minimum integer
@@ -772,7 +766,10 @@ macro_rules! group_kernel {
                         if a.super_scales && Dyn::has_min(&p) {
                             // after the blocks, each super-block's minimums
                             buffered.extend((0..w.nb / SUPER_BLOCKS).map(|sb| {
-                                min_entry(p.min_pairs8(sb))
+                                use std::arch::x86_64::*;
+                                let (pairs, factor) = p.min_pairs8(sb);
+                                let z = _mm256_setzero_si256();
+                                min_entry(pairs, _mm256_castps_si256(factor), z)
                             }));
                         }
                     }
@@ -830,7 +827,10 @@ macro_rules! group_kernel {
                         d_base = p.d_base8::<T>(b);
                         if min_super {
                             mins = match buffered.get(nb + b / SUPER_BLOCKS) {
-                                Some(e) => from_min_entry(e),
+                                Some(e) => {
+                                    let (pairs, factor) = from_min_entry(e);
+                                    (pairs, _mm256_castsi256_ps(factor))
+                                }
                                 None => p.min_pairs8(b / SUPER_BLOCKS),
                             };
                         }
