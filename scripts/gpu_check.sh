@@ -25,6 +25,17 @@
 #   scripts/gpu_check.sh parity the parity half of `run` alone (under a minute): after a change
 #                               to the tests or the tensor path, with the test binaries
 #                               repacked (`pack`, or `pack tests`).
+#   scripts/gpu_check.sh pack cores
+#                               here, without the CUDA toolkit (minutes, not the CUDA build's
+#                               half hour): the CPU build of the engine's bench and the rest of
+#                               what `cores` needs.
+#   scripts/gpu_check.sh cores  on the GPU machine, its host's CPU cores alone (~8 min, no
+#                               GPU used): llama.cpp's CPU build made there, the same random
+#                               models as `run`, and at each of CORES_THREADS (default
+#                               "16 8 4") pp512 / tg128 next to llama-bench, the share of the
+#                               read ceiling at that thread count, and at the most threads
+#                               where a decode step's time goes and the AVX2 level. For issue
+#                               43's many-core targets when the CUDA pack is not ready.
 #
 # Environment (pack): CUDA_PREFIX (default ~/.cache/llama_cpp_ex/cuda13), CUDA_COMPUTE_CAP
 # (default 90: H100/H200), LLAMA_CPP_SRC (llama.cpp's unpacked source, default the one
@@ -35,12 +46,21 @@ PACK="$ROOT/.gpu"
 MODE="${1:-}"
 
 pack() {
+  local manifest=(--quiet --manifest-path "$ROOT/native/Cargo.toml")
+  if [ "${1:-}" = cores ]; then
+    # the CPU build: its cargo target directory is the one CI and `make` share
+    export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/llama_cpp_ex/cargo-target}"
+    rm -rf "$PACK" && mkdir -p "$PACK"
+    cargo build "${manifest[@]}" --release -p llama_cpp_ex_engine --example decode_profile
+    xz -T2 -6 -c "$CARGO_TARGET_DIR/release/examples/decode_profile" > "$PACK/decode_profile.xz"
+    pack_models_and_anchor
+    return
+  fi
   local prefix="${CUDA_PREFIX:-$HOME/.cache/llama_cpp_ex/cuda13}"
   [ -f "$prefix/env.sh" ] || bash "$ROOT/scripts/cuda13_from_wheels.sh" "$prefix"
   # shellcheck disable=SC1091
   source "$prefix/env.sh"
   export CARGO_TARGET_DIR="${CUDA_TARGET_DIR:-$HOME/.cache/llama_cpp_ex/cargo-target-cuda}"
-  local manifest=(--quiet --manifest-path "$ROOT/native/Cargo.toml")
   [ "${1:-}" = tests ] || rm -rf "$PACK"
   mkdir -p "$PACK"
   # test binaries: their paths from cargo's JSON messages
@@ -59,6 +79,12 @@ for l in sys.stdin:
     cargo build "${manifest[@]}" --release -p llama_cpp_ex_engine --features cuda --example "$ex"
     xz -T2 -6 -c "$CARGO_TARGET_DIR/release/examples/$ex" > "$PACK/$ex.xz"
   done
+  pack_models_and_anchor
+}
+
+# What both packs carry besides the binaries: the random models' makings and llama.cpp's
+# source for the anchor.
+pack_models_and_anchor() {
   # the tokenizer of SmolLM2 without its weights, for random models made there
   local models="${LLAMA_CPP_EX_MODELS:-$HOME/.cache/llama_cpp_ex/models}"
   python3 "$ROOT/scripts/tokenizer_only_gguf.py" "$models/SmolLM2-135M-Instruct.Q4_1.gguf" "$PACK/tok.gguf"
@@ -73,7 +99,7 @@ for l in sys.stdin:
   tar -C "$src" -cJf "$PACK/lcp.tar.xz" --exclude=build --exclude=.git \
     CMakeLists.txt cmake ggml src include common tools vendor licenses LICENSE
   du -sh "$PACK"/* | sort -h
-  echo "packed $(du -sh "$PACK" | cut -f1) in .gpu/: run 'scripts/gpu_check.sh run' there with carry [\".gpu\"]"
+  echo "packed $(du -sh "$PACK" | cut -f1) in .gpu/: run 'scripts/gpu_check.sh run' (or 'cores' after 'pack cores') there with carry [\".gpu\"]"
 }
 
 # CUDA 13 runtime libraries: the machine's toolkit first, then PyTorch's wheels
@@ -116,9 +142,22 @@ run() {
     printf '%s' "$summary" | tee "$OUT/summary.txt"
     tar -C "$log" -czf "$OUT/logs.tar.gz" .
   }
-  nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader | tee "$log/gpu.txt"
+  nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader \
+    > "$log/gpu.txt" 2>/dev/null || echo none > "$log/gpu.txt"
   summary+="gpu: $(head -1 "$log/gpu.txt"); host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"$'\n'
-  local build
+  summary+="host flags: $(grep -m1 -o -w -E 'avx512_vnni|amx_int8|avx2' /proc/cpuinfo | sort -u | tr '\n' ' ')"$'\n'
+  local build lb=${LLAMA_CPP_BIN:-/tmp/lcp/build/bin}
+  if [ "$MODE" = cores ] && [ -z "${LLAMA_CPP_BIN:-}" ]; then
+    # llama.cpp's CPU backend alone: a few minutes on the host's cores
+    mkdir -p /tmp/lcp && tar -C /tmp/lcp -xJf "$PACK/lcp.tar.xz"
+    (cd /tmp/lcp && cmake -S . -B build -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
+      -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
+      -DCMAKE_BUILD_TYPE=Release > "$log/lcp_cmake.log" 2>&1 &&
+      cmake --build build -j "$(nproc)" --target llama-bench llama-quantize \
+        > "$log/lcp_build.log" 2>&1) &
+    build=$!
+  fi
   if [ "$MODE" = run ]; then
     # llama.cpp's CUDA anchor (its CPU backend too) builds in the background meanwhile
     mkdir -p /tmp/lcp && tar -C /tmp/lcp -xJf "$PACK/lcp.tar.xz"
@@ -140,7 +179,7 @@ run() {
   done
   local py=python3 gen
   [ -x /opt/torch/.venv/bin/python3 ] && py=/opt/torch/.venv/bin/python3
-  if [ "$MODE" = run ]; then
+  if [ "$MODE" = run ] || [ "$MODE" = cores ]; then
     PYTHONPATH="$PACK/py" $py "$PACK/random_llama.py" "$PACK/tok.gguf" /tmp/l1b.gguf \
       --shape llama3.2-1b > "$log/gen.log" 2>&1 &
     gen=$!
@@ -157,6 +196,12 @@ run() {
     finish
     return
   fi
+  if [ "$MODE" = cores ]; then
+    models
+    [ -f /tmp/l1b-q4km.gguf ] && cpu_cores 0
+    finish
+    return
+  fi
   el "parity on the GPU"
   for t in arch_parity tensor_backend; do
     (LLAMA_CPP_EX_FIXTURES="$ROOT/test/fixtures" LLAMA_CPP_EX_TEST_BACKEND=cuda timeout 150 "$bin/$t" \
@@ -168,20 +213,11 @@ run() {
     finish
     return
   fi
-  el "random models"
-  PYTHONPATH="$PACK/py" $py "$PACK/random_llama.py" "$PACK/tok.gguf" /tmp/l135.gguf \
-    --shape smollm2-135m >> "$log/gen.log" 2>&1
-  wait "$gen"
-  wait "$build"
-  el "llama.cpp build: $(tail -1 "$log/lcp_build.log")"
-  local lb=/tmp/lcp/build/bin
-  if [ ! -x "$lb/llama-quantize" ]; then
-    summary+="llama.cpp's CUDA build failed: see lcp_build.log"$'\n'
+  models
+  if [ ! -f /tmp/l1b-q4km.gguf ]; then
     finish
     return
   fi
-  "$lb/llama-quantize" /tmp/l1b.gguf /tmp/l1b-q4km.gguf Q4_K_M 16 > "$log/quant.log" 2>&1
-  "$lb/llama-quantize" /tmp/l135.gguf /tmp/l135-q41.gguf Q4_1 16 >> "$log/quant.log" 2>&1
   local m name
   for m in /tmp/l1b-q4km.gguf /tmp/l135-q41.gguf; do
     name=$(basename "$m" .gguf)
@@ -213,29 +249,62 @@ run() {
   else
     summary+="ncu: not found"$'\n'
   fi
-  # the host's cores for issue 43's many-core targets: llama.cpp's CPU backend with the GPU
-  # hidden (so no op is offloaded), against the engine's CPU path of the same binary
-  local t
-  for t in 16 8 4; do
+  cpu_cores "$deadline"
+  finish
+}
+
+# The random models at 1B (Q4_K_M) and SmolLM2 135M (Q4_1) shapes, once the generator
+# started in the background and llama.cpp's build are done; none when the build failed.
+models() {
+  el "random models"
+  PYTHONPATH="$PACK/py" $py "$PACK/random_llama.py" "$PACK/tok.gguf" /tmp/l135.gguf \
+    --shape smollm2-135m >> "$log/gen.log" 2>&1
+  wait "$gen"
+  [ -n "${build:-}" ] && wait "$build"
+  el "llama.cpp build: $(tail -1 "$log/lcp_build.log" 2>/dev/null)"
+  if [ ! -x "$lb/llama-quantize" ]; then
+    summary+="llama.cpp's build failed: see lcp_build.log"$'\n'
+    return
+  fi
+  "$lb/llama-quantize" /tmp/l1b.gguf /tmp/l1b-q4km.gguf Q4_K_M "$(nproc)" > "$log/quant.log" 2>&1
+  "$lb/llama-quantize" /tmp/l135.gguf /tmp/l135-q41.gguf Q4_1 "$(nproc)" >> "$log/quant.log" 2>&1
+}
+
+# The host's cores for issue 43's many-core targets: llama.cpp's CPU backend with the GPU
+# hidden (so no op is offloaded) against the engine's CPU path, and the share of the read
+# ceiling (`CEILING=1`: the probe at the same thread count) per thread count; at the most
+# threads, where a decode step's time goes and the AVX2 level. Thread counts start only
+# while the clock is before $1 (0: no limit).
+cpu_cores() {
+  local t m name first=1
+  for t in ${CORES_THREADS:-16 8 4}; do
     for m in /tmp/l1b-q4km.gguf /tmp/l135-q41.gguf; do
       name=$(basename "$m" .gguf)
-      if [ "$(date +%s)" -gt "$deadline" ]; then
+      if [ "$1" -gt 0 ] && [ "$(date +%s)" -gt "$1" ]; then
         summary+="CPU $name at $t threads: skipped (time)"$'\n'
         continue
       fi
       el "CPU $name at $t threads"
       CUDA_VISIBLE_DEVICES= timeout 60 "$lb/llama-bench" -m "$m" -ngl 0 -t "$t" -p 512 -n 128 -r 2 -o md \
         > "$log/lcp_cpu_${name}_$t.md" 2>&1
-      timeout 60 "$bin/decode_profile" "$m" "$t" 128 > "$log/ours_cpu_${name}_$t.txt" 2>&1
+      PP_REPS=2 timeout 60 "$bin/decode_profile" "$m" "$t" 128 > "$log/ours_cpu_${name}_$t.txt" 2>&1
+      CEILING=1 timeout 60 "$bin/decode_profile" "$m" "$t" 128 >> "$log/ours_cpu_${name}_$t.txt" 2>&1
+      if [ "$first" = 1 ]; then
+        SECTIONS=1 PP_REPS=1 timeout 60 "$bin/decode_profile" "$m" "$t" 128 \
+          > "$log/ours_cpu_sections_${name}_$t.txt" 2>&1
+        LLAMA_CPP_EX_SIMD=avx2 PP_REPS=2 timeout 60 "$bin/decode_profile" "$m" "$t" 128 \
+          > "$log/ours_cpu_avx2_${name}_$t.txt" 2>&1
+        summary+="CPU $name $t threads, ours at the AVX2 level: $(grep -E '^(pp|tg)' "$log/ours_cpu_avx2_${name}_$t.txt" | tr '\n' ' ')"$'\n'
+      fi
       summary+="CPU $name $t threads: llama.cpp $(grep -E '^\| .*(pp|tg)' "$log/lcp_cpu_${name}_$t.md" |
-        awk -F'|' '{printf "%s %s; ", $(NF-2), $(NF-1)}') ours $(grep -E '^(pp|tg|pool)' "$log/ours_cpu_${name}_$t.txt" | tr '\n' ' ')"$'\n'
+        awk -F'|' '{printf "%s %s; ", $(NF-2), $(NF-1)}') ours $(grep -E '^(pp|tg|pool|median)' "$log/ours_cpu_${name}_$t.txt" | tr '\n' ' ')"$'\n'
     done
+    first=0
   done
-  finish
 }
 
 case "$MODE" in
   pack) pack "${2:-}" ;;
-  run | parity | probe) run ;;
-  *) echo "usage: $0 pack [tests]|run|parity|probe" >&2; exit 2 ;;
+  run | parity | probe | cores) run ;;
+  *) echo "usage: $0 pack [tests|cores]|run|parity|probe|cores" >&2; exit 2 ;;
 esac
