@@ -147,30 +147,27 @@ run() {
   summary+="gpu: $(head -1 "$log/gpu.txt"); host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"$'\n'
   summary+="host flags: $(grep -m1 -o -w -E 'avx512_vnni|amx_int8|avx2' /proc/cpuinfo | sort -u | tr '\n' ' ')"$'\n'
   local build lb=${LLAMA_CPP_BIN:-/tmp/lcp/build/bin}
-  if [ "$MODE" = cores ] && [ -z "${LLAMA_CPP_BIN:-}" ]; then
-    # llama.cpp's CPU backend alone: a few minutes on the host's cores
+  # llama.cpp, built in the background meanwhile from the packed source: `run` its CUDA
+  # anchor (its CPU backend too) on 12 jobs beside the parity tests, `cores` the CPU
+  # backend alone on every core (a few minutes)
+  anchor() {
+    local jobs=$1 targets=$2
+    shift 2
     mkdir -p /tmp/lcp && tar -C /tmp/lcp -xJf "$PACK/lcp.tar.xz"
-    (cd /tmp/lcp && cmake -S . -B build -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
+    (cd /tmp/lcp && cmake -S . -B build "$@" -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
       -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
       -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
       -DCMAKE_BUILD_TYPE=Release > "$log/lcp_cmake.log" 2>&1 &&
-      cmake --build build -j "$(nproc)" --target llama-bench llama-quantize \
-        > "$log/lcp_build.log" 2>&1) &
+      cmake --build build -j "$jobs" --target $targets > "$log/lcp_build.log" 2>&1) &
     build=$!
-  fi
+  }
   if [ "$MODE" = run ]; then
-    # llama.cpp's CUDA anchor (its CPU backend too) builds in the background meanwhile
-    mkdir -p /tmp/lcp && tar -C /tmp/lcp -xJf "$PACK/lcp.tar.xz"
     local nvcc
     nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-    (cd /tmp/lcp && PATH="$(dirname "$nvcc"):$PATH" cmake -S . -B build -DGGML_CUDA=ON \
-      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
-      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
-      -DLLAMA_OPENSSL=OFF -DGGML_CUDA_NCCL=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
-      -DCMAKE_BUILD_TYPE=Release > "$log/lcp_cmake.log" 2>&1 &&
-      cmake --build build -j 12 --target llama-bench llama-quantize llama-batched-bench \
-        > "$log/lcp_build.log" 2>&1) &
-    build=$!
+    PATH="$(dirname "$nvcc"):$PATH" anchor 12 "llama-bench llama-quantize llama-batched-bench" \
+      -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF
+  elif [ "$MODE" = cores ] && [ -z "${LLAMA_CPP_BIN:-}" ]; then
+    anchor "$(nproc)" "llama-bench llama-quantize"
   fi
   LD_LIBRARY_PATH="$(find_cuda_libs)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export LD_LIBRARY_PATH
