@@ -2,6 +2,8 @@
 
 pub mod attention;
 pub mod bert;
+#[cfg(feature = "cuda")]
+mod cuda_attention;
 pub mod decoder;
 pub mod linear;
 pub mod ops;

@@ -23,6 +23,14 @@ use crate::kv::{block_index, KvCache, KV_BLOCK_SIZE};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, WithDType};
 use std::ops::Range;
+#[cfg(feature = "cuda")]
+use std::sync::OnceLock;
+
+// a key slot the CUDA decode kernel skips
+#[cfg(feature = "cuda")]
+use super::cuda_attention::UNSEEN;
+#[cfg(not(feature = "cuda"))]
+const UNSEEN: u32 = u32::MAX;
 
 /// Products whose outputs are consecutive slices of one result: each matrix gives one slice
 /// (Q, K, V as separate matrices), or consecutive slices when it is stacked (Phi-3's
@@ -153,6 +161,11 @@ struct AttnGroup {
     /// `None` where every query sees every key (a decode batch of sequences of one length):
     /// adding zeros would be one more kernel launch.
     mask: Option<Tensor>,
+    /// One-token sequences on a CUDA device: `q_rows`, then per sequence its keys' cache rows
+    /// (`UNSEEN` where the mask hides them), for the one-launch kernel
+    /// ([`super::cuda_attention`]) that replaces the gathers, products and softmax.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    kernel_idx: Option<Tensor>,
 }
 
 /// Host data a pass sends to the device, gathered so that it travels as one copy per element
@@ -237,6 +250,7 @@ struct AttnRanges {
     q_in_order: bool,
     slots: Range<usize>,
     mask: Option<Range<usize>>,
+    kernel_idx: Option<Range<usize>>,
 }
 
 impl GroupRanges {
@@ -257,6 +271,11 @@ impl GroupRanges {
                         .mask
                         .as_ref()
                         .map(|m| staged.f32s(m, &[g, 1, 1, t, l]))
+                        .transpose()?,
+                    kernel_idx: a
+                        .kernel_idx
+                        .as_ref()
+                        .map(|r| staged.u32s(r, &[r.len()]))
                         .transpose()?,
                 })
             })
@@ -514,6 +533,13 @@ impl TensorDecoder {
                 }
             }
             offset += g * t_max;
+            let kernel_idx = (t_max == 1 && self.kernel_attention()).then(|| {
+                let seen = slots
+                    .iter()
+                    .zip(&mask)
+                    .map(|(&s, &m)| if m == 0.0 { s } else { UNSEEN });
+                st.u32s(q_rows.iter().copied().chain(seen))
+            });
             attn.push(AttnRanges {
                 n_seqs: g,
                 t_max,
@@ -522,6 +548,7 @@ impl TensorDecoder {
                 q_rows: st.u32s(q_rows),
                 slots: st.u32s(slots),
                 mask: mask.iter().any(|&m| m != 0.0).then(|| st.f32s(&mask)),
+                kernel_idx,
             });
         }
         Ok(GroupRanges {
@@ -530,6 +557,22 @@ impl TensorDecoder {
             out_in_order: offset == n && in_order(&out_rows, n),
             out_rows: st.u32s(out_rows),
         })
+    }
+
+    /// Whether one-token sequences attend through the CUDA kernel: with
+    /// `LLAMA_CPP_EX_CUDA_ATTENTION=1`, on a CUDA device, for head sizes it takes. Off by
+    /// default until a GPU has run the engine's parity tests through it
+    /// (`scripts/gpu_check.sh run` runs them with the kernel on).
+    fn kernel_attention(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            static ON: OnceLock<bool> = OnceLock::new();
+            let on = *ON
+                .get_or_init(|| std::env::var("LLAMA_CPP_EX_CUDA_ATTENTION").as_deref() == Ok("1"));
+            on && self.device.is_cuda() && self.cfg.head_dim <= super::cuda_attention::MAX_HEAD_DIM
+        }
+        #[cfg(not(feature = "cuda"))]
+        false
     }
 
     /// Rotates `x` (`[n, heads × head_dim]`) at each token's position.
@@ -561,6 +604,24 @@ impl TensorDecoder {
         let mut outs = Vec::with_capacity(plan.attn.len());
         for a in &plan.attn {
             let (g, t, l) = (a.n_seqs, a.t_max, a.l_max);
+            #[cfg(feature = "cuda")]
+            if let Some(idx) = &a.kernel_idx {
+                let op = super::cuda_attention::DecodeAttention {
+                    idx: idx.clone(),
+                    rows: g,
+                    l_max: l,
+                    n_head: c.n_head,
+                    n_kv,
+                    head_dim: hd,
+                    scale: c.attn_scale,
+                    softcap: c.attn_softcap,
+                };
+                outs.push(
+                    q.contiguous()?
+                        .apply_op3_no_bwd(&kv.k[layer], &kv.v[layer], &op)?,
+                );
+                continue;
+            }
             // [g × t, heads × hd] → [g × kv heads, ratio × t, hd]
             // the gathers of rows are kernel launches: skipped where they would not move
             // a row (a decode batch of one-token sequences, a prompt alone)
