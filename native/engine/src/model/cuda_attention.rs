@@ -18,10 +18,9 @@ use std::sync::OnceLock;
 const THREADS: u32 = 128;
 /// Head dimensions the kernel takes (two output columns per thread at most).
 pub(super) const MAX_HEAD_DIM: usize = 2 * THREADS as usize;
-/// A slot the sequence does not see (padding, or a block its window dropped).
-pub(super) const UNSEEN: u32 = u32::MAX;
 
-/// One block per (sequence, query head); keys in tiles of `blockDim.x`.
+/// One block per (sequence, query head); keys in tiles of `blockDim.x`; `UNSEEN` is
+/// [`super::tensor::UNSEEN`].
 const SOURCE: &str = r#"
 #define UNSEEN 0xffffffffu
 __device__ __forceinline__ float h2f(unsigned short h) {
@@ -116,7 +115,7 @@ fn ptx() -> candle_core::Result<&'static str> {
 /// Attention of `q` (`[batch rows, n_head × head_dim]` f32) over the f16 cache rows `k` and
 /// `v` (`[slots, n_kv × head_dim]`), for `rows` one-token sequences: `idx` holds the batch
 /// row of each sequence's query, then per sequence `l_max` cache rows of its keys
-/// ([`UNSEEN`] where it sees none). The result is `[rows, n_head × head_dim]`.
+/// ([`super::tensor::UNSEEN`] where it sees none). The result is `[rows, n_head × head_dim]`.
 pub(super) struct DecodeAttention {
     pub idx: Tensor,
     pub rows: usize,

@@ -26,11 +26,8 @@ use std::ops::Range;
 #[cfg(feature = "cuda")]
 use std::sync::OnceLock;
 
-// a key slot the CUDA decode kernel skips
-#[cfg(feature = "cuda")]
-use super::cuda_attention::UNSEEN;
-#[cfg(not(feature = "cuda"))]
-const UNSEEN: u32 = u32::MAX;
+/// A key slot the CUDA decode kernel skips (padding, or a block its window dropped).
+pub(super) const UNSEEN: u32 = u32::MAX;
 
 /// Products whose outputs are consecutive slices of one result: each matrix gives one slice
 /// (Q, K, V as separate matrices), or consecutive slices when it is stacked (Phi-3's
@@ -161,9 +158,9 @@ struct AttnGroup {
     /// `None` where every query sees every key (a decode batch of sequences of one length):
     /// adding zeros would be one more kernel launch.
     mask: Option<Tensor>,
-    /// One-token sequences on a CUDA device: `q_rows`, then per sequence its keys' cache rows
-    /// (`UNSEEN` where the mask hides them), for the one-launch kernel
-    /// ([`super::cuda_attention`]) that replaces the gathers, products and softmax.
+    /// One-token sequences on a CUDA device: `q_rows`, then `slots` (`UNSEEN` where the mask
+    /// would hide a key, and no mask), for the one-launch kernel ([`super::cuda_attention`])
+    /// that replaces the gathers, products and softmax.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     kernel_idx: Option<Tensor>,
 }
@@ -533,22 +530,28 @@ impl TensorDecoder {
                 }
             }
             offset += g * t_max;
-            let kernel_idx = (t_max == 1 && self.kernel_attention()).then(|| {
-                let seen = slots
-                    .iter()
-                    .zip(&mask)
-                    .map(|(&s, &m)| if m == 0.0 { s } else { UNSEEN });
-                st.u32s(q_rows.iter().copied().chain(seen))
-            });
+            // the kernel reads the mask from the slots themselves, and its index array is
+            // the query rows and slots as staged here, one after the other
+            let kernel = t_max == 1 && self.kernel_attention();
+            if kernel {
+                for (s, &m) in slots.iter_mut().zip(&mask) {
+                    if m != 0.0 {
+                        *s = UNSEEN;
+                    }
+                }
+            }
+            let q_in_order = in_order(&q_rows, n);
+            let q_rows = st.u32s(q_rows);
+            let slots = st.u32s(slots);
             attn.push(AttnRanges {
                 n_seqs: g,
                 t_max,
                 l_max,
-                q_in_order: in_order(&q_rows, n),
-                q_rows: st.u32s(q_rows),
-                slots: st.u32s(slots),
-                mask: mask.iter().any(|&m| m != 0.0).then(|| st.f32s(&mask)),
-                kernel_idx,
+                q_in_order,
+                kernel_idx: kernel.then_some(q_rows.start..slots.end),
+                q_rows,
+                slots,
+                mask: (!kernel && mask.iter().any(|&m| m != 0.0)).then(|| st.f32s(&mask)),
             });
         }
         Ok(GroupRanges {
