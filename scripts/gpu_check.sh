@@ -10,7 +10,8 @@
 #   scripts/gpu_check.sh run    on the GPU machine (the device tool, carry [".gpu"]): parity of
 #                               every tiny architecture and quantization type against
 #                               llama.cpp's fixtures on the GPU, the device cache's sharing,
-#                               windows and batch invariance, then pp512 / tg128 of the engine
+#                               windows and batch invariance, with the engine's CUDA kernels
+#                               on (each alone, then none, where they fail), then pp512 / tg128 of the engine
 #                               next to llama.cpp's CUDA build (made there meanwhile) on random
 #                               models at Llama 3.2 1B (Q4_K_M) and SmolLM2 135M (Q4_1) shapes,
 #                               32 streams next to llama-batched-bench, the graph probe, one
@@ -79,12 +80,12 @@ for l in sys.stdin:
   done
   # the kernels NVRTC compiles on a GPU's first use, compiled here (NVRTC is a compiler and
   # needs no GPU; the toolkit's driver stub, under the name the binary asks for, lets the
-  # test binary start)
+  # test binary start), and run as C++ on CPU threads against candle's CPU ops
   local stub
   stub=$(mktemp -d)
   ln -s "$CUDA_HOME/lib/stubs/libcuda.so" "$stub/libcuda.so.1"
   LD_LIBRARY_PATH="$CUDA_HOME/lib:$stub" cargo test "${manifest[@]}" --release \
-    -p llama_cpp_ex_engine --features cuda --lib cuda_attention
+    -p llama_cpp_ex_engine --features cuda --lib model::cuda
   rm -rf "$stub"
   [ "${1:-}" = tests ] && { du -sh "$PACK"/*; return; }
   local ex
@@ -213,18 +214,24 @@ run() {
     return
   fi
   el "parity on the GPU"
-  for t in arch_parity tensor_backend; do
-    # with the decode attention kernel (off by default until these pass with it)
-    (LLAMA_CPP_EX_CUDA_ATTENTION=1 LLAMA_CPP_EX_FIXTURES="$ROOT/test/fixtures" \
+  # LLAMA_CPP_EX_CUDA_KERNELS=$1 (empty: candle's ops alone); sets r and appends to summary
+  parity() {
+    local t=$1 kernels=$2 tag=${2:-ops}
+    (LLAMA_CPP_EX_CUDA_KERNELS=$kernels LLAMA_CPP_EX_FIXTURES="$ROOT/test/fixtures" \
       LLAMA_CPP_EX_TEST_BACKEND=cuda timeout 150 "$bin/$t" --test-threads 1 --nocapture \
-      > "$log/$t.log" 2>&1) && r=ok || r="FAILED ($?)"
-    summary+="$t on CUDA, attention kernel on: $r; $(grep -E '^test result' "$log/$t.log" | head -1)"$'\n'
-    summary+="$(grep -E 'argmax|panicked|FAILED|failures:' "$log/$t.log" | head -30)"$'\n'
+      > "$log/${t}_$tag.log" 2>&1) && r=ok || r="FAILED ($?)"
+    summary+="$t on CUDA, kernels ${kernels:-none}: $r; $(grep -E '^test result' "$log/${t}_$tag.log" | head -1)"$'\n'
+  }
+  local k
+  for t in arch_parity tensor_backend; do
+    # with the engine's kernels (off by default until these pass with them)
+    parity "$t" all
+    summary+="$(grep -E 'argmax|panicked|FAILED|failures:' "$log/${t}_all.log" | head -30)"$'\n'
     if [ "$r" != ok ]; then
-      # whether the kernel is at fault: the same tests on candle's ops
-      (LLAMA_CPP_EX_FIXTURES="$ROOT/test/fixtures" LLAMA_CPP_EX_TEST_BACKEND=cuda timeout 150 \
-        "$bin/$t" --test-threads 1 --nocapture > "$log/${t}_ops.log" 2>&1) && r=ok || r="FAILED ($?)"
-      summary+="$t on CUDA, attention on candle's ops: $r"$'\n'
+      # which kernel is at fault: each alone, then none
+      for k in attention norm glu rope ""; do
+        parity "$t" "$k"
+      done
     fi
   done
   if [ "$MODE" = parity ]; then
@@ -242,12 +249,12 @@ run() {
     el "GPU bench $name"
     timeout 90 "$lb/llama-bench" -m "$m" -ngl 99 -p 512 -n 128 -r 3 -o md > "$log/lcp_gpu_$name.md" 2>&1
     GPU=1 PP_REPS=3 timeout 90 "$bin/decode_profile" "$m" 1 128 > "$log/ours_gpu_$name.txt" 2>&1
-    # decode with the attention kernel, against candle's ops above
-    LLAMA_CPP_EX_CUDA_ATTENTION=1 GPU=1 TG_ONLY=1 timeout 60 "$bin/decode_profile" "$m" 1 128 \
-      2>&1 | grep -E '^tg' | sed 's/^/attention kernel: /' >> "$log/ours_gpu_$name.txt"
-    LLAMA_CPP_EX_CUDA_ATTENTION=1 GPU=1 STREAMS_ONLY=1 PROMPT=128 timeout 60 \
+    # decode with the engine's kernels, against candle's ops above
+    LLAMA_CPP_EX_CUDA_KERNELS=all GPU=1 TG_ONLY=1 timeout 60 "$bin/decode_profile" "$m" 1 128 \
+      2>&1 | grep -E '^tg' | sed 's/^/engine kernels: /' >> "$log/ours_gpu_$name.txt"
+    LLAMA_CPP_EX_CUDA_KERNELS=all GPU=1 STREAMS_ONLY=1 PROMPT=128 timeout 60 \
       "$bin/decode_profile" "$m" 1 128 32 2>&1 | grep -E 'streams' |
-      sed 's/^/attention kernel: /' >> "$log/ours_gpu_$name.txt"
+      sed 's/^/engine kernels: /' >> "$log/ours_gpu_$name.txt"
     # 32 sequences decoding together after 128-token prompts: llama.cpp's batched bench
     # (S_TG is its decode tok/s) and ours at the same depth
     timeout 90 "$lb/llama-batched-bench" -m "$m" -ngl 99 -c 16384 -npp 128 -ntg 128 -npl 1,32 \

@@ -2,8 +2,7 @@
 
 pub mod attention;
 pub mod bert;
-#[cfg(feature = "cuda")]
-mod cuda_attention;
+mod cuda;
 pub mod decoder;
 pub mod linear;
 pub mod ops;

@@ -12,6 +12,7 @@
 //! against llama.cpp's fixtures, as the CPU backend is checked.
 
 use super::attention::visible_keys;
+use super::cuda::Kernels;
 use super::decoder::{refuse_generation, Activation, Family, PooledHeads};
 use super::linear::Embedding;
 use super::ops::Rope;
@@ -23,10 +24,8 @@ use crate::kv::{block_index, KvCache, KV_BLOCK_SIZE};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, WithDType};
 use std::ops::Range;
-#[cfg(feature = "cuda")]
-use std::sync::OnceLock;
 
-/// A key slot the CUDA decode kernel skips (padding, or a block its window dropped).
+/// A key slot the CUDA decode attention kernel skips (padding, or a block its window dropped).
 pub(super) const UNSEEN: u32 = u32::MAX;
 
 /// Products whose outputs are consecutive slices of one result: each matrix gives one slice
@@ -38,7 +37,8 @@ struct Stacked {
 }
 
 impl Stacked {
-    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+    /// The slices as views of the products' outputs (`views`), or each made contiguous.
+    fn forward(&self, x: &Tensor, views: bool) -> Result<Vec<Tensor>> {
         let mut parts = Vec::with_capacity(3);
         for (m, widths) in &self.mats {
             let y = m.forward(x)?;
@@ -48,7 +48,8 @@ impl Stacked {
             }
             let mut at = 0;
             for &w in widths {
-                parts.push(y.narrow(1, at, w)?.contiguous()?);
+                let part = y.narrow(1, at, w)?;
+                parts.push(if views { part } else { part.contiguous()? });
                 at += w;
             }
         }
@@ -91,6 +92,9 @@ pub struct TensorDecoder {
     /// `n_vocab - i` at column `i`: a row's first largest logit is where the largest of these
     /// is among its maxima ([`first_argmax`]).
     rev_index: Tensor,
+    /// Which steps run as the engine's own CUDA kernels ([`super::cuda`]); none on other
+    /// devices.
+    kernels: Kernels,
 }
 
 /// Keys and values of every layer in device memory, `[blocks × KV_BLOCK_SIZE, kv_dim]` f16
@@ -131,8 +135,11 @@ impl DeviceKv {
 
 /// Where one layer group's keys are written and read this pass.
 struct GroupPlan {
-    /// `[n_tokens, kv_dim]`: each token's cache row, repeated along the row (scatter indices).
-    write: Tensor,
+    /// `[n_tokens, kv_dim]`: each token's cache row, repeated along the row (scatter indices);
+    /// `None` where the rotation kernel writes the rows.
+    write: Option<Tensor>,
+    /// `[n_tokens]`: each token's cache row.
+    write_rows: Tensor,
     /// Sequences attended together, padded to the longest of each: all one-token sequences
     /// (decode) in one, each longer one (a prompt) alone, so padding stays small.
     attn: Vec<AttnGroup>,
@@ -158,10 +165,9 @@ struct AttnGroup {
     /// `None` where every query sees every key (a decode batch of sequences of one length):
     /// adding zeros would be one more kernel launch.
     mask: Option<Tensor>,
-    /// One-token sequences on a CUDA device: `q_rows`, then `slots` (`UNSEEN` where the mask
-    /// would hide a key, and no mask), for the one-launch kernel ([`super::cuda_attention`])
-    /// that replaces the gathers, products and softmax.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// One-token sequences with [`Kernels::attention`]: `q_rows`, then `slots` (`UNSEEN`
+    /// where the mask would hide a key, and no mask), for the one-launch kernel
+    /// ([`super::cuda`]) that replaces the gathers, products and softmax.
     kernel_idx: Option<Tensor>,
 }
 
@@ -233,7 +239,8 @@ impl Staged {
 
 /// A [`GroupPlan`] while staged: where its arrays are in the [`Staging`].
 struct GroupRanges {
-    write: Range<usize>,
+    write: Option<Range<usize>>,
+    write_rows: Range<usize>,
     attn: Vec<AttnRanges>,
     out_rows: Range<usize>,
     out_in_order: bool,
@@ -279,7 +286,12 @@ impl GroupRanges {
             .collect::<Result<_>>()?;
         let n = self.out_rows.len();
         Ok(GroupPlan {
-            write: staged.u32s(&self.write, &[n, kv_dim])?,
+            write: self
+                .write
+                .as_ref()
+                .map(|w| staged.u32s(w, &[n, kv_dim]))
+                .transpose()?,
+            write_rows: staged.u32s(&self.write_rows, &[n])?,
             attn,
             out_rows: staged.u32s(&self.out_rows, &[n])?,
             out_in_order: self.out_in_order,
@@ -447,6 +459,7 @@ impl TensorDecoder {
                 (0..cfg.n_vocab).map(|i| (cfg.n_vocab - i) as f32),
                 device,
             )?,
+            kernels: kernels_for(cfg, device)?,
         };
         l.check_all_used()?;
         Ok(model)
@@ -475,7 +488,9 @@ impl TensorDecoder {
                 EngineError::Internal(format!("no KV block reserved for token {t}"))
             })?);
         }
-        let write = st.u32s(write.iter().flat_map(|&s| std::iter::repeat_n(s, kv_dim)));
+        let write_rows = st.u32s(write.iter().copied());
+        let write = (!self.kernels.rope)
+            .then(|| st.u32s(write.iter().flat_map(|&s| std::iter::repeat_n(s, kv_dim))));
         let mut seqs: Vec<SeqRows> = Vec::new();
         for t in 0..n {
             match seqs.iter_mut().find(|s| s.seq == batch.seq[t]) {
@@ -532,7 +547,7 @@ impl TensorDecoder {
             offset += g * t_max;
             // the kernel reads the mask from the slots themselves, and its index array is
             // the query rows and slots as staged here, one after the other
-            let kernel = t_max == 1 && self.kernel_attention();
+            let kernel = t_max == 1 && self.kernels.attention;
             if kernel {
                 for (s, &m) in slots.iter_mut().zip(&mask) {
                     if m != 0.0 {
@@ -556,26 +571,11 @@ impl TensorDecoder {
         }
         Ok(GroupRanges {
             write,
+            write_rows,
             attn,
             out_in_order: offset == n && in_order(&out_rows, n),
             out_rows: st.u32s(out_rows),
         })
-    }
-
-    /// Whether one-token sequences attend through the CUDA kernel: with
-    /// `LLAMA_CPP_EX_CUDA_ATTENTION=1`, on a CUDA device, for head sizes it takes. Off by
-    /// default until a GPU has run the engine's parity tests through it
-    /// (`scripts/gpu_check.sh run` runs them with the kernel on).
-    fn kernel_attention(&self) -> bool {
-        #[cfg(feature = "cuda")]
-        {
-            static ON: OnceLock<bool> = OnceLock::new();
-            let on = *ON
-                .get_or_init(|| std::env::var("LLAMA_CPP_EX_CUDA_ATTENTION").as_deref() == Ok("1"));
-            on && self.device.is_cuda() && self.cfg.head_dim <= super::cuda_attention::MAX_HEAD_DIM
-        }
-        #[cfg(not(feature = "cuda"))]
-        false
     }
 
     /// Rotates `x` (`[n, heads × head_dim]`) at each token's position.
@@ -607,9 +607,8 @@ impl TensorDecoder {
         let mut outs = Vec::with_capacity(plan.attn.len());
         for a in &plan.attn {
             let (g, t, l) = (a.n_seqs, a.t_max, a.l_max);
-            #[cfg(feature = "cuda")]
             if let Some(idx) = &a.kernel_idx {
-                let op = super::cuda_attention::DecodeAttention {
+                let op = super::cuda::DecodeAttention {
                     idx: idx.clone(),
                     rows: g,
                     l_max: l,
@@ -679,6 +678,108 @@ impl TensorDecoder {
         Ok(out.index_select(&plan.out_rows, 0)?)
     }
 
+    /// `x += post-normed o` where a sublayer's output waits, then `rms_norm(x) * w`: one
+    /// kernel launch with [`Kernels::norm`], else candle's add and norm.
+    fn residual(
+        &self,
+        x: &mut Tensor,
+        pending: Option<(Tensor, Option<&Tensor>)>,
+        w: &Tensor,
+    ) -> Result<Tensor> {
+        let eps = self.cfg.eps;
+        if self.kernels.norm {
+            let (o, post) = pending.unzip();
+            let op = super::cuda::ResidualNorm {
+                o: o.map(|o| o.contiguous()).transpose()?,
+                post: post.flatten().cloned(),
+                w: w.clone(),
+                eps,
+            };
+            // [the sum, its norm]: contiguous views of one buffer
+            let out = x.contiguous()?.apply_op1_no_bwd(&op)?;
+            *x = out.get(0)?;
+            return Ok(out.get(1)?);
+        }
+        if let Some((o, post)) = pending {
+            *x = (&*x + post_normed(o, post, eps)?)?;
+        }
+        rms(x, w, eps)
+    }
+
+    /// Q, K and V of the normed rows `h`, with K and V written to the layer's cache rows and
+    /// Q returned, rotated: one kernel launch after the product with [`Kernels::rope`].
+    fn qkv_into_cache(
+        &self,
+        layer: &Layer,
+        h: &Tensor,
+        plan: &GroupPlan,
+        (cos, sin): (&Tensor, &Tensor),
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (n, hd) = (h.dim(0)?, c.head_dim);
+        let qkv = layer.qkv.forward(h, self.kernels.rope)?;
+        let [mut q, mut k, v]: [Tensor; 3] = qkv
+            .try_into()
+            .map_err(|_| EngineError::Internal("three Q/K/V parts".into()))?;
+        if self.kernels.rope {
+            let op = super::cuda::RopeStore {
+                k,
+                v,
+                bias: layer.qkv_bias.clone(),
+                norms: layer.q_norm.clone().zip(layer.k_norm.clone()),
+                eps: c.eps,
+                cos: cos.clone(),
+                sin: sin.clone(),
+                neox: self.family.neox,
+                write_rows: plan.write_rows.clone(),
+                k_cache: k_cache.clone(),
+                v_cache: v_cache.clone(),
+                n_head: c.n_head,
+                n_kv: c.n_head_kv,
+                head_dim: hd,
+            };
+            return Ok(q.apply_op1_no_bwd(&op)?);
+        }
+        let write = plan
+            .write
+            .as_ref()
+            .ok_or_else(|| EngineError::Internal("no scatter rows staged".into()))?;
+        if let Some(b) = &layer.qkv_bias {
+            q = q.broadcast_add(&b[0])?;
+            k = k.broadcast_add(&b[1])?;
+        }
+        let v = match &layer.qkv_bias {
+            Some(b) => v.broadcast_add(&b[2])?,
+            None => v,
+        };
+        if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+            q = rms(&q.reshape((n * c.n_head, hd))?, qn, c.eps)?.reshape((n, c.n_head * hd))?;
+            k = rms(&k.reshape((n * c.n_head_kv, hd))?, kn, c.eps)?
+                .reshape((n, c.n_head_kv * hd))?;
+        }
+        let q = self.rope(&q, c.n_head, cos, sin)?;
+        let k = self.rope(&k, c.n_head_kv, cos, sin)?;
+        k_cache.scatter_set(write, &k.to_dtype(DType::F16)?, 0)?;
+        v_cache.scatter_set(write, &v.to_dtype(DType::F16)?.contiguous()?, 0)?;
+        Ok(q)
+    }
+
+    /// The gated unit's activation times its up half: one kernel launch over the stacked
+    /// product's halves in place with [`Kernels::glu`].
+    fn glu(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let gelu = match self.family.act {
+            Activation::Silu => false,
+            Activation::GeluTanh => true,
+        };
+        if self.kernels.glu {
+            return Ok(gate.apply_op2_no_bwd(up, &super::cuda::Glu { gelu })?);
+        }
+        let act = if gelu { gate.gelu()? } else { gate.silu()? };
+        Ok((act * up)?)
+    }
+
     /// Rows `rows` of `x` (its flagged entries, staged: ascending, so as many as `x` has
     /// are all of them, in order, and need no gather), final-normed.
     fn normed_rows(&self, x: &Tensor, rows: &Tensor) -> Result<Tensor> {
@@ -691,8 +792,28 @@ impl TensorDecoder {
     }
 }
 
+/// The engine's CUDA kernels a model runs: those `LLAMA_CPP_EX_CUDA_KERNELS` names
+/// ([`Kernels`]), attention only for the head sizes it takes. On candle's CPU device (the
+/// tests' stand-in for a GPU) the ops run their kernels' arithmetic as Rust loops.
+fn kernels_for(cfg: &Config, device: &Device) -> Result<Kernels> {
+    if !(device.is_cuda() || device.is_cpu()) {
+        return Ok(Kernels::default());
+    }
+    let mut k = Kernels::from_env().map_err(EngineError::InvalidArgument)?;
+    k.attention &= cfg.head_dim <= super::cuda::MAX_HEAD_DIM;
+    Ok(k)
+}
+
 fn rms(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(&x.contiguous()?, w, eps)?)
+}
+
+/// A sublayer's output, RMS-normed by its post-norm where the family has one.
+fn post_normed(o: Tensor, post: Option<&Tensor>, eps: f32) -> Result<Tensor> {
+    match post {
+        Some(w) => rms(&o, w, eps),
+        None => Ok(o),
+    }
 }
 
 fn host_vec(t: &Tensor, out: &mut Vec<f32>, copies: &mut DeviceCopies) -> Result<()> {
@@ -833,6 +954,9 @@ impl Architecture for TensorDecoder {
         if f.embed_scale {
             x = (x * (d as f64).sqrt())?;
         }
+        // each sublayer's output waits to be added (with its post-norm) until the next norm,
+        // so that the add and the norm can be one kernel
+        let mut pending: Option<(Tensor, Option<&Tensor>)> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let plan = plans[kv.layer_group(li)]
                 .as_ref()
@@ -841,44 +965,21 @@ impl Architecture for TensorDecoder {
                 (Some(local), true) => local,
                 _ => &rope_global,
             };
-            let h = rms(&x, &layer.attn_norm, c.eps)?;
-            let mut qkv = layer.qkv.forward(&h)?;
-            if let Some(b) = &layer.qkv_bias {
-                for (t, b) in qkv.iter_mut().zip(b) {
-                    *t = t.broadcast_add(b)?;
-                }
-            }
-            let [mut q, mut k, v]: [Tensor; 3] = qkv
-                .try_into()
-                .map_err(|_| EngineError::Internal("three Q/K/V parts".into()))?;
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                q = rms(&q.reshape((n * c.n_head, hd))?, qn, c.eps)?.reshape((n, c.n_head * hd))?;
-                k = rms(&k.reshape((n * c.n_head_kv, hd))?, kn, c.eps)?.reshape((n, kv_dim))?;
-            }
-            let q = self.rope(&q, c.n_head, cos, sin)?;
-            let k = self.rope(&k, c.n_head_kv, cos, sin)?;
-            dkv.k[li].scatter_set(&plan.write, &k.to_dtype(DType::F16)?, 0)?;
-            dkv.v[li].scatter_set(&plan.write, &v.to_dtype(DType::F16)?.contiguous()?, 0)?;
+            let h = self.residual(&mut x, pending.take(), &layer.attn_norm)?;
+            let q = self.qkv_into_cache(layer, &h, plan, (cos, sin), &dkv.k[li], &dkv.v[li])?;
             let attn = self.attend(&q, plan, li, dkv)?;
             let mut o = layer.wo.forward(&attn)?;
             if let Some(b) = &layer.wo_bias {
                 o = o.broadcast_add(b)?;
             }
-            if let Some(w) = &layer.post_attn_norm {
-                o = rms(&o, w, c.eps)?;
-            }
-            x = (x + o)?;
-            let h = rms(&x, &layer.ffn_norm, c.eps)?;
-            let gu = layer.gate_up.forward(&h)?;
-            let act = match f.act {
-                Activation::Silu => gu[0].silu()?,
-                Activation::GeluTanh => gu[0].gelu()?,
-            };
-            let mut o = layer.down.forward(&(act * &gu[1])?)?;
-            if let Some(w) = &layer.post_ffn_norm {
-                o = rms(&o, w, c.eps)?;
-            }
-            x = (x + o)?;
+            let post = layer.post_attn_norm.as_ref();
+            let h = self.residual(&mut x, Some((o, post)), &layer.ffn_norm)?;
+            let gu = layer.gate_up.forward(&h, self.kernels.glu)?;
+            let act = self.glu(&gu[0], &gu[1])?;
+            pending = Some((layer.down.forward(&act)?, layer.post_ffn_norm.as_ref()));
+        }
+        if let Some((o, post)) = pending {
+            x = (x + post_normed(o, post, c.eps)?)?;
         }
         let rows = |r: &Range<usize>| -> Result<Option<Tensor>> {
             (!r.is_empty())
