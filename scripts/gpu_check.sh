@@ -255,6 +255,9 @@ run() {
     LLAMA_CPP_EX_CUDA_KERNELS=all GPU=1 STREAMS_ONLY=1 PROMPT=128 timeout 60 \
       "$bin/decode_profile" "$m" 1 128 32 2>&1 | grep -E 'streams' |
       sed 's/^/engine kernels: /' >> "$log/ours_gpu_$name.txt"
+    # and with candle's one-launch products (f32 activations, no Q8_1 quantization launch)
+    DMMV=1 LLAMA_CPP_EX_CUDA_KERNELS=all GPU=1 TG_ONLY=1 timeout 60 "$bin/decode_profile" "$m" \
+      1 128 2>&1 | grep -E '^tg' | sed 's/^/engine kernels, DMMV: /' >> "$log/ours_gpu_$name.txt"
     # 32 sequences decoding together after 128-token prompts: llama.cpp's batched bench
     # (S_TG is its decode tok/s) and ours at the same depth
     timeout 90 "$lb/llama-batched-bench" -m "$m" -ngl 99 -c 16384 -npp 128 -ntg 128 -npl 1,32 \
@@ -264,7 +267,7 @@ run() {
     summary+="$name GPU, llama.cpp CUDA -ngl 99:"$'\n'"$(grep -E '^\| .*(pp|tg)' "$log/lcp_gpu_$name.md")"$'\n'
     summary+="$name GPU, llama-batched-bench (PP TG B N_KV T_PP S_PP T_TG S_TG T S):"$'\n'
     summary+="$(grep -E '^\| +128 \|' "$log/lcp_batched_$name.txt")"$'\n'
-    summary+="$name GPU, ours:"$'\n'"$(tail -8 "$log/ours_gpu_$name.txt")"$'\n'
+    summary+="$name GPU, ours:"$'\n'"$(tail -12 "$log/ours_gpu_$name.txt")"$'\n'
   done
   graph_probe
   # one decode step's kernels on the 1B file, timed by Nsight Compute: their count and GPU

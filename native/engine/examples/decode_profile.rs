@@ -15,7 +15,10 @@
 //! median: on a machine whose bandwidth drifts between runs, a share from the same moment.
 //! `SECTIONS=1` prints where the decode steps' time went: each product, attention, the steps
 //! between them ([`llama_cpp_ex_engine::profile`]), in microseconds a step, and the same for
-//! the pp512 runs (a "step" there is one whole prompt).
+//! the pp512 runs (a "step" there is one whole prompt). `DMMV=1` (a `cuda` build) has candle's
+//! quantized products take their f32 activations as they are, one launch per product, where
+//! its default quantizes them to Q8_1 first (two launches); rows beyond one then dequantize
+//! whole matrices, so it is for timing one stream.
 
 use llama_cpp_ex_engine::kv::KvType;
 use llama_cpp_ex_engine::profile;
@@ -45,6 +48,10 @@ fn main() {
             Placement::default()
         },
     };
+    #[cfg(feature = "cuda")]
+    if std::env::var_os("DMMV").is_some() {
+        candle_core::quantized::cuda::set_force_dmmv(true);
+    }
     let t = Instant::now();
     let model = Arc::new(Model::load(std::path::Path::new(&path), &opts).unwrap());
     println!(

@@ -53,8 +53,9 @@ __device__ __forceinline__ unsigned short f2h(float f) {
 
 /// Which of the kernels run, from `LLAMA_CPP_EX_CUDA_KERNELS`: `1` or `all` for every one, or
 /// a comma-separated list of `attention`, `norm`, `glu`, `rope`. None by default until a GPU
-/// has run the engine's parity tests through them (`scripts/gpu_check.sh run` runs them with
-/// each on, and alone where all together fail).
+/// has run the engine's parity tests through them (`scripts/gpu_check.sh run` runs them all
+/// on, then each alone where that fails); on candle's CPU device their CPU forms run, which
+/// is how `make test` runs the tensor path's tests with them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Kernels {
     pub attention: bool,

@@ -10,6 +10,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, S
 use candle_core::{Tensor, WithDType};
 use half::f16;
 
+use super::super::tensor::UNSEEN;
+
 #[cfg(feature = "cuda")]
 use super::{ATTN_THREADS, CUDA_PRELUDE, GLU_THREADS, MAX_HEAD_DIM, ROPE_THREADS, ROW_THREADS};
 #[cfg(feature = "cuda")]
@@ -92,7 +94,7 @@ impl CustomOp3 for DecodeAttention {
                 let qr = &q[idx[i] as usize * n_head * hd + h * hd..][..hd];
                 p.clear();
                 for &slot in slots {
-                    if slot == u32::MAX {
+                    if slot == UNSEEN {
                         p.push(f32::NEG_INFINITY);
                         continue;
                     }
