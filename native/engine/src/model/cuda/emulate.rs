@@ -4,6 +4,7 @@
 //! (the launch code, the PTX) the GPU parity tests do (`scripts/gpu_check.sh run`).
 
 use super::{ATTN_THREADS, GLU_THREADS, ROPE_THREADS, ROW_THREADS, SOURCE};
+use crate::model::tensor::UNSEEN;
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 use std::path::PathBuf;
@@ -190,7 +191,7 @@ fn decode_attention_matches_a_float64_softmax() {
             .map(|&x| f16::from_f32(x))
             .collect();
         let q_rows = [4u32, 0, 2];
-        let mut slots = vec![u32::MAX; rows * l_max];
+        let mut slots = vec![UNSEEN; rows * l_max];
         for i in 0..rows {
             // sequence i sees l_max - 2i keys, the third of them hidden (a dropped block)
             for j in 0..l_max - 2 * i {
@@ -231,7 +232,7 @@ fn decode_attention_matches_a_float64_softmax() {
                 let qr = &q[q_rows[i] as usize * n_head * hd + h * hd..][..hd];
                 let seen: Vec<usize> = slots[i * l_max..(i + 1) * l_max]
                     .iter()
-                    .filter(|&&s| s != u32::MAX)
+                    .filter(|&&s| s != UNSEEN)
                     .map(|&s| s as usize)
                     .collect();
                 let scores: Vec<f64> = seen

@@ -110,6 +110,13 @@ impl Kernels {
 mod tests {
     use super::Kernels;
 
+    /// The kernels' sentinel for a key no query sees is the plan's.
+    #[test]
+    fn the_kernels_skip_the_slots_the_plan_marks_unseen() {
+        let unseen = format!("#define UNSEEN {:#x}u", crate::model::tensor::UNSEEN);
+        assert!(super::SOURCE.contains(&unseen), "{unseen}");
+    }
+
     #[test]
     fn the_kernel_choice_parses_names_and_refuses_unknown_ones() {
         assert_eq!(Kernels::parse(""), Ok(Kernels::default()));

@@ -10,7 +10,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, S
 use candle_core::{Tensor, WithDType};
 use half::f16;
 
-use super::super::tensor::UNSEEN;
+use crate::model::tensor::UNSEEN;
 
 #[cfg(feature = "cuda")]
 use super::{ATTN_THREADS, CUDA_PRELUDE, GLU_THREADS, MAX_HEAD_DIM, ROPE_THREADS, ROW_THREADS};
@@ -49,7 +49,7 @@ fn rms(row: &[f32], eps: f32) -> f32 {
 /// Attention of `q` (`[batch rows, n_head × head_dim]` f32) over the f16 cache rows `k` and
 /// `v` (`[slots, n_kv × head_dim]`), for `rows` one-token sequences: `idx` holds the batch
 /// row of each sequence's query, then per sequence `l_max` cache rows of its keys
-/// ([`super::super::tensor::UNSEEN`] where it sees none). The result is
+/// ([`UNSEEN`] where it sees none). The result is
 /// `[rows, n_head × head_dim]`.
 pub(in crate::model) struct DecodeAttention {
     pub idx: Tensor,
