@@ -87,8 +87,8 @@ extern "C" __global__ void paged_decode_attn(
 // The residual stream between sublayers, one block per row of `x` (`[n, d]`): `out` is
 // `[2, n, d]`, `x + o` first (`o` RMS-normed with `post_w` first when that is given; `x`
 // alone when `o` is null), then that sum RMS-normed with `w`. Norms divide by the root mean
-// square, as candle's `rms_norm` does (multiplying by its inverse moved a tiny model's
-// logits 40 times further from its batch-invariance bound).
+// square, as candle's `rms_norm` does (multiplying by its inverse took a tiny model's
+// logits past the tensor path's batch-invariance bound).
 extern "C" __global__ void residual_norm(
     const float* x, const float* o, const float* post_w, const float* w, float* out, int n,
     int d, float eps)
