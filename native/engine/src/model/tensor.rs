@@ -489,8 +489,7 @@ impl TensorDecoder {
             })?);
         }
         let write_rows = st.u32s(write.iter().copied());
-        let write = (!self.kernels.rope)
-            .then(|| st.u32s(write.iter().flat_map(|&s| std::iter::repeat_n(s, kv_dim))));
+        let write = (!self.kernels.rope).then(|| st.u32s(scatter_rows(&write, kv_dim)));
         let mut seqs: Vec<SeqRows> = Vec::new();
         for t in 0..n {
             match seqs.iter_mut().find(|s| s.seq == batch.seq[t]) {
@@ -806,6 +805,12 @@ fn kernels_for(cfg: &Config, device: &Device) -> Result<Kernels> {
 
 fn rms(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(&x.contiguous()?, w, eps)?)
+}
+
+/// Scatter indices that write whole cache rows: each row repeated along its `width` values.
+pub(super) fn scatter_rows(rows: &[u32], width: usize) -> impl Iterator<Item = u32> + '_ {
+    rows.iter()
+        .flat_map(move |&r| std::iter::repeat_n(r, width))
 }
 
 /// A sublayer's output, RMS-normed by its post-norm where the family has one.

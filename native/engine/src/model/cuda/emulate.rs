@@ -4,6 +4,7 @@
 //! (the launch code, the PTX) the GPU parity tests do (`scripts/gpu_check.sh run`).
 
 use super::{ATTN_THREADS, GLU_THREADS, ROPE_THREADS, ROW_THREADS, SOURCE};
+use crate::kernels::lcg;
 use crate::model::tensor::UNSEEN;
 use candle_core::{DType, Device, Tensor};
 use half::f16;
@@ -56,13 +57,18 @@ impl Emulator {
     }
 
     /// Runs the driver on `inputs` with `args`, returning the files named `outputs`.
-    fn run(&self, inputs: &[(&str, Vec<u8>)], args: &[String], outputs: &[&str]) -> Vec<Vec<u8>> {
+    fn run(
+        &self,
+        inputs: &[(&str, Vec<u8>)],
+        args: &[&dyn std::fmt::Display],
+        outputs: &[&str],
+    ) -> Vec<Vec<u8>> {
         for (name, bytes) in inputs {
             std::fs::write(self.dir.join(name), bytes).expect("writing an input");
         }
         let mut child = Command::new(self.dir.join("emu"))
             .current_dir(&self.dir)
-            .args(args)
+            .args(args.iter().map(|a| a.to_string()))
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -119,17 +125,10 @@ fn f16s(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// Deterministic values in about [-1, 1).
+/// `n` of the kernel tests' deterministic values in [-1, 1), from `seed`.
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
+    let mut s = seed;
+    (0..n).map(|_| lcg(&mut s)).collect()
 }
 
 fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
@@ -203,17 +202,16 @@ fn decode_attention_matches_a_float64_softmax() {
         let mut idx = q_rows.to_vec();
         idx.extend(&slots);
         let scale = 1.0 / (hd as f32).sqrt();
-        let args: Vec<String> = [
-            rows.to_string(),
-            l_max.to_string(),
-            n_head.to_string(),
-            n_kv.to_string(),
-            hd.to_string(),
-            scale.to_string(),
-            softcap.to_string(),
-            ATTN_THREADS.to_string(),
-        ]
-        .into();
+        let args: [&dyn std::fmt::Display; 8] = [
+            &rows,
+            &l_max,
+            &n_head,
+            &n_kv,
+            &hd,
+            &scale,
+            &softcap,
+            &ATTN_THREADS,
+        ];
         let out = emu.run(
             &[
                 ("q", bytes_f32(&q)),
@@ -297,15 +295,8 @@ fn residual_norm_matches_candles_ops() {
         let post = values(d, 6);
         let w = values(d, 7);
         for (with_o, with_post) in [(1, 1), (1, 0), (0, 0)] {
-            let args: Vec<String> = [
-                n.to_string(),
-                d.to_string(),
-                with_o.to_string(),
-                with_post.to_string(),
-                eps.to_string(),
-                ROW_THREADS.to_string(),
-            ]
-            .into();
+            let args: [&dyn std::fmt::Display; 6] =
+                [&n, &d, &with_o, &with_post, &eps, &ROW_THREADS];
             let out = emu.run(
                 &[
                     ("x", bytes_f32(&x)),
@@ -357,9 +348,7 @@ fn gated_activation_matches_candles_ops() {
     let (n, ff) = (3usize, 300usize);
     let gu: Vec<f32> = values(n * 2 * ff, 8).iter().map(|v| v * 6.0).collect();
     for gelu in [0, 1] {
-        let args: Vec<String> = [n, ff, gelu, GLU_THREADS as usize]
-            .map(|x| x.to_string())
-            .into();
+        let args: [&dyn std::fmt::Display; 4] = [&n, &ff, &gelu, &GLU_THREADS];
         let out = emu.run(&[("gu", bytes_f32(&gu))], &args, &["out"]);
         let t = cpu(&gu, &[n, 2 * ff]);
         let (g, u) = (t.narrow(1, 0, ff).unwrap(), t.narrow(1, ff, ff).unwrap());
@@ -434,20 +423,19 @@ fn rope_and_cache_writes_match_candles_ops() {
         let angles: Vec<f32> = (0..n * half).map(|i| (i as f32) * 0.37).collect();
         let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
         let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
-        let args: Vec<String> = [
-            n.to_string(),
-            n_head.to_string(),
-            n_kv.to_string(),
-            hd.to_string(),
-            half.to_string(),
-            neox.to_string(),
-            with_bias.to_string(),
-            with_norm.to_string(),
-            slots.to_string(),
-            eps.to_string(),
-            ROPE_THREADS.to_string(),
-        ]
-        .into();
+        let args: [&dyn std::fmt::Display; 11] = [
+            &n,
+            &n_head,
+            &n_kv,
+            &hd,
+            &half,
+            &neox,
+            &with_bias,
+            &with_norm,
+            &slots,
+            &eps,
+            &ROPE_THREADS,
+        ];
         let out = emu.run(
             &[
                 ("qkv", bytes_f32(&qkv)),

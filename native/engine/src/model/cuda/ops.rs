@@ -10,7 +10,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, S
 use candle_core::{Tensor, WithDType};
 use half::f16;
 
-use crate::model::tensor::UNSEEN;
+use crate::model::tensor::{scatter_rows, UNSEEN};
 
 #[cfg(feature = "cuda")]
 use super::{ATTN_THREADS, CUDA_PRELUDE, GLU_THREADS, MAX_HEAD_DIM, ROPE_THREADS, ROW_THREADS};
@@ -25,7 +25,6 @@ use candle_core::{CudaStorage, DType, Storage};
 fn rows_of(l: &Layout) -> candle_core::Result<(usize, usize, usize)> {
     match (l.dims(), l.stride()) {
         (&[n, c], &[rs, 1]) => Ok((n, c, rs)),
-        (&[n, 1], &[rs, _]) => Ok((n, 1, rs)),
         _ => candle_core::bail!("a kernel's input is not a matrix of adjacent columns"),
     }
 }
@@ -484,10 +483,7 @@ impl CustomOp1 for RopeStore {
         }
         // the kernel's stores into the caches, as scatters
         let rows = elements::<u32>(&self.write_rows)?;
-        let index: Vec<u32> = rows
-            .iter()
-            .flat_map(|&r| std::iter::repeat_n(r, kv_dim))
-            .collect();
+        let index = scatter_rows(&rows, kv_dim).collect();
         let index = Tensor::from_vec(index, (n, kv_dim), &Device::Cpu)?;
         for (cache, vals) in [(&self.k_cache, k_out), (&self.v_cache, v_out)] {
             cache.scatter_set(
