@@ -61,6 +61,9 @@ test: setup
 	LLAMA_CPP_EX_CUDA_KERNELS=all LLAMA_CPP_EX_TEST_BACKEND=tensor CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) \
 	  $(CARGO) test --release --manifest-path native/Cargo.toml -p llama_cpp_ex_engine \
 	  --test arch_parity --test tensor_backend
+	LLAMA_CPP_EX_CUDA_GRAPHS=1 LLAMA_CPP_EX_CUDA_KERNELS=all LLAMA_CPP_EX_TEST_BACKEND=tensor \
+	  CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) $(CARGO) test --release \
+	  --manifest-path native/Cargo.toml -p llama_cpp_ex_engine --test arch_parity --test tensor_backend
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/test_simd_levels.sh
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/check_aarch64.sh
 	CARGO_TARGET_DIR=$(CARGO_TARGET_DIR) scripts/test_precompiled.sh

@@ -214,13 +214,16 @@ run() {
     return
   fi
   el "parity on the GPU"
-  # LLAMA_CPP_EX_CUDA_KERNELS=$1 (empty: candle's ops alone); sets r and appends to summary
+  # LLAMA_CPP_EX_CUDA_KERNELS=$2 (empty: candle's ops alone), LLAMA_CPP_EX_CUDA_GRAPHS=$3;
+  # sets r and appends to summary
   parity() {
-    local t=$1 kernels=$2 tag=${2:-ops}
-    (LLAMA_CPP_EX_CUDA_KERNELS=$kernels LLAMA_CPP_EX_FIXTURES="$ROOT/test/fixtures" \
+    local t=$1 kernels=$2 graphs=${3:-0} tag=${2:-ops}
+    [ "$graphs" = 1 ] && tag+=_graphs
+    (LLAMA_CPP_EX_CUDA_KERNELS=$kernels LLAMA_CPP_EX_CUDA_GRAPHS=$graphs \
+      LLAMA_CPP_EX_FIXTURES="$ROOT/test/fixtures" \
       LLAMA_CPP_EX_TEST_BACKEND=cuda timeout 150 "$bin/$t" --test-threads 1 --nocapture \
       > "$log/${t}_$tag.log" 2>&1) && r=ok || r="FAILED ($?)"
-    summary+="$t on CUDA, kernels ${kernels:-none}: $r; $(grep -E '^test result' "$log/${t}_$tag.log" | head -1)"$'\n'
+    summary+="$t on CUDA, kernels ${kernels:-none}, graphs $graphs: $r; $(grep -E '^test result' "$log/${t}_$tag.log" | head -1)"$'\n'
   }
   local k
   for t in arch_parity tensor_backend; do
@@ -233,6 +236,9 @@ run() {
         parity "$t" "$k"
       done
     fi
+    # and decode steps replayed as CUDA graphs (off by default until this passes)
+    parity "$t" all 1
+    summary+="$(grep -E 'panicked|FAILED|failures:' "$log/${t}_all_graphs.log" | head -20)"$'\n'
   done
   if [ "$MODE" = parity ]; then
     finish
@@ -255,6 +261,13 @@ run() {
     LLAMA_CPP_EX_CUDA_KERNELS=all GPU=1 STREAMS_ONLY=1 PROMPT=128 timeout 60 \
       "$bin/decode_profile" "$m" 1 128 32 2>&1 | grep -E 'streams' |
       sed 's/^/engine kernels: /' >> "$log/ours_gpu_$name.txt"
+    # the kernels' steps replayed as CUDA graphs, one stream and 32
+    LLAMA_CPP_EX_CUDA_GRAPHS=1 LLAMA_CPP_EX_CUDA_KERNELS=all GPU=1 TG_ONLY=1 timeout 60 \
+      "$bin/decode_profile" "$m" 1 128 2>&1 | grep -E '^(tg|graphs)' |
+      sed 's/^/engine kernels, graphs: /' >> "$log/ours_gpu_$name.txt"
+    LLAMA_CPP_EX_CUDA_GRAPHS=1 LLAMA_CPP_EX_CUDA_KERNELS=all GPU=1 STREAMS_ONLY=1 PROMPT=128 \
+      timeout 60 "$bin/decode_profile" "$m" 1 128 32 2>&1 | grep -E 'streams|graphs' |
+      sed 's/^/engine kernels, graphs: /' >> "$log/ours_gpu_$name.txt"
     # and with candle's one-launch products (f32 activations, no Q8_1 quantization launch)
     DMMV=1 LLAMA_CPP_EX_CUDA_KERNELS=all GPU=1 TG_ONLY=1 timeout 60 "$bin/decode_profile" "$m" \
       1 128 2>&1 | grep -E '^tg' | sed 's/^/engine kernels, DMMV: /' >> "$log/ours_gpu_$name.txt"
@@ -267,7 +280,7 @@ run() {
     summary+="$name GPU, llama.cpp CUDA -ngl 99:"$'\n'"$(grep -E '^\| .*(pp|tg)' "$log/lcp_gpu_$name.md")"$'\n'
     summary+="$name GPU, llama-batched-bench (PP TG B N_KV T_PP S_PP T_TG S_TG T S):"$'\n'
     summary+="$(grep -E '^\| +128 \|' "$log/lcp_batched_$name.txt")"$'\n'
-    summary+="$name GPU, ours:"$'\n'"$(tail -12 "$log/ours_gpu_$name.txt")"$'\n'
+    summary+="$name GPU, ours:"$'\n'"$(tail -16 "$log/ours_gpu_$name.txt")"$'\n'
   done
   graph_probe
   # one decode step's kernels on the 1B file, timed by Nsight Compute: their count and GPU

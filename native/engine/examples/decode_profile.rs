@@ -18,12 +18,13 @@
 //! the pp512 runs (a "step" there is one whole prompt). `DMMV=1` (a `cuda` build) has candle's
 //! quantized products take their f32 activations as they are, one launch per product, where
 //! its default quantizes them to Q8_1 first (two launches); rows beyond one then dequantize
-//! whole matrices, so it is for timing one stream.
+//! whole matrices, so it is for timing one stream. With `LLAMA_CPP_EX_CUDA_GRAPHS=1` it
+//! prints how many decode steps replayed a captured graph.
 
 use llama_cpp_ex_engine::kv::KvType;
 use llama_cpp_ex_engine::profile;
 use llama_cpp_ex_engine::{
-    Batch, Context, ContextParams, LoadOptions, Model, Placement, Requantize,
+    Batch, Context, ContextParams, DeviceCopies, LoadOptions, Model, Placement, Requantize,
 };
 use std::sync::Arc;
 use std::time::Instant;
@@ -166,10 +167,15 @@ fn main() {
         // the median of 5 runs from an empty context (as llama-bench's tg runs) or after
         // PROMPT tokens
         let pool_before = llama_cpp_ex_engine::pool::stats();
+        let mut copies = DeviceCopies::default();
         let mut runs: Vec<f64> = (0..5)
             .map(|run| {
                 let mut ctx = Context::new(model.clone(), params(1)).unwrap();
-                decode_run(&mut ctx, run, ncu_step)
+                let tps = decode_run(&mut ctx, run, ncu_step);
+                let c = ctx.device_copies();
+                copies.bucketed += c.bucketed;
+                copies.replayed += c.replayed;
+                tps
             })
             .collect();
         runs.sort_by(f64::total_cmp);
@@ -179,6 +185,7 @@ fn main() {
             String::new()
         };
         println!("tg{steps}{at}: {:.1} tok/s", runs[2]);
+        print_graphs(&copies);
         if sections {
             print_sections(5 * steps);
         }
@@ -200,6 +207,7 @@ fn main() {
         }
         profile::take();
         profile::enable(sections);
+        let before = ctx.device_copies();
         let t = Instant::now();
         for i in 0..steps {
             let mut b = Batch::default();
@@ -213,10 +221,27 @@ fn main() {
             "{streams} streams: {:.1} tok/s",
             n / t.elapsed().as_secs_f64()
         );
+        let after = ctx.device_copies();
+        print_graphs(&DeviceCopies {
+            bucketed: after.bucketed - before.bucketed,
+            replayed: after.replayed - before.replayed,
+            ..after
+        });
         profile::enable(false);
         if sections {
             print_sections(steps);
         }
+    }
+}
+
+/// How many decode steps ran bucketed and how many of them replayed a CUDA graph
+/// (`LLAMA_CPP_EX_CUDA_GRAPHS=1`); nothing when none was bucketed.
+fn print_graphs(c: &DeviceCopies) {
+    if c.bucketed > 0 {
+        println!(
+            "graphs: {} of {} bucketed steps replayed",
+            c.replayed, c.bucketed
+        );
     }
 }
 

@@ -47,6 +47,11 @@ pub struct DeviceCopies {
     pub to_host: usize,
     /// Bytes of the copies to the host.
     pub bytes_to_host: usize,
+    /// Passes run at a bucket's shapes: decode steps that may replay a CUDA graph
+    /// (`LLAMA_CPP_EX_CUDA_GRAPHS=1`).
+    pub bucketed: usize,
+    /// Of those, the passes a captured graph replayed (on a GPU).
+    pub replayed: usize,
 }
 
 /// One GPU the engine can run on.
@@ -108,12 +113,17 @@ impl Backend {
     pub fn gpu(ordinal: usize) -> Result<Backend> {
         #[cfg(feature = "cuda")]
         {
-            Ok(Backend::Tensor(Device::new_cuda(ordinal).map_err(|e| {
-                EngineError::Load {
-                    path: format!("cuda:{ordinal}"),
-                    reason: e.to_string(),
-                }
-            })?))
+            let device = Device::new_cuda(ordinal).map_err(|e| EngineError::Load {
+                path: format!("cuda:{ordinal}"),
+                reason: e.to_string(),
+            })?;
+            if let Device::Cuda(cuda) = &device {
+                // SAFETY: the engine issues all of a device's work on candle's one stream,
+                // so no use needs an event to order it against another stream; with
+                // tracking on, each allocation (every op's output) creates two events.
+                unsafe { cuda.disable_event_tracking() };
+            }
+            Ok(Backend::Tensor(device))
         }
         #[cfg(not(feature = "cuda"))]
         {

@@ -157,6 +157,56 @@ fn every_family_matches_the_cpu_kernels_in_a_mixed_batch() {
     }
 }
 
+/// Decode steps of one-token sequences, the steps a GPU may replay as CUDA graphs, match
+/// the CPU kernels step after step. With `LLAMA_CPP_EX_CUDA_GRAPHS=1` (as `make test` runs
+/// this file a second time) they run at a bucket's shapes — three rows padded to four, each
+/// layer group's keys to 256 — so this checks that padding leaves the rows' results as they
+/// are; on a GPU every step after each bucket's first replays its graph.
+#[test]
+fn decode_steps_match_the_cpu_kernels_step_after_step() {
+    let graphs = std::env::var("LLAMA_CPP_EX_CUDA_GRAPHS").as_deref() == Ok("1");
+    // (Gemma 3: a sliding-window layer group beside the global one)
+    for arch in ["llama3", "gemma3"] {
+        let (cpu, dev) = both(&format!("tiny-{arch}-f32"));
+        let (mut a, mut b) = (ctx(&cpu, 256, 3), ctx(&dev, 256, 3));
+        let mut pos = [0usize; 3];
+        for (s, p) in pos.iter_mut().enumerate() {
+            let t = tokens(&cpu, 4 + 3 * s, s as u32);
+            for c in [&mut a, &mut b] {
+                c.decode(&Batch::for_sequence(&t, 0, s)).unwrap();
+            }
+            *p = t.len();
+        }
+        let before = b.device_copies();
+        let steps = 6;
+        for step in 0..steps {
+            let mut batch = Batch::with_capacity(3);
+            for (s, p) in pos.iter_mut().enumerate() {
+                let salt = (20 + 3 * step + s) as u32;
+                batch.push(tokens(&cpu, 1, salt)[0], *p, s, true);
+                *p += 1;
+            }
+            for c in [&mut a, &mut b] {
+                c.decode(&batch).unwrap();
+            }
+            let d = max_diff(&a, &b, 3);
+            assert!(d < 1e-3, "{arch}, step {step}: {d}");
+        }
+        let after = b.device_copies();
+        let (bucketed, replayed) = (
+            after.bucketed - before.bucketed,
+            after.replayed - before.replayed,
+        );
+        if graphs {
+            assert_eq!(bucketed, steps, "{arch}");
+            let want = if testing_on_cuda() { steps - 1 } else { 0 };
+            assert_eq!(replayed, want, "{arch}");
+        } else {
+            assert_eq!((bucketed, replayed), (0, 0), "{arch}");
+        }
+    }
+}
+
 /// A pass sends what it staged — embeddings, rotary tables, every layer group's cache rows
 /// and masks, the rows to bring back — in two copies (indices, values), and brings back only
 /// the logits rows asked for: on a GPU each copy is a synchronous driver call, so their

@@ -12,6 +12,7 @@
 //! against llama.cpp's fixtures, as the CPU backend is checked.
 
 use super::attention::visible_keys;
+use super::cuda::graph::{StepGraphs, GRAPH_KEY_BUCKET, GRAPH_MAX_ROWS};
 use super::cuda::Kernels;
 use super::decoder::{refuse_generation, Activation, Family, PooledHeads};
 use super::linear::Embedding;
@@ -95,6 +96,18 @@ pub struct TensorDecoder {
     /// Which steps run as the engine's own CUDA kernels ([`super::cuda`]); none on other
     /// devices.
     kernels: Kernels,
+    /// Decode steps run at bucketed shapes and, on a GPU, replay captured graphs
+    /// ([`super::cuda::graph`]).
+    graphs: bool,
+}
+
+/// A bucketed step's shapes: rows from `real` on pad the batch to `rows`, and key counts
+/// are rounded up to multiples of `keys`.
+#[derive(Debug, Clone, Copy)]
+struct Padding {
+    real: usize,
+    rows: usize,
+    keys: usize,
 }
 
 /// Keys and values of every layer in device memory, `[blocks × KV_BLOCK_SIZE, kv_dim]` f16
@@ -103,6 +116,8 @@ pub struct TensorDecoder {
 pub struct DeviceKv {
     k: Vec<Tensor>,
     v: Vec<Tensor>,
+    /// Decode steps captured over these caches.
+    graphs: StepGraphs,
 }
 
 impl DeviceKv {
@@ -113,7 +128,11 @@ impl DeviceKv {
             k.push(Tensor::zeros((rows, kv_dim), DType::F16, device)?);
             v.push(Tensor::zeros((rows, kv_dim), DType::F16, device)?);
         }
-        Ok(DeviceKv { k, v })
+        Ok(DeviceKv {
+            k,
+            v,
+            graphs: StepGraphs::default(),
+        })
     }
 
     /// Replays the host cache's copy-on-write copies.
@@ -442,6 +461,18 @@ impl TensorDecoder {
             });
         }
         let freqs = super::decoder::rope_freqs(cfg, l)?;
+        let kernels = kernels_for(cfg, device)?;
+        let all = Kernels {
+            attention: true,
+            norm: true,
+            glu: true,
+            rope: true,
+        };
+        // (a graph's steps are the kernels' launches: candle's gathers and masks take
+        // shapes a step's arrays would have to carry)
+        let graphs = kernels == all
+            && (device.is_cuda() || device.is_cpu())
+            && super::cuda::graph::graphs_from_env().map_err(EngineError::InvalidArgument)?;
         let model = TensorDecoder {
             cfg: cfg.clone(),
             family,
@@ -459,7 +490,8 @@ impl TensorDecoder {
                 (0..cfg.n_vocab).map(|i| (cfg.n_vocab - i) as f32),
                 device,
             )?,
-            kernels: kernels_for(cfg, device)?,
+            kernels,
+            graphs,
         };
         l.check_all_used()?;
         Ok(model)
@@ -471,6 +503,7 @@ impl TensorDecoder {
         batch: &Batch,
         kv: &KvCache,
         layer: usize,
+        pad: Option<Padding>,
         st: &mut Staging,
     ) -> Result<GroupRanges> {
         let kv_dim = self.cfg.n_head_kv * self.cfg.head_dim;
@@ -482,12 +515,15 @@ impl TensorDecoder {
             Some((b * KV_BLOCK_SIZE + pos % KV_BLOCK_SIZE) as u32)
         };
         let n = batch.len();
+        // rows from `real` on are a bucketed step's padding: no cache row, no keys
+        let real = pad.map_or(n, |p| p.real);
         let mut write = Vec::with_capacity(n);
-        for t in 0..n {
+        for t in 0..real {
             write.push(slot(batch.seq[t], batch.pos[t]).ok_or_else(|| {
                 EngineError::Internal(format!("no KV block reserved for token {t}"))
             })?);
         }
+        write.resize(n, UNSEEN);
         let write_rows = st.u32s(write.iter().copied());
         let write = (!self.kernels.rope).then(|| st.u32s(scatter_rows(&write, kv_dim)));
         let mut seqs: Vec<SeqRows> = Vec::new();
@@ -503,7 +539,7 @@ impl TensorDecoder {
             }
         }
         let visible = |t: usize, end: usize| visible_keys(causal, window, batch.pos[t], end);
-        for s in &mut seqs {
+        for s in seqs.iter_mut().filter(|s| s.rows[0] < real) {
             s.end = s.rows.iter().map(|&t| batch.pos[t] + 1).max().unwrap_or(0);
             let lo = s.rows.iter().map(|&t| visible(t, s.end).start).min();
             let hi = s.rows.iter().map(|&t| visible(t, s.end).end).max();
@@ -520,7 +556,10 @@ impl TensorDecoder {
         let mut attn = Vec::with_capacity(groups.len());
         for group in groups {
             let t_max = group.iter().map(|s| s.rows.len()).max().unwrap_or(1);
-            let l_max = group.iter().map(|s| s.keys.len()).max().unwrap_or(1).max(1);
+            let mut l_max = group.iter().map(|s| s.keys.len()).max().unwrap_or(1).max(1);
+            if let Some(p) = pad {
+                l_max = l_max.next_multiple_of(p.keys);
+            }
             let g = group.len();
             let mut q_rows = vec![0u32; g * t_max];
             let mut slots = vec![0u32; g * l_max];
@@ -863,6 +902,47 @@ fn first_argmax(logits: &Tensor, rev_index: &Tensor) -> Result<Tensor> {
     Ok(last.affine(-1.0, rev_index.dim(0)? as f64)?)
 }
 
+/// `batch` with padding entries up to `rows`: token 0 at position 0, each its own sequence
+/// (ids no real sequence has), wanting its logits; their results are dropped.
+fn padded_batch(batch: &Batch, rows: usize) -> Batch {
+    let mut b = batch.clone();
+    for t in batch.len()..rows {
+        b.push(0, 0, usize::MAX - t, true);
+    }
+    b
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+/// What shapes a pass's launches (its graph's identity): the staged arrays' lengths, each
+/// attention group's, the gathers it skips, whether rows are picked.
+fn signature(p: &PassLayout, st: &Staging) -> Vec<usize> {
+    let mut key = vec![
+        p.n,
+        st.u32s.len(),
+        st.f32s.len(),
+        p.picks.as_ref().map_or(0, |k| 1 + k.full.len()),
+        p.embd_rows.is_some() as usize,
+    ];
+    for r in p.ranges.iter().flatten() {
+        key.extend([
+            r.out_in_order as usize,
+            r.write.is_some() as usize,
+            r.attn.len(),
+        ]);
+        for a in &r.attn {
+            key.extend([
+                a.n_seqs,
+                a.t_max,
+                a.l_max,
+                a.q_in_order as usize,
+                a.mask.is_some() as usize,
+                a.kernel_idx.is_some() as usize,
+            ]);
+        }
+    }
+    key
+}
+
 /// Whether `rows` is `0..n`.
 fn in_order(rows: &[u32], n: usize) -> bool {
     rows.len() == n && rows.iter().enumerate().all(|(i, &r)| r as usize == i)
@@ -901,16 +981,93 @@ impl Architecture for TensorDecoder {
         let c = &self.cfg;
         let f = self.family;
         refuse_generation(f, &c.arch, ws.hidden_only, batch)?;
-        let (n, d, hd) = (batch.len(), c.n_embd, c.head_dim);
-        let kv_dim = c.n_head_kv * hd;
+        let kv_dim = c.n_head_kv * c.head_dim;
         if ws.device_kv.is_none() {
             ws.device_kv = Some(DeviceKv::new(kv, c.n_layer, kv_dim, &self.device)?);
         }
-        let dkv = ws.device_kv.as_ref().expect("just made");
-        dkv.apply_copies(kv)?;
+        ws.device_kv.as_ref().expect("just made").apply_copies(kv)?;
 
-        self.embd.lookup_into(&batch.tokens, &mut ws.x)?;
+        // a decode step that may replay a captured graph runs at its bucket's shapes
+        let real = batch.len();
+        let pad = self.padding(batch, ws);
+        let padded;
+        let batch = match pad {
+            Some(p) => {
+                padded = padded_batch(batch, p.rows);
+                &padded
+            }
+            None => batch,
+        };
+        let mut pick_rows = std::mem::take(&mut ws.pick_rows);
+        if let (Some(p), Some(&first)) = (pad, pick_rows.first()) {
+            pick_rows.resize(p.rows, first);
+        }
         let mut st = Staging::default();
+        let layout = self.prepare(batch, kv, ws, pad, &pick_rows, &mut st);
+        pick_rows.truncate(real);
+        ws.pick_rows = pick_rows;
+        let layout = layout?;
+        let groups: Vec<usize> = (0..self.layers.len()).map(|l| kv.layer_group(l)).collect();
+        let out = match pad {
+            Some(_) => {
+                ws.device_copies.bucketed += 1;
+                let held = ws.device_kv.as_mut().expect("made above");
+                let mut graphs = std::mem::take(&mut held.graphs);
+                let dkv = ws.device_kv.as_ref().expect("made above");
+                let copies = &mut ws.device_copies;
+                let out = self.graph_pass(&mut graphs, &layout, st, &groups, dkv, copies);
+                ws.device_kv.as_mut().expect("made above").graphs = graphs;
+                // the padding rows' results stay on the device
+                let mut out = out?;
+                out.back = out.back.map(|b| b.narrow(0, 0, real)).transpose()?;
+                out
+            }
+            None => {
+                let dkv = ws.device_kv.as_ref().expect("made above");
+                let staged = st.upload(&self.device, &mut ws.device_copies)?;
+                self.device_pass(&layout, &staged, &groups, dkv, ws.hidden_only)?
+            }
+        };
+        self.finish(out, &layout, ws)
+    }
+}
+
+/// Where a pass's arrays are staged and what comes back (the host's half of a pass).
+struct PassLayout {
+    n: usize,
+    /// Rows before a bucketed step's padding (`n` otherwise).
+    real: usize,
+    ranges: Vec<Option<GroupRanges>>,
+    x_at: Range<usize>,
+    rope_global: (Range<usize>, Range<usize>, usize),
+    rope_local: Option<(Range<usize>, Range<usize>, usize)>,
+    embd_rows: Option<Range<usize>>,
+    picks: Option<PickRows>,
+    logit_rows: Range<usize>,
+}
+
+/// What a pass leaves on the device for the host: the final-normed hidden rows asked for,
+/// and the logits rows (whole, then the picked rows' greedy ids, as one vector).
+struct PassOut {
+    hidden: Option<Tensor>,
+    back: Option<Tensor>,
+}
+
+impl TensorDecoder {
+    /// The host's work of a pass: embeddings, rotary tables and every layer group's plan,
+    /// staged before anything is sent.
+    fn prepare(
+        &self,
+        batch: &Batch,
+        kv: &KvCache,
+        ws: &mut Workspace,
+        pad: Option<Padding>,
+        pick_rows: &[bool],
+        st: &mut Staging,
+    ) -> Result<PassLayout> {
+        let c = &self.cfg;
+        let (n, d) = (batch.len(), c.n_embd);
+        self.embd.lookup_into(&batch.tokens, &mut ws.x)?;
         let x_at = st.f32s(&ws.x[..n * d]);
         let global = match &self.inv_freq_long {
             Some(long) if ws.n_ctx_seq > c.n_ctx_orig => long,
@@ -921,11 +1078,11 @@ impl Architecture for TensorDecoder {
             (st.f32s(&rope.cos), st.f32s(&rope.sin), rope.half)
         };
         let rope_global = tables(&mut ws.rope, global);
-        let rope_local = f
+        let rope_local = self
+            .family
             .swa
             .is_some()
             .then(|| tables(&mut ws.rope_local, &self.inv_freq_local));
-        // every layer group's plan, and the rows that come back, before anything is sent
         let mut ranges: Vec<Option<GroupRanges>> = Vec::new();
         for li in 0..self.layers.len() {
             let g = kv.layer_group(li);
@@ -933,18 +1090,45 @@ impl Architecture for TensorDecoder {
                 ranges.resize_with(g + 1, || None);
             }
             if ranges[g].is_none() {
-                ranges[g] = Some(self.plan(batch, kv, li, &mut st)?);
+                ranges[g] = Some(self.plan(batch, kv, li, pad, st)?);
             }
         }
         let embd_rows =
             (!ws.hidden_only && batch.has_embd()).then(|| st.u32s(flagged(&batch.embd)));
         let outputs = flagged(&batch.logits);
-        let picks = PickRows::stage(&outputs, &ws.pick_rows, &mut st);
+        let picks = PickRows::stage(&outputs, pick_rows, st);
         let logit_rows = st.u32s(outputs);
-        let staged = st.upload(&self.device, &mut ws.device_copies)?;
-        let plans = ranges
+        Ok(PassLayout {
+            n,
+            real: pad.map_or(n, |p| p.real),
+            ranges,
+            x_at,
+            rope_global,
+            rope_local,
+            embd_rows,
+            picks,
+            logit_rows,
+        })
+    }
+
+    /// The device's work of a pass, from the staged arrays to what comes back: no copy to
+    /// or from the host, so that a decode step can be captured as a graph.
+    fn device_pass(
+        &self,
+        p: &PassLayout,
+        staged: &Staged,
+        groups: &[usize],
+        dkv: &DeviceKv,
+        hidden_only: bool,
+    ) -> Result<PassOut> {
+        let c = &self.cfg;
+        let f = self.family;
+        let (n, d) = (p.n, c.n_embd);
+        let kv_dim = c.n_head_kv * c.head_dim;
+        let plans = p
+            .ranges
             .iter()
-            .map(|r| r.as_ref().map(|r| r.on_device(&staged, kv_dim)).transpose())
+            .map(|r| r.as_ref().map(|r| r.on_device(staged, kv_dim)).transpose())
             .collect::<Result<Vec<_>>>()?;
         let table =
             |(cos, sin, half): &(Range<usize>, Range<usize>, usize)| -> Result<(Tensor, Tensor)> {
@@ -953,9 +1137,9 @@ impl Architecture for TensorDecoder {
                     staged.f32s(sin, &[n, 1, *half])?,
                 ))
             };
-        let rope_global = table(&rope_global)?;
-        let rope_local = rope_local.as_ref().map(table).transpose()?;
-        let mut x = staged.f32s(&x_at, &[n, d])?;
+        let rope_global = table(&p.rope_global)?;
+        let rope_local = p.rope_local.as_ref().map(table).transpose()?;
+        let mut x = staged.f32s(&p.x_at, &[n, d])?;
         if f.embed_scale {
             x = (x * (d as f64).sqrt())?;
         }
@@ -963,9 +1147,7 @@ impl Architecture for TensorDecoder {
         // so that the add and the norm can be one kernel
         let mut pending: Option<(Tensor, Option<&Tensor>)> = None;
         for (li, layer) in self.layers.iter().enumerate() {
-            let plan = plans[kv.layer_group(li)]
-                .as_ref()
-                .expect("a plan per layer group");
+            let plan = plans[groups[li]].as_ref().expect("a plan per layer group");
             let (cos, sin) = match (&rope_local, layer.local) {
                 (Some(local), true) => local,
                 _ => &rope_global,
@@ -991,29 +1173,18 @@ impl Architecture for TensorDecoder {
                 .then(|| staged.u32s(r, &[r.len()]))
                 .transpose()
         };
-        if ws.hidden_only {
-            match rows(&logit_rows)? {
-                Some(r) => host_vec(
-                    &self.normed_rows(&x, &r)?,
-                    &mut ws.hidden,
-                    &mut ws.device_copies,
-                )?,
-                None => ws.hidden.clear(),
-            }
-            return Ok(());
+        if hidden_only {
+            let hidden = rows(&p.logit_rows)?
+                .map(|r| self.normed_rows(&x, &r))
+                .transpose()?;
+            return Ok(PassOut { hidden, back: None });
         }
-        match embd_rows.as_ref().map(rows).transpose()?.flatten() {
-            Some(r) => host_vec(
-                &self.normed_rows(&x, &r)?,
-                &mut ws.hidden,
-                &mut ws.device_copies,
-            )?,
-            None => ws.hidden.clear(),
-        }
-        ws.picked.clear();
-        let Some(r) = rows(&logit_rows)? else {
-            ws.logits.clear();
-            return Ok(());
+        let hidden = match p.embd_rows.as_ref().map(rows).transpose()?.flatten() {
+            Some(r) => Some(self.normed_rows(&x, &r)?),
+            None => None,
+        };
+        let Some(r) = rows(&p.logit_rows)? else {
+            return Ok(PassOut { hidden, back: None });
         };
         let h = self.normed_rows(&x, &r)?;
         let mut logits = self.output.forward(&h)?;
@@ -1023,8 +1194,11 @@ impl Architecture for TensorDecoder {
         if let Some(cap) = c.final_softcap {
             logits = ((logits / cap as f64)?.tanh()? * cap as f64)?;
         }
-        let Some(picks) = picks else {
-            return host_vec(&logits, &mut ws.logits, &mut ws.device_copies);
+        let Some(picks) = &p.picks else {
+            return Ok(PassOut {
+                hidden,
+                back: Some(logits),
+            });
         };
         // the whole rows first, the picked ids after them, in one copy
         let select = |r: &Range<usize>| -> Result<Tensor> {
@@ -1036,11 +1210,104 @@ impl Architecture for TensorDecoder {
             let ids = first_argmax(&select(&picks.pick)?, &self.rev_index)?;
             Tensor::cat(&[select(&picks.full)?.flatten_all()?, ids], 0)?
         };
-        host_vec(&back, &mut ws.logits, &mut ws.device_copies)?;
-        let at = ws.logits.len() - picks.pick.len();
-        ws.picked
-            .extend(ws.logits[at..].iter().map(|&id| id as u32));
-        ws.logits.truncate(at);
+        Ok(PassOut {
+            hidden,
+            back: Some(back),
+        })
+    }
+
+    /// The shapes a decode step runs at when steps are bucketed ([`Self::graphs`]): every
+    /// entry a one-token sequence whose logits come back (all as greedy ids or all whole),
+    /// at most [`GRAPH_MAX_ROWS`] of them. `None`: the pass runs at its own shapes.
+    fn padding(&self, batch: &Batch, ws: &Workspace) -> Option<Padding> {
+        let n = batch.len();
+        if !self.graphs || ws.hidden_only || batch.has_embd() || n == 0 || n > GRAPH_MAX_ROWS {
+            return None;
+        }
+        let picks = &ws.pick_rows;
+        let uniform = picks.iter().all(|&p| p) || picks.iter().all(|&p| !p);
+        if !uniform || !batch.logits.iter().all(|&l| l) {
+            return None;
+        }
+        let mut seqs = batch.seq.clone();
+        seqs.sort_unstable();
+        seqs.dedup();
+        (seqs.len() == n).then_some(Padding {
+            real: n,
+            rows: n.next_power_of_two(),
+            keys: GRAPH_KEY_BUCKET,
+        })
+    }
+
+    /// A bucketed step: on a GPU, the replay of its bucket's graph, or its eager pass and
+    /// then its capture; elsewhere the eager pass.
+    fn graph_pass(
+        &self,
+        graphs: &mut StepGraphs,
+        p: &PassLayout,
+        st: Staging,
+        groups: &[usize],
+        dkv: &DeviceKv,
+        copies: &mut DeviceCopies,
+    ) -> Result<PassOut> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = &self.device {
+            let key = signature(p, &st);
+            if !graphs.failed(&key) {
+                if let Some(back) = graphs.replay(cuda, &key, &st.u32s, &st.f32s)? {
+                    copies.to_device += (!st.u32s.is_empty()) as usize;
+                    copies.to_device += (!st.f32s.is_empty()) as usize;
+                    copies.replayed += 1;
+                    return Ok(PassOut {
+                        hidden: None,
+                        back: Some(back),
+                    });
+                }
+                // the buffers the graph will read: this step's own upload
+                let staged = st.upload(&self.device, copies)?;
+                // candle's parameter uploads are cached from here on, so that the capture
+                // finds every one the eager pass made
+                let _uploads = cuda.enable_cuda_graph_htod_cache();
+                let out = self.device_pass(p, &staged, groups, dkv, false)?;
+                if let Some(back) = &out.back {
+                    let buffers = (staged.u32s.clone(), staged.f32s.clone());
+                    graphs.capture(cuda, key, buffers, back, || {
+                        self.device_pass(p, &staged, groups, dkv, false)?
+                            .back
+                            .ok_or_else(|| EngineError::Internal("a step without logits".into()))
+                    })?;
+                }
+                return Ok(out);
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = graphs;
+        let staged = st.upload(&self.device, copies)?;
+        self.device_pass(p, &staged, groups, dkv, false)
+    }
+
+    /// What a pass left on the device, copied to the workspace.
+    fn finish(&self, out: PassOut, p: &PassLayout, ws: &mut Workspace) -> Result<()> {
+        match &out.hidden {
+            Some(h) => host_vec(h, &mut ws.hidden, &mut ws.device_copies)?,
+            None => ws.hidden.clear(),
+        }
+        if ws.hidden_only {
+            return Ok(());
+        }
+        ws.picked.clear();
+        let Some(back) = &out.back else {
+            ws.logits.clear();
+            return Ok(());
+        };
+        host_vec(back, &mut ws.logits, &mut ws.device_copies)?;
+        if let Some(picks) = &p.picks {
+            // (a bucketed step's padding rows are picked like its rows, and left behind)
+            let at = ws.logits.len() - (picks.pick.len() - (p.n - p.real));
+            ws.picked
+                .extend(ws.logits[at..].iter().map(|&id| id as u32));
+            ws.logits.truncate(at);
+        }
         Ok(())
     }
 }

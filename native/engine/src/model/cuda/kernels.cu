@@ -138,7 +138,8 @@ extern "C" __global__ void glu(
 // (queries and keys) is RMS-normed by `q_norm`/`k_norm` when those are given, then queries
 // and keys are rotated by the token's `cos`/`sin` (`half` pairs: halves `neox`, else
 // neighbours; the dimensions past `2 * half` are left as they are). Queries go to `q_out`
-// (`[n, n_head × hd]`), keys and values to the caches' rows `write_rows[t]` as halves.
+// (`[n, n_head × hd]`), keys and values to the caches' rows `write_rows[t]` as halves
+// (none where that is UNSEEN).
 extern "C" __global__ void rope_store(
     const float* q, const float* k, const float* v, int qs, int ks, int vs,
     const float* q_bias, const float* k_bias, const float* v_bias,
@@ -152,6 +153,8 @@ extern "C" __global__ void rope_store(
     float* red = sh + hd;
     const int t = blockIdx.x, hh = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
     const int kind = hh < n_head ? 0 : hh < n_head + n_kv ? 1 : 2;
+    // a padding row of a bucketed step writes no cache row (the whole block leaves at once)
+    if (kind > 0 && write_rows[t] == UNSEEN) return;
     const int head = kind == 0 ? hh : kind == 1 ? hh - n_head : hh - n_head - n_kv;
     const float* src = kind == 0 ? q + (size_t)t * qs : kind == 1 ? k + (size_t)t * ks : v + (size_t)t * vs;
     const float* bias = kind == 0 ? q_bias : kind == 1 ? k_bias : v_bias;

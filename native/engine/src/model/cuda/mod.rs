@@ -11,6 +11,7 @@
 //! with its kernel's arithmetic (`ops.rs`), so the tensor path's tests on candle's CPU
 //! device run with them on as well (`LLAMA_CPP_EX_CUDA_KERNELS` applies there too).
 
+pub(super) mod graph;
 mod ops;
 pub(super) use ops::{DecodeAttention, Glu, ResidualNorm, RopeStore};
 

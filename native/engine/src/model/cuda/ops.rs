@@ -352,7 +352,8 @@ impl CustomOp2 for Glu {
 /// Q, K and V of a pass into place (the op's input is Q, `[n, n_head × hd]`; `k` and `v` are
 /// views of the same rows' keys and values): biases added, Q and K RMS-normed per head
 /// where the family does, rotated by `cos`/`sin` (`[n, 1, half]`), K and V written as halves
-/// to the caches' rows `write_rows` (`[n]` u32) and the rotated Q returned. The caches are
+/// to the caches' rows `write_rows` (`[n]` u32; none for an [`UNSEEN`] row, a bucketed
+/// step's padding) and the rotated Q returned. The caches are
 /// written through candle's shared references: they are the context's own.
 pub(in crate::model) struct RopeStore {
     pub k: Tensor,
@@ -481,14 +482,21 @@ impl CustomOp1 for RopeStore {
                 v_out.extend(out.iter().map(|&x| f16::from_f32(x)));
             }
         }
-        // the kernel's stores into the caches, as scatters
+        // the kernel's stores into the caches, as scatters (none for an UNSEEN row: the
+        // padding of a bucketed step)
         let rows = elements::<u32>(&self.write_rows)?;
-        let index = scatter_rows(&rows, kv_dim).collect();
-        let index = Tensor::from_vec(index, (n, kv_dim), &Device::Cpu)?;
+        let kept: Vec<usize> = (0..n).filter(|&t| rows[t] != UNSEEN).collect();
+        let kept_rows: Vec<u32> = kept.iter().map(|&t| rows[t]).collect();
+        let index = scatter_rows(&kept_rows, kv_dim).collect();
+        let index = Tensor::from_vec(index, (kept.len(), kv_dim), &Device::Cpu)?;
         for (cache, vals) in [(&self.k_cache, k_out), (&self.v_cache, v_out)] {
+            let vals = kept
+                .iter()
+                .flat_map(|&t| vals[t * kv_dim..][..kv_dim].iter().copied())
+                .collect();
             cache.scatter_set(
                 &index,
-                &Tensor::from_vec(vals, (n, kv_dim), &Device::Cpu)?,
+                &Tensor::from_vec(vals, (kept.len(), kv_dim), &Device::Cpu)?,
                 0,
             )?;
         }
