@@ -353,8 +353,8 @@ impl CustomOp2 for Glu {
 /// views of the same rows' keys and values): biases added, Q and K RMS-normed per head
 /// where the family does, rotated by `cos`/`sin` (`[n, 1, half]`), K and V written as halves
 /// to the caches' rows `write_rows` (`[n]` u32; none for an [`UNSEEN`] row, a bucketed
-/// step's padding) and the rotated Q returned. The caches are
-/// written through candle's shared references: they are the context's own.
+/// step's padding) and the rotated Q returned. The caches are written through candle's
+/// shared references: they are the context's own.
 pub(in crate::model) struct RopeStore {
     pub k: Tensor,
     pub v: Tensor,
