@@ -116,8 +116,9 @@ struct Padding {
 pub struct DeviceKv {
     k: Vec<Tensor>,
     v: Vec<Tensor>,
-    /// Decode steps captured over these caches.
-    graphs: StepGraphs,
+    /// Decode steps captured over these caches (borrowed while a pass reads the caches).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    graphs: std::cell::RefCell<StepGraphs>,
 }
 
 impl DeviceKv {
@@ -131,7 +132,7 @@ impl DeviceKv {
         Ok(DeviceKv {
             k,
             v,
-            graphs: StepGraphs::default(),
+            graphs: Default::default(),
         })
     }
 
@@ -462,15 +463,9 @@ impl TensorDecoder {
         }
         let freqs = super::decoder::rope_freqs(cfg, l)?;
         let kernels = kernels_for(cfg, device)?;
-        let all = Kernels {
-            attention: true,
-            norm: true,
-            glu: true,
-            rope: true,
-        };
         // (a graph's steps are the kernels' launches: candle's gathers and masks take
         // shapes a step's arrays would have to carry)
-        let graphs = kernels == all
+        let graphs = kernels == Kernels::ALL
             && (device.is_cuda() || device.is_cpu())
             && super::cuda::graph::graphs_from_env().map_err(EngineError::InvalidArgument)?;
         let model = TensorDecoder {
@@ -1008,22 +1003,17 @@ impl Architecture for TensorDecoder {
         ws.pick_rows = pick_rows;
         let layout = layout?;
         let groups: Vec<usize> = (0..self.layers.len()).map(|l| kv.layer_group(l)).collect();
+        let dkv = ws.device_kv.as_ref().expect("made above");
         let out = match pad {
             Some(_) => {
                 ws.device_copies.bucketed += 1;
-                let held = ws.device_kv.as_mut().expect("made above");
-                let mut graphs = std::mem::take(&mut held.graphs);
-                let dkv = ws.device_kv.as_ref().expect("made above");
                 let copies = &mut ws.device_copies;
-                let out = self.graph_pass(&mut graphs, &layout, st, &groups, dkv, copies);
-                ws.device_kv.as_mut().expect("made above").graphs = graphs;
+                let mut out = self.graph_pass(&layout, st, &groups, dkv, copies)?;
                 // the padding rows' results stay on the device
-                let mut out = out?;
                 out.back = out.back.map(|b| b.narrow(0, 0, real)).transpose()?;
                 out
             }
             None => {
-                let dkv = ws.device_kv.as_ref().expect("made above");
                 let staged = st.upload(&self.device, &mut ws.device_copies)?;
                 self.device_pass(&layout, &staged, &groups, dkv, ws.hidden_only)?
             }
@@ -1243,7 +1233,6 @@ impl TensorDecoder {
     /// then its capture; elsewhere the eager pass.
     fn graph_pass(
         &self,
-        graphs: &mut StepGraphs,
         p: &PassLayout,
         st: Staging,
         groups: &[usize],
@@ -1252,6 +1241,7 @@ impl TensorDecoder {
     ) -> Result<PassOut> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(cuda) = &self.device {
+            let mut graphs = dkv.graphs.borrow_mut();
             let key = signature(p, &st);
             if !graphs.failed(&key) {
                 if let Some(back) = graphs.replay(cuda, &key, &st.u32s, &st.f32s)? {
@@ -1280,8 +1270,6 @@ impl TensorDecoder {
                 return Ok(out);
             }
         }
-        #[cfg(not(feature = "cuda"))]
-        let _ = graphs;
         let staged = st.upload(&self.device, copies)?;
         self.device_pass(p, &staged, groups, dkv, false)
     }

@@ -66,19 +66,20 @@ pub struct Kernels {
 }
 
 impl Kernels {
+    /// Every kernel.
+    pub const ALL: Kernels = Kernels {
+        attention: true,
+        norm: true,
+        glu: true,
+        rope: true,
+    };
+
     /// Parses the variable's value; an unknown name is an error naming it.
     pub fn parse(value: &str) -> Result<Self, String> {
         let mut k = Kernels::default();
         for name in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             match name {
-                "1" | "all" => {
-                    k = Kernels {
-                        attention: true,
-                        norm: true,
-                        glu: true,
-                        rope: true,
-                    }
-                }
+                "1" | "all" => k = Kernels::ALL,
                 "0" | "none" => k = Kernels::default(),
                 "attention" => k.attention = true,
                 "norm" => k.norm = true,
