@@ -232,7 +232,7 @@ run() {
     summary+="$(grep -E 'argmax|panicked|FAILED|failures:' "$log/${t}_all.log" | head -30)"$'\n'
     if [ "$r" != ok ]; then
       # which kernel is at fault: each alone, then none
-      for k in attention norm glu rope ""; do
+      for k in attention norm glu rope candidates ""; do
         parity "$t" "$k"
       done
     fi
@@ -268,6 +268,16 @@ run() {
     LLAMA_CPP_EX_CUDA_GRAPHS=1 LLAMA_CPP_EX_CUDA_KERNELS=all GPU=1 STREAMS_ONLY=1 PROMPT=128 \
       timeout 60 "$bin/decode_profile" "$m" 1 128 32 2>&1 | grep -E 'streams|graphs' |
       sed 's/^/engine kernels, graphs: /' >> "$log/ours_gpu_$name.txt"
+    # 32 streams drawing with llama.cpp's default sampler chain: their best candidates
+    # picked on the GPU (with graphs, then without), then whole rows to the host
+    local k4=attention,norm,glu,rope
+    local run g ks how
+    for run in "1 all graphs" "0 all candidates" "0 $k4 whole-rows"; do
+      read -r g ks how <<< "$run"
+      LLAMA_CPP_EX_CUDA_GRAPHS=$g LLAMA_CPP_EX_CUDA_KERNELS=$ks GPU=1 STREAMS_ONLY=1 SAMPLE=1 \
+        PROMPT=128 timeout 60 "$bin/decode_profile" "$m" 1 128 32 2>&1 |
+        grep -E 'streams|bytes' | sed "s/^/engine kernels, sampled, $how: /" >> "$log/ours_gpu_$name.txt"
+    done
     # and with candle's one-launch products (f32 activations, no Q8_1 quantization launch)
     DMMV=1 LLAMA_CPP_EX_CUDA_KERNELS=all GPU=1 TG_ONLY=1 timeout 60 "$bin/decode_profile" "$m" \
       1 128 2>&1 | grep -E '^tg' | sed 's/^/engine kernels, DMMV: /' >> "$log/ours_gpu_$name.txt"
@@ -280,7 +290,7 @@ run() {
     summary+="$name GPU, llama.cpp CUDA -ngl 99:"$'\n'"$(grep -E '^\| .*(pp|tg)' "$log/lcp_gpu_$name.md")"$'\n'
     summary+="$name GPU, llama-batched-bench (PP TG B N_KV T_PP S_PP T_TG S_TG T S):"$'\n'
     summary+="$(grep -E '^\| +128 \|' "$log/lcp_batched_$name.txt")"$'\n'
-    summary+="$name GPU, ours:"$'\n'"$(tail -16 "$log/ours_gpu_$name.txt")"$'\n'
+    summary+="$name GPU, ours:"$'\n'"$(tail -22 "$log/ours_gpu_$name.txt")"$'\n'
   done
   graph_probe
   # one decode step's kernels on the 1B file, timed by Nsight Compute: their count and GPU

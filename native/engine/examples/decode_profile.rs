@@ -19,14 +19,18 @@
 //! quantized products take their f32 activations as they are, one launch per product, where
 //! its default quantizes them to Q8_1 first (two launches); rows beyond one then dequantize
 //! whole matrices, so it is for timing one stream. With `LLAMA_CPP_EX_CUDA_GRAPHS=1` it
-//! prints how many decode steps replayed a captured graph.
+//! prints how many decode steps replayed a captured graph. `SAMPLE=1` has the batched decode
+//! draw each stream's token with llama.cpp's default sampler chain (the engine's step, as
+//! the Server runs it) instead of bringing back whole rows, and prints the bytes a step
+//! copied back.
 
 use llama_cpp_ex_engine::kv::KvType;
 use llama_cpp_ex_engine::profile;
 use llama_cpp_ex_engine::{
     Batch, Context, ContextParams, DeviceCopies, LoadOptions, Model, Placement, Requantize,
+    Sampler, SamplerParams, SharedSampler, Step,
 };
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 fn main() {
@@ -205,6 +209,16 @@ fn main() {
             ctx.decode(&Batch::for_sequence(&prompt[..start + 7 * s], 0, s))
                 .unwrap();
         }
+        let sample = std::env::var_os("SAMPLE").is_some();
+        let samplers: Vec<(usize, SharedSampler)> = (0..streams)
+            .map(|s| {
+                let params = SamplerParams {
+                    seed: s as u64,
+                    ..Default::default()
+                };
+                (s, Arc::new(Mutex::new(Sampler::new(params))))
+            })
+            .collect();
         profile::take();
         profile::enable(sections);
         let before = ctx.device_copies();
@@ -214,14 +228,30 @@ fn main() {
             for s in 0..streams {
                 b.push(400 + (i + s) as u32 % 500, start + 7 * s + i, s, true);
             }
-            ctx.decode(&b).unwrap();
+            if sample {
+                let step = Step {
+                    batch: b,
+                    samplers: samplers.clone(),
+                    ..Default::default()
+                };
+                ctx.step(&step).unwrap();
+            } else {
+                ctx.decode(&b).unwrap();
+            }
         }
         let n = (steps * streams) as f64;
+        let how = if sample { " (sampled)" } else { "" };
         println!(
-            "{streams} streams: {:.1} tok/s",
+            "{streams} streams{how}: {:.1} tok/s",
             n / t.elapsed().as_secs_f64()
         );
         let after = ctx.device_copies();
+        if sample && after.to_host > before.to_host {
+            println!(
+                "bytes back a step: {}",
+                (after.bytes_to_host - before.bytes_to_host) / steps
+            );
+        }
         print_graphs(&DeviceCopies {
             bucketed: after.bucketed - before.bucketed,
             replayed: after.replayed - before.replayed,

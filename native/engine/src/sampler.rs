@@ -424,6 +424,36 @@ impl Sampler {
             && p.logprobs.is_none()
     }
 
+    /// How many of the raw row's best candidates decide the next token, when nothing else
+    /// of the row is read: a sampled step without grammar, bias, penalties, DRY or
+    /// log-probabilities, whose chain top-k starts (top-n-sigma and Mirostat off). A device
+    /// backend may then bring back only that many candidates, in [`by_logit`]'s order
+    /// (ties: the lower id first), for [`Sampler::sample_candidates`].
+    pub fn candidates_decide(&self) -> Option<usize> {
+        let p = &self.params;
+        (p.temp > 0.0
+            && self.grammar.is_none()
+            && p.logit_bias.is_empty()
+            && !p.penalties_active()
+            && !p.dry_active()
+            && p.logprobs.is_none()
+            && self.top_k_decides())
+        .then(|| self.top_k_len())
+    }
+
+    /// Samples a token from the best candidates of a row, in [`by_logit`]'s order and at
+    /// least [`Sampler::candidates_decide`] of them (all of the row where it is shorter),
+    /// and accepts it: the token [`Sampler::sample`] draws from the whole row.
+    pub fn sample_candidates(&mut self, best: &[(TokenId, f32)]) -> TokenId {
+        let mut cand = std::mem::take(&mut self.candidates);
+        cand.clear();
+        cand.extend_from_slice(&best[..self.top_k_len().min(best.len())]);
+        let token = self.draw_sampled(&mut cand);
+        self.candidates = cand;
+        self.accept(token);
+        token
+    }
+
     /// Records a token in the history and advances the grammar past it.
     pub fn accept(&mut self, token: TokenId) {
         if self.history_cap > 0 {
@@ -1002,7 +1032,7 @@ fn later_if_larger(a: Option<(usize, f32)>, b: Option<(usize, f32)>) -> Option<(
 
 /// The candidates' one order: the larger logit first (as `f32::total_cmp` orders them),
 /// then the lower token id, so that every selection and sort of them has one result.
-fn by_logit(a: &(TokenId, f32), b: &(TokenId, f32)) -> std::cmp::Ordering {
+pub fn by_logit(a: &(TokenId, f32), b: &(TokenId, f32)) -> std::cmp::Ordering {
     b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
 }
 
@@ -1126,6 +1156,18 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let lse = max as f64 + sum.ln();
     logits.iter().map(|&l| (l as f64 - lse) as f32).collect()
 }
+
+/// Logits that orders and selections must place as `f32::total_cmp` does: both zeros, both
+/// infinities, NaNs of both signs.
+#[cfg(test)]
+pub(crate) const EDGE_LOGITS: [f32; 6] = [
+    0.0,
+    -0.0,
+    f32::NEG_INFINITY,
+    f32::INFINITY,
+    f32::NAN,
+    -f32::NAN,
+];
 
 #[cfg(test)]
 mod tests {
@@ -1290,6 +1332,88 @@ mod tests {
                 assert_eq!(fast.sample(row), slow.sample(row), "case {case}");
             }
         }
+    }
+
+    /// A step that its best candidates decide draws from them what it draws from the whole
+    /// row: ties, both zeros, infinities and NaN in the row, top-k above and below the
+    /// candidates' count, the truncation stages after top-k, rows shorter than the window.
+    #[test]
+    fn candidates_draw_what_the_whole_row_draws() {
+        const WINDOW: usize = 64;
+        let special = EDGE_LOGITS;
+        let mut rng = Rng::new(17);
+        let mut decided = 0;
+        for case in 0..300u64 {
+            let len = 1 + rng.next_u64() as usize % 700;
+            let rows: Vec<Vec<f32>> = (0..4)
+                .map(|r| {
+                    (0..len)
+                        .map(|_| match rng.next_u64() % 64 {
+                            0 if r > 0 => special[rng.next_u64() as usize % special.len()],
+                            v => v as f32 / 4.0,
+                        })
+                        .collect()
+                })
+                .collect();
+            let params = SamplerParams {
+                seed: case,
+                top_k: if case % 9 == 0 {
+                    0
+                } else {
+                    1 + (rng.next_u64() % 80) as i32
+                },
+                min_keep: (rng.next_u64() % 3) as usize,
+                top_p: if case % 2 == 0 { 0.9 } else { 1.0 },
+                typical_p: if case % 5 == 0 { 0.8 } else { 1.0 },
+                dynatemp_range: if case % 7 == 0 { 0.5 } else { 0.0 },
+                ..Default::default()
+            };
+            let mut whole = Sampler::new(params.clone());
+            let mut best = Sampler::new(params);
+            for row in rows.iter().cycle().take(12) {
+                let want = whole.sample(row);
+                match best.candidates_decide().filter(|&k| k <= WINDOW) {
+                    Some(_) => {
+                        let mut cand: Vec<(TokenId, f32)> = row
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &l)| (i as TokenId, l))
+                            .collect();
+                        cand.sort_by(by_logit);
+                        cand.truncate(WINDOW);
+                        assert_eq!(best.sample_candidates(&cand), want, "case {case}");
+                        decided += 1;
+                    }
+                    None => assert_eq!(best.sample(row), want, "case {case}"),
+                }
+            }
+        }
+        assert!(decided > 1000, "{decided}");
+        let mut s = Sampler::new(SamplerParams::default());
+        assert_eq!(s.candidates_decide(), Some(40));
+        for p in [
+            SamplerParams::greedy(),
+            SamplerParams {
+                logprobs: Some(1),
+                ..Default::default()
+            },
+            SamplerParams {
+                penalty_repeat: 1.1,
+                ..Default::default()
+            },
+            SamplerParams {
+                mirostat: 2,
+                ..Default::default()
+            },
+            SamplerParams {
+                top_k: 0,
+                ..Default::default()
+            },
+        ] {
+            assert_eq!(Sampler::new(p).candidates_decide(), None);
+        }
+        s.params.logit_bias = vec![(0, 1.0)];
+        assert_eq!(s.candidates_decide(), None);
     }
 
     #[test]

@@ -15,7 +15,7 @@ pub use step::{KvOp, SampledToken, SharedSampler, Step, StepOutcome};
 use crate::batch::Batch;
 use crate::error::{EngineError, Result};
 use crate::kv::{KvCache, KvType, KvUsage};
-use crate::model::{Model, Workspace};
+use crate::model::{Model, Pick, Workspace};
 use crate::tokenizer::TokenId;
 use std::sync::Arc;
 
@@ -68,6 +68,17 @@ impl Default for ContextParams {
     }
 }
 
+/// What a step's entry got in place of its logits row (see [`Pick`]).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Picked {
+    /// Its row (or nothing: no logits were asked for).
+    None,
+    /// Its greedy token.
+    Token(TokenId),
+    /// Its best candidates, at this range of the context's.
+    Best(std::ops::Range<usize>),
+}
+
 pub struct Context {
     pub model: Arc<Model>,
     pub params: ContextParams,
@@ -77,15 +88,16 @@ pub struct Context {
     logits: Vec<f32>,
     /// For each entry of the last batch, its logits row (or -1).
     output_rows: Vec<i32>,
-    /// For each entry of the batch a step evaluates, whether its row feeds only a greedy
-    /// choice that the architecture may make where the logits are (empty outside a step, or
-    /// when the architecture does not pick: [`Architecture::picks_greedy`]).
+    /// For each entry of the batch a step evaluates, how its row comes back: whole, or as
+    /// what its sampler reads of it, taken where the logits are (empty outside a step, or
+    /// when the architecture does not pick: [`Architecture::picks`]).
     ///
-    /// [`Architecture::picks_greedy`]: crate::model::Architecture::picks_greedy
-    pick: Vec<bool>,
-    /// For each entry of the last batch, the token picked in its place when its row was not
-    /// brought back.
-    picked: Vec<Option<TokenId>>,
+    /// [`Architecture::picks`]: crate::model::Architecture::picks
+    pick: Vec<Pick>,
+    /// For each entry of the last batch, what came back in place of its row.
+    picked: Vec<Picked>,
+    /// The best candidates of the last batch's [`Picked::Best`] entries.
+    candidates: Vec<(TokenId, f32)>,
     /// Final-normed hidden states of the last batch's embedding rows (`[n, n_embd]`, see
     /// [`Batch::embd`]), and for each entry its row there (or -1).
     embd: Vec<f32>,
@@ -172,6 +184,7 @@ impl Context {
             output_rows: Vec::new(),
             pick: Vec::new(),
             picked: Vec::new(),
+            candidates: Vec::new(),
             embd: Vec::new(),
             embd_rows: Vec::new(),
             ws: Workspace {
@@ -258,6 +271,7 @@ impl Context {
         self.logits.clear();
         self.output_rows.clear();
         self.picked.clear();
+        self.candidates.clear();
         self.embd.clear();
         self.embd_rows.clear();
         let ub = self.params.n_ubatch;
@@ -332,20 +346,31 @@ impl Context {
         let base = (self.logits.len() / width.max(1)) as i32;
         let mut row = base;
         let mut picked = self.ws.picked.iter();
+        let window = arch.picks().unwrap_or(0);
+        let mut best = self.candidates.len();
+        self.candidates.extend_from_slice(&self.ws.candidates);
         for (i, &want) in batch.logits.iter().enumerate() {
-            if want && self.ws.pick_rows.get(i) == Some(&true) {
-                self.output_rows.push(-1);
-                self.picked.push(picked.next().copied());
-            } else if want {
-                self.output_rows.push(row);
-                self.picked.push(None);
-                row += 1;
-            } else {
-                self.output_rows.push(-1);
-                self.picked.push(None);
-            }
+            let pick = self.ws.pick_rows.get(i).copied().unwrap_or_default();
+            let (out_row, got) = match (want, pick) {
+                (false, _) => (-1, Picked::None),
+                (true, Pick::Whole) => {
+                    row += 1;
+                    (row - 1, Picked::None)
+                }
+                (true, Pick::Greedy) => (
+                    -1,
+                    picked.next().map_or(Picked::None, |&t| Picked::Token(t)),
+                ),
+                (true, Pick::Best) => {
+                    best += window;
+                    (-1, Picked::Best(best - window..best))
+                }
+            };
+            self.output_rows.push(out_row);
+            self.picked.push(got);
         }
         debug_assert!(picked.next().is_none());
+        debug_assert_eq!(best, self.candidates.len());
         if self.ws.hidden_only {
             self.logits.extend_from_slice(&self.ws.hidden);
         } else {
@@ -432,12 +457,14 @@ impl Context {
         self.ws.device_copies
     }
 
-    /// The token the architecture picked for entry `i` of the last step's batch in place of
-    /// bringing back its logits row (see [`Sampler::argmax_decides`]).
-    ///
-    /// [`Sampler::argmax_decides`]: crate::Sampler::argmax_decides
-    pub(crate) fn picked_ith(&self, i: usize) -> Option<TokenId> {
-        self.picked.get(i).copied().flatten()
+    /// What came back for entry `i` of the last step's batch in place of its logits row.
+    pub(crate) fn picked_ith(&self, i: usize) -> Picked {
+        self.picked.get(i).cloned().unwrap_or(Picked::None)
+    }
+
+    /// The best candidates of a [`Picked::Best`] entry.
+    pub(crate) fn candidates(&self, at: std::ops::Range<usize>) -> &[(TokenId, f32)] {
+        &self.candidates[at]
     }
 
     /// Logits of entry `i` of the last batch; `-1` is the last entry with logits, and any

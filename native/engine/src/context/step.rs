@@ -7,11 +7,12 @@
 //! caller between steps and shipped as [`KvOp`]s, so a step needs nothing but its own input.
 
 use super::speculate::SpecRequest;
-use super::{seq_ranges, Context};
+use super::{seq_ranges, Context, Picked};
 use crate::batch::Batch;
 use crate::embedding::{pool, EmbedRequest};
 use crate::error::{lock, EngineError, Result};
 use crate::kv::KvSnapshot;
+use crate::model::Pick;
 use crate::sampler::{Sampler, TokenLogprobs};
 use crate::tokenizer::TokenId;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -360,18 +361,30 @@ impl Context {
                 }
             }
         }
-        // rows whose sampler only takes the largest logit: an architecture that picks where
-        // the logits are (a GPU) brings back their token ids instead of vocabulary-wide rows
+        // rows whose sampler reads only their largest logit, or only their best few: an
+        // architecture that picks where the logits are (a GPU) brings back the token's id or
+        // those candidates instead of vocabulary-wide rows
         self.pick.clear();
-        if self.model.architecture()?.picks_greedy() && !self.ws.hidden_only {
-            let picks = |(&seq, &want): (&usize, &bool)| {
-                want && !speculating.contains(&seq)
-                    && samplers
-                        .iter()
-                        .any(|(s, sampler)| *s == seq && sampler.argmax_decides())
-            };
-            self.pick
-                .extend(batch.seq.iter().zip(&batch.logits).map(picks));
+        if let Some(window) = self.model.architecture()?.picks() {
+            if !self.ws.hidden_only {
+                let pick = |(&seq, &want): (&usize, &bool)| {
+                    let sampler = samplers.iter().find(|(s, _)| *s == seq);
+                    match sampler {
+                        Some((_, s)) if want && !speculating.contains(&seq) => {
+                            if s.argmax_decides() {
+                                Pick::Greedy
+                            } else if s.candidates_decide().is_some_and(|k| k <= window) {
+                                Pick::Best
+                            } else {
+                                Pick::Whole
+                            }
+                        }
+                        _ => Pick::Whole,
+                    }
+                };
+                self.pick
+                    .extend(batch.seq.iter().zip(&batch.logits).map(pick));
+            }
         }
         let done = self.forward(&batch, true);
         self.pick.clear();
@@ -383,8 +396,15 @@ impl Context {
             let Some((_, sampler)) = samplers.iter_mut().find(|(s, _)| *s == seq) else {
                 continue;
             };
-            if let Some(token) = self.picked_ith(i) {
-                sampler.accept(token);
+            let token = match self.picked_ith(i) {
+                Picked::Token(token) => {
+                    sampler.accept(token);
+                    Some(token)
+                }
+                Picked::Best(at) => Some(sampler.sample_candidates(self.candidates(at))),
+                Picked::None => None,
+            };
+            if let Some(token) = token {
                 out.sampled.push(self.sampled_token(seq, token, None));
                 continue;
             }

@@ -558,6 +558,7 @@ impl Architecture for Decoder {
             device_copies: _,
             pick_rows: _,
             picked: _,
+            candidates: _,
         } = ws;
         clock.lap(Section::Inputs);
         for (li, layer) in self.layers.iter().enumerate() {

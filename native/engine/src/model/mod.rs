@@ -251,10 +251,11 @@ pub trait Architecture: Send + Sync {
     /// (`[n_outputs, n_vocab]`).
     fn forward(&self, batch: &Batch, kv: &mut KvCache, ws: &mut Workspace) -> Result<()>;
 
-    /// Whether the architecture honours [`Workspace::pick_rows`]: picks the greedy token of
-    /// those rows where their logits are (device memory) and brings back only its id.
-    fn picks_greedy(&self) -> bool {
-        false
+    /// Whether the architecture honours [`Workspace::pick_rows`] where the logits are
+    /// (device memory): `Some(window)` when it brings back a [`Pick::Greedy`] row's token id
+    /// and a [`Pick::Best`] row's `window` best candidates instead of their rows.
+    fn picks(&self) -> Option<usize> {
+        None
     }
 
     /// Whether the KV cache's contents live in the architecture's device memory (the host
@@ -314,16 +315,34 @@ pub struct Workspace {
     pub(crate) device_kv: Option<tensor::DeviceKv>,
     /// Host↔device copies of the passes so far (device backends only).
     pub(crate) device_copies: crate::device::DeviceCopies,
-    /// Per batch entry, set by the context when the architecture [`picks_greedy`]: the
-    /// entry's logits row feeds only a greedy choice ([`Sampler::argmax_decides`]), so the
-    /// pass leaves its token's id in `picked` instead of its row in `logits`. Empty: every
-    /// flagged row comes back whole.
+    /// Per batch entry, set by the context when the architecture [`picks`]: how the
+    /// entry's logits row comes back. Empty: every flagged row comes back whole.
     ///
-    /// [`picks_greedy`]: Architecture::picks_greedy
-    /// [`Sampler::argmax_decides`]: crate::Sampler::argmax_decides
-    pub(crate) pick_rows: Vec<bool>,
-    /// The greedy ids of the flagged entries of `pick_rows`, in batch order.
+    /// [`picks`]: Architecture::picks
+    pub(crate) pick_rows: Vec<Pick>,
+    /// The greedy ids of the [`Pick::Greedy`] entries, in batch order.
     pub(crate) picked: Vec<u32>,
+    /// The best candidates of the [`Pick::Best`] entries, in batch order: the
+    /// architecture's window of them each, in the sampler's candidate order.
+    pub(crate) candidates: Vec<(u32, f32)>,
+}
+
+/// How a logits row of a pass comes back from a device (see [`Workspace::pick_rows`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum Pick {
+    /// The whole row.
+    #[default]
+    Whole,
+    /// Its greedy token's id: the row feeds only a greedy choice
+    /// ([`Sampler::argmax_decides`]).
+    ///
+    /// [`Sampler::argmax_decides`]: crate::Sampler::argmax_decides
+    Greedy,
+    /// Its best candidates: the sampler reads no more of the row than they are
+    /// ([`Sampler::candidates_decide`]).
+    ///
+    /// [`Sampler::candidates_decide`]: crate::Sampler::candidates_decide
+    Best,
 }
 
 /// Loads one tensor, re-quantizing scalar-only types when asked, and remembers which

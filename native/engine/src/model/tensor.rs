@@ -13,11 +13,11 @@
 
 use super::attention::visible_keys;
 use super::cuda::graph::{StepGraphs, GRAPH_KEY_BUCKET, GRAPH_MAX_ROWS};
-use super::cuda::Kernels;
+use super::cuda::{Kernels, TopCandidates};
 use super::decoder::{refuse_generation, Activation, Family, PooledHeads};
 use super::linear::Embedding;
 use super::ops::Rope;
-use super::{Architecture, Config, TensorLoader, Workspace};
+use super::{Architecture, Config, Pick, TensorLoader, Workspace};
 use crate::batch::Batch;
 use crate::device::DeviceCopies;
 use crate::error::{EngineError, Result};
@@ -328,7 +328,48 @@ struct SeqRows {
     keys: Range<usize>,
 }
 
+/// The most best candidates a sampled row brings back: a sampler whose top-k keeps up to
+/// this many ([`crate::Sampler::candidates_decide`]; llama.cpp's default keeps 40) draws
+/// from them instead of the whole row.
+pub const CANDIDATES: usize = 64;
+
 impl TensorDecoder {
+    /// Runs each input width of the model's quantized products on 8 rows of zeros and on
+    /// `rows`, so that candle's activation scratch has grown to what passes of up to `rows`
+    /// rows need ([`super::cuda::graph::scratch_for`]).
+    #[cfg(feature = "cuda")]
+    fn grow_scratch(&self, rows: usize) -> Result<()> {
+        let mats = self.layers.iter().flat_map(|l| {
+            let stacked = l.qkv.mats.iter().chain(&l.gate_up.mats).map(|(m, _)| m);
+            stacked.chain([&l.wo, &l.down])
+        });
+        let mut widths = Vec::new();
+        for m in mats.chain([&self.output]) {
+            let QMatMul::QTensor(q) = m else {
+                continue;
+            };
+            let (_, k) = q.shape().dims2()?;
+            if widths.contains(&k) {
+                continue;
+            }
+            widths.push(k);
+            for r in [8, rows].into_iter().take(if rows > 8 { 2 } else { 1 }) {
+                m.forward(&Tensor::zeros((r, k), DType::F32, &self.device)?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// How many best candidates a [`Pick::Best`] row brings back: none without the
+    /// kernel that picks them.
+    fn window(&self) -> usize {
+        if self.kernels.candidates {
+            CANDIDATES.min(self.cfg.n_vocab)
+        } else {
+            0
+        }
+    }
+
     pub(crate) fn load(cfg: &Config, l: &TensorLoader, device: &Device) -> Result<Self> {
         let family = super::arch_spec(&cfg.arch)
             .and_then(|s| s.family)
@@ -862,24 +903,41 @@ fn host_vec(t: &Tensor, out: &mut Vec<f32>, copies: &mut DeviceCopies) -> Result
     Ok(())
 }
 
-/// Which logits rows of a pass come back whole and which as their greedy token's id (see
-/// [`Workspace::pick_rows`]): positions among the pass's output rows, staged.
+/// Which logits rows of a pass come back whole, which as their greedy token's id and which
+/// as their best candidates (see [`Workspace::pick_rows`]): positions among the pass's
+/// output rows, staged.
 struct PickRows {
     full: Range<usize>,
-    pick: Range<usize>,
+    greedy: Range<usize>,
+    best: Range<usize>,
+    /// How many of the greedy and best rows are the batch's own (not a bucketed step's
+    /// padding, which comes last).
+    real: (usize, usize),
 }
 
 impl PickRows {
     /// `None` when no output row is picked (every row comes back whole).
-    fn stage(outputs: &[u32], pick_rows: &[bool], st: &mut Staging) -> Option<Self> {
-        let picked = |r: &u32| pick_rows.get(outputs[*r as usize] as usize) == Some(&true);
-        let rows = || 0..outputs.len() as u32;
-        if !rows().any(|r| picked(&r)) {
+    fn stage(outputs: &[u32], pick_rows: &[Pick], real: usize, st: &mut Staging) -> Option<Self> {
+        let kind = |r: u32| {
+            pick_rows
+                .get(outputs[r as usize] as usize)
+                .copied()
+                .unwrap_or_default()
+        };
+        let rows = |k: Pick| (0..outputs.len() as u32).filter(move |&r| kind(r) == k);
+        let own = |k: Pick| {
+            rows(k)
+                .filter(|&r| (outputs[r as usize] as usize) < real)
+                .count()
+        };
+        if rows(Pick::Whole).count() == outputs.len() {
             return None;
         }
         Some(PickRows {
-            full: st.u32s(rows().filter(|r| !picked(r))),
-            pick: st.u32s(rows().filter(picked)),
+            full: st.u32s(rows(Pick::Whole)),
+            greedy: st.u32s(rows(Pick::Greedy)),
+            best: st.u32s(rows(Pick::Best)),
+            real: (own(Pick::Greedy), own(Pick::Best)),
         })
     }
 }
@@ -916,6 +974,7 @@ fn signature(p: &PassLayout, st: &Staging) -> Vec<usize> {
         st.u32s.len(),
         st.f32s.len(),
         p.picks.as_ref().map_or(0, |k| 1 + k.full.len()),
+        p.picks.as_ref().map_or(0, |k| k.greedy.len()),
         p.embd_rows.is_some() as usize,
     ];
     for r in p.ranges.iter().flatten() {
@@ -960,8 +1019,8 @@ impl Architecture for TensorDecoder {
         true
     }
 
-    fn picks_greedy(&self) -> bool {
-        true
+    fn picks(&self) -> Option<usize> {
+        Some(self.window())
     }
 
     fn project_pooled(&self, v: &mut Vec<f32>) -> Result<()> {
@@ -993,8 +1052,13 @@ impl Architecture for TensorDecoder {
             }
             None => batch,
         };
+        #[cfg(feature = "cuda")]
+        if let (true, Device::Cuda(cuda)) = (self.graphs, &self.device) {
+            super::cuda::graph::scratch_for(cuda, batch.len(), |rows| self.grow_scratch(rows))?;
+        }
         let mut pick_rows = std::mem::take(&mut ws.pick_rows);
         if let (Some(p), Some(&first)) = (pad, pick_rows.first()) {
+            // (picks are uniform in a bucketed step)
             pick_rows.resize(p.rows, first);
         }
         let mut st = Staging::default();
@@ -1025,8 +1089,6 @@ impl Architecture for TensorDecoder {
 /// Where a pass's arrays are staged and what comes back (the host's half of a pass).
 struct PassLayout {
     n: usize,
-    /// Rows before a bucketed step's padding (`n` otherwise).
-    real: usize,
     ranges: Vec<Option<GroupRanges>>,
     x_at: Range<usize>,
     rope_global: (Range<usize>, Range<usize>, usize),
@@ -1037,7 +1099,8 @@ struct PassLayout {
 }
 
 /// What a pass leaves on the device for the host: the final-normed hidden rows asked for,
-/// and the logits rows (whole, then the picked rows' greedy ids, as one vector).
+/// and the logits rows (whole, then the greedy rows' ids and the best rows' candidates, as
+/// one vector where there are several kinds).
 struct PassOut {
     hidden: Option<Tensor>,
     back: Option<Tensor>,
@@ -1052,7 +1115,7 @@ impl TensorDecoder {
         kv: &KvCache,
         ws: &mut Workspace,
         pad: Option<Padding>,
-        pick_rows: &[bool],
+        pick_rows: &[Pick],
         st: &mut Staging,
     ) -> Result<PassLayout> {
         let c = &self.cfg;
@@ -1086,11 +1149,10 @@ impl TensorDecoder {
         let embd_rows =
             (!ws.hidden_only && batch.has_embd()).then(|| st.u32s(flagged(&batch.embd)));
         let outputs = flagged(&batch.logits);
-        let picks = PickRows::stage(&outputs, pick_rows, st);
+        let picks = PickRows::stage(&outputs, pick_rows, pad.map_or(n, |p| p.real), st);
         let logit_rows = st.u32s(outputs);
         Ok(PassLayout {
             n,
-            real: pad.map_or(n, |p| p.real),
             ranges,
             x_at,
             rope_global,
@@ -1190,15 +1252,36 @@ impl TensorDecoder {
                 back: Some(logits),
             });
         };
-        // the whole rows first, the picked ids after them, in one copy
-        let select = |r: &Range<usize>| -> Result<Tensor> {
-            Ok(logits.index_select(&staged.u32s(r, &[r.len()])?, 0)?)
+        // the whole rows first, the greedy ids, then the best candidates, in one copy (a
+        // kind that is every row's reads the logits as they are)
+        let n_out = p.logit_rows.len();
+        let select = |r: &Range<usize>| -> Result<Option<Tensor>> {
+            Ok(match r.len() {
+                0 => None,
+                len if len == n_out => Some(logits.clone()),
+                len => Some(logits.index_select(&staged.u32s(r, &[len])?, 0)?),
+            })
         };
-        let back = if picks.full.is_empty() {
-            first_argmax(&logits, &self.rev_index)?
-        } else {
-            let ids = first_argmax(&select(&picks.pick)?, &self.rev_index)?;
-            Tensor::cat(&[select(&picks.full)?.flatten_all()?, ids], 0)?
+        let window = TopCandidates {
+            window: self.window(),
+        };
+        let mut parts = Vec::new();
+        if let Some(rows) = select(&picks.full)? {
+            parts.push(rows);
+        }
+        if let Some(rows) = select(&picks.greedy)? {
+            parts.push(first_argmax(&rows, &self.rev_index)?);
+        }
+        if let Some(rows) = select(&picks.best)? {
+            parts.push(rows.apply_op1_no_bwd(&window)?);
+        }
+        // (one part keeps its rows, which a bucketed step narrows to the batch's own)
+        let back = match parts.len() {
+            1 => parts.pop().expect("one part"),
+            _ => {
+                let flat = parts.iter().map(|t| t.flatten_all());
+                Tensor::cat(&flat.collect::<candle_core::Result<Vec<_>>>()?, 0)?
+            }
         };
         Ok(PassOut {
             hidden,
@@ -1215,7 +1298,9 @@ impl TensorDecoder {
             return None;
         }
         let picks = &ws.pick_rows;
-        let uniform = picks.iter().all(|&p| p) || picks.iter().all(|&p| !p);
+        let uniform = picks
+            .first()
+            .is_none_or(|&first| picks.iter().all(|&p| p == first));
         if !uniform || !batch.logits.iter().all(|&l| l) {
             return None;
         }
@@ -1280,21 +1365,31 @@ impl TensorDecoder {
             Some(h) => host_vec(h, &mut ws.hidden, &mut ws.device_copies)?,
             None => ws.hidden.clear(),
         }
+        ws.picked.clear();
+        ws.candidates.clear();
         if ws.hidden_only {
             return Ok(());
         }
-        ws.picked.clear();
         let Some(back) = &out.back else {
             ws.logits.clear();
             return Ok(());
         };
         host_vec(back, &mut ws.logits, &mut ws.device_copies)?;
         if let Some(picks) = &p.picks {
-            // (a bucketed step's padding rows are picked like its rows, and left behind)
-            let at = ws.logits.len() - (picks.pick.len() - (p.n - p.real));
+            // (a bucketed step's padding rows were left behind on the device)
+            // (no best rows without a window)
+            let w = self.window().max(1);
+            let (greedy, best) = picks.real;
+            let best_at = ws.logits.len() - best * 2 * w;
+            for c in ws.logits[best_at..].chunks_exact(2 * w) {
+                let (ids, logits) = c.split_at(w);
+                ws.candidates
+                    .extend(ids.iter().zip(logits).map(|(&id, &l)| (id as u32, l)));
+            }
+            let greedy_at = best_at - greedy;
             ws.picked
-                .extend(ws.logits[at..].iter().map(|&id| id as u32));
-            ws.logits.truncate(at);
+                .extend(ws.logits[greedy_at..best_at].iter().map(|&id| id as u32));
+            ws.logits.truncate(greedy_at);
         }
         Ok(())
     }

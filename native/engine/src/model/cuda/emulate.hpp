@@ -42,11 +42,38 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
     return w;
 }
 
+static unsigned emu_match[1024];
+
+inline unsigned __match_any_sync(unsigned, unsigned v) {
+    const unsigned t = threadIdx.x, first = t & ~31u;
+    std::barrier<>& warp = *emu_warps[t >> 5];
+    emu_match[t] = v;
+    warp.arrive_and_wait();
+    unsigned peers = 0;
+    for (unsigned l = 0; l < 32; ++l) peers |= (emu_match[first + l] == v) << l;
+    warp.arrive_and_wait();
+    return peers;
+}
+
+inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
+
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+
 inline float __int_as_float(unsigned u) {
     float f;
     std::memcpy(&f, &u, 4);
     return f;
 }
+
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+
+inline float __uint_as_float(unsigned u) { return __int_as_float(u); }
+
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 
 inline int min(int a, int b) { return a < b ? a : b; }
 

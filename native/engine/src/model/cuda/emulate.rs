@@ -523,3 +523,68 @@ fn rope_and_cache_writes_match_candles_ops() {
         }
     }
 }
+
+const TOP_DRIVER: &str = r#"
+int main(int argc, char** argv) {
+    const int rows = atoi(argv[1]), vocab = atoi(argv[2]), window = atoi(argv[3]),
+              threads = atoi(argv[4]);
+    auto logits = emu_read<float>("logits");
+    std::vector<float> out((size_t)rows * 2 * window, -7.f);
+    emu_launch({(unsigned)rows, 1, 1}, threads, [&] {
+        top_candidates(logits.data(), vocab, window, out.data());
+    });
+    emu_write("out", out);
+}
+"#;
+
+/// Each row's best candidates against the host sampler's order (`by_logit` over the whole
+/// row), bitwise, and the op's CPU form against the same: rows of few distinct values (ties
+/// that the ids decide, down to the selection's last pass), both zeros, both infinities,
+/// NaNs of both signs, a row all alike, windows of one entry and of the whole row.
+#[test]
+fn top_candidates_are_the_samplers_best() {
+    use crate::sampler::{by_logit, EDGE_LOGITS as special};
+    let Some(emu) = Emulator::build("top", TOP_DRIVER) else {
+        return;
+    };
+    for (vocab, window, levels) in [(1000, 64, 7u64), (700, 17, 300), (64, 64, 3), (300, 1, 40)] {
+        let rows = 4;
+        let mut s = vocab as u64 * 31 + window as u64;
+        let mut next = || {
+            lcg(&mut s);
+            s >> 33
+        };
+        let logits: Vec<f32> = (0..rows * vocab)
+            .map(|i| match (i / vocab, next() % 16) {
+                (0, _) => 1.5,
+                (1, 0) => special[next() as usize % special.len()],
+                _ => (next() % levels) as f32 / 4.0 - 2.0,
+            })
+            .collect();
+        let threads = super::TOP_THREADS.min(256);
+        let args: [&dyn std::fmt::Display; 4] = [&rows, &vocab, &window, &threads];
+        let got = f32s(&emu.run(&[("logits", bytes_f32(&logits))], &args, &["out"])[0]);
+        let op = super::TopCandidates { window };
+        let cpu_form = cpu(&logits, &[rows, vocab]).apply_op1_no_bwd(&op).unwrap();
+        let cpu_form = flat(&cpu_form);
+        for r in 0..rows {
+            let mut want: Vec<(u32, f32)> = logits[r * vocab..][..vocab]
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| (i as u32, v))
+                .collect();
+            want.sort_by(by_logit);
+            want.truncate(window);
+            let want: Vec<u32> = want
+                .iter()
+                .map(|c| (c.0 as f32).to_bits())
+                .chain(want.iter().map(|c| c.1.to_bits()))
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let at = r * 2 * window..(r + 1) * 2 * window;
+            let what = format!("vocab {vocab}, window {window}, row {r}");
+            assert_eq!(bits(&got[at.clone()]), want, "kernel: {what}");
+            assert_eq!(bits(&cpu_form[at]), want, "CPU form: {what}");
+        }
+    }
+}

@@ -49,13 +49,16 @@ pub(in crate::model) struct StepGraphs {
     /// Signatures whose capture failed: those steps stay eager.
     #[cfg(feature = "cuda")]
     failed: std::collections::HashSet<Vec<usize>>,
-    /// Where every graph leaves its result (`[GRAPH_MAX_ROWS]` greedy ids, and
-    /// `[GRAPH_MAX_ROWS, n_vocab]` logits), shared so that a context holds one logits buffer
-    /// however many graphs it has; read right after each replay.
+    /// Where every graph leaves its result, one buffer of `GRAPH_MAX_ROWS` rows per row
+    /// shape (greedy ids, best candidates, logits), shared so that a context holds one
+    /// logits buffer however many graphs it has; read right after each replay.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    outs: [Option<Tensor>; 2],
+    outs: Vec<Tensor>,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     tick: u64,
+    /// The scratch generation the graphs were captured in ([`scratch_for`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    generation: u64,
 }
 
 #[cfg(feature = "cuda")]
@@ -66,7 +69,43 @@ mod cuda {
     use super::*;
     use crate::error::{EngineError, Result};
     use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaGraph, DevicePtr};
+    use candle_core::cuda_backend::DeviceId;
     use candle_core::{CudaDevice, DType, Storage};
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// How many rows candle's quantized products have grown their activation scratch for,
+    /// per device, and how many times any grew.
+    static SCRATCH: std::sync::Mutex<Vec<(DeviceId, usize)>> = std::sync::Mutex::new(Vec::new());
+    static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+    /// candle's quantized products quantize their activations into scratch buffers of its
+    /// own, one per device for up to 8 rows (`fast_mmvq`) and one for more (`fast_mmq`),
+    /// that only grow: a call needing more frees the buffer and allocates a larger one, and
+    /// a graph captured before would then read freed memory. So before a pass of `rows`
+    /// rows on a device whose steps are captured, `grow` runs the model's products on that
+    /// many rows (and on 8, the first buffer's most) unless the device has seen as many; a
+    /// growth starts a new generation, and a context drops the graphs of an older one before
+    /// its next replay. The device's passes wait meanwhile (one stream: the old buffers are
+    /// freed after the replays already queued).
+    pub fn scratch_for(
+        cuda: &CudaDevice,
+        rows: usize,
+        grow: impl FnOnce(usize) -> Result<()>,
+    ) -> Result<()> {
+        let mut grown = SCRATCH.lock().unwrap_or_else(|e| e.into_inner());
+        let at = grown.iter().position(|(d, _)| *d == cuda.id());
+        if at.is_some_and(|i| grown[i].1 >= rows) {
+            return Ok(());
+        }
+        let rows = rows.max(8);
+        grow(rows)?;
+        match at {
+            Some(i) => grown[i].1 = rows,
+            None => grown.push((cuda.id(), rows)),
+        }
+        GENERATION.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
 
     /// One captured step: the buffers its staged arrays are copied into, and its graph.
     pub(in crate::model) struct Step {
@@ -131,6 +170,15 @@ mod cuda {
     }
 
     impl StepGraphs {
+        /// Drops the graphs captured before candle's scratch last grew ([`scratch_for`]).
+        fn current(&mut self) {
+            let now = GENERATION.load(Ordering::Relaxed);
+            if self.generation != now {
+                self.steps.clear();
+                self.generation = now;
+            }
+        }
+
         /// Whether the capture of `key` failed (its steps stay eager).
         pub fn failed(&self, key: &[usize]) -> bool {
             self.failed.contains(key)
@@ -146,6 +194,7 @@ mod cuda {
             f32s: &[f32],
         ) -> Result<Option<Tensor>> {
             self.tick += 1;
+            self.current();
             let Some(step) = self.steps.get_mut(key) else {
                 return Ok(None);
             };
@@ -157,8 +206,10 @@ mod cuda {
                 copy_into(cuda, t, f32s)?;
             }
             step.graph.0.launch().map_err(driver)?;
-            let out = self.outs[step.back.len() - 1]
-                .as_ref()
+            let out = self
+                .outs
+                .iter()
+                .find(|o| o.dims()[1..] == step.back[1..])
                 .ok_or_else(|| EngineError::Internal("a graph without its output".into()))?;
             Ok(Some(out.narrow(0, 0, step.back[0])?))
         }
@@ -175,18 +226,22 @@ mod cuda {
             back: &Tensor,
             pass: impl FnOnce() -> Result<Tensor>,
         ) -> Result<()> {
+            self.current();
             let dims = back.dims().to_vec();
-            let slot = dims.len().clamp(1, 2) - 1;
-            if dims.len() > 2 || dims[0] > GRAPH_MAX_ROWS {
+            if dims.is_empty() || dims.len() > 2 || dims[0] > GRAPH_MAX_ROWS {
                 self.failed.insert(key);
                 return Ok(());
             }
-            if self.outs[slot].is_none() {
-                let mut shape = dims.clone();
-                shape[0] = GRAPH_MAX_ROWS;
-                self.outs[slot] = Some(Tensor::zeros(shape, DType::F32, back.device())?);
-            }
-            let out = self.outs[slot].clone().expect("made above");
+            let out = match self.outs.iter().find(|o| o.dims()[1..] == dims[1..]) {
+                Some(o) => o.clone(),
+                None => {
+                    let mut shape = dims.clone();
+                    shape[0] = GRAPH_MAX_ROWS;
+                    let o = Tensor::zeros(shape, DType::F32, back.device())?;
+                    self.outs.push(o.clone());
+                    o
+                }
+            };
             let graph = match record(cuda, || pass().and_then(|b| Ok(out.slice_set(&b, 0, 0)?))) {
                 Ok(g) => g,
                 Err(e) => {

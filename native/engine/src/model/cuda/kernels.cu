@@ -187,3 +187,89 @@ extern "C" __global__ void rope_store(
             (kind == 1 ? kc : vc)[kv_at + d] = f2h(y);
     }
 }
+
+// The order of `f32::total_cmp` as unsigned integers: a larger key is a larger float (-0
+// below +0, NaNs beyond the infinities by sign).
+__device__ unsigned int order_key(float f) {
+    const unsigned int u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Each row's `window` best entries (`window` <= `n_vocab`, blockDim.x >= 256; sm_70 or later
+// for the warps' digit matching), in the host
+// sampler's candidate order: the larger logit first as `total_cmp` has it, then the lower
+// id. Block r is row r of `logits` (rows `n_vocab` floats apart); `out` gets per row the
+// candidates' ids (as floats: exact below 2^24), then their logits. An entry's place in the
+// order is a 56-bit key (its value's order key, then its complemented id), unique per row:
+// a radix select of 8 bits a pass finds the key of the `window`-th entry, stopping early
+// when every entry on the chosen prefix is taken; the entries at or above it are gathered,
+// then each one's rank among them is counted.
+extern "C" __global__ void top_candidates(const float* logits, int n_vocab, int window, float* out)
+{
+    extern __shared__ float sh[];
+    unsigned int* bins = (unsigned int*)sh;          // 257: a digit's counts, then a suffix sum
+    unsigned int* state = bins + 257;                // the chosen digit, what is left, how many
+    unsigned long long* keys = (unsigned long long*)(sh + 264);  // window gathered keys
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const float* row = logits + (size_t)blockIdx.x * n_vocab;
+    unsigned long long prefix = 0, mask = 0;
+    unsigned int left = window;
+    int shift = 48;
+    for (; shift >= 0; shift -= 8) {
+        for (int b = tid; b < 257; b += nt) bins[b] = 0;
+        __syncthreads();
+        // (every lane of a warp runs each round: the lanes holding one digit add together,
+        // since a row's entries crowd into a few digits, the first pass's all into one or two)
+        for (int base = 0; base < n_vocab; base += nt) {
+            const int i = base + tid;
+            unsigned int digit = 256;
+            if (i < n_vocab) {
+                const unsigned long long k =
+                    ((unsigned long long)order_key(row[i]) << 24) | (0xffffffu - (unsigned int)i);
+                if ((k & mask) == prefix) digit = (k >> shift) & 255u;
+            }
+            const unsigned int peers = __match_any_sync(0xffffffffu, digit);
+            if (digit < 256 && (threadIdx.x & 31) == __ffs(peers) - 1)
+                atomicAdd(&bins[digit], (unsigned int)__popc(peers));
+        }
+        __syncthreads();
+        // suffix sums: bins[d] counts the entries on the prefix with a digit >= d
+        for (int step = 1; step < 256; step <<= 1) {
+            const unsigned int add = tid + step < 256 ? bins[tid + step] : 0;
+            __syncthreads();
+            if (tid < 256) bins[tid] += add;
+            __syncthreads();
+        }
+        // the digit whose entries reach the `left`-th (exactly one thread finds it)
+        if (tid < 256 && bins[tid] >= left && bins[tid + 1] < left) {
+            state[0] = tid;
+            state[1] = left - bins[tid + 1];
+            state[2] = bins[tid] - bins[tid + 1];
+        }
+        __syncthreads();
+        prefix |= (unsigned long long)state[0] << shift;
+        mask |= 255ull << shift;
+        const bool whole = state[1] == state[2];
+        left = state[1];
+        __syncthreads();
+        // every entry on the prefix is taken: the threshold is the prefix itself
+        if (whole) break;
+    }
+    if (tid == 0) state[3] = 0;
+    __syncthreads();
+    for (int i = tid; i < n_vocab; i += nt) {
+        const unsigned long long k =
+            ((unsigned long long)order_key(row[i]) << 24) | (0xffffffu - (unsigned int)i);
+        if (k >= prefix) keys[atomicAdd(&state[3], 1u)] = k;
+    }
+    __syncthreads();
+    float* o = out + (size_t)blockIdx.x * 2 * window;
+    for (int c = tid; c < window; c += nt) {
+        const unsigned long long k = keys[c];
+        int rank = 0;
+        for (int j = 0; j < window; ++j) rank += keys[j] > k;
+        const unsigned int ok = (unsigned int)(k >> 24);
+        o[rank] = (float)(0xffffffu - (unsigned int)(k & 0xffffffu));
+        o[window + rank] = __uint_as_float((ok & 0x80000000u) ? (ok & 0x7fffffffu) : ~ok);
+    }
+}

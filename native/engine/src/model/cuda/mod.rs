@@ -2,7 +2,8 @@
 //! launches each (attention over the paged cache, the residual adds with their norms, the
 //! gated activation, the rotation of Q and K with the cache writes), one launch each. A GPU
 //! decode step is bound by its launches (about 7 µs of host time apiece through candle), not
-//! by its bytes.
+//! by its bytes. One more picks a sampled row's best candidates where the logits are, so
+//! that a step brings back those instead of vocabulary-wide rows.
 //!
 //! The kernels' source ([`SOURCE`], `kernels.cu`) is compiled by NVRTC at first use, after
 //! [`CUDA_PRELUDE`] (no CUDA headers), so a build needs no `nvcc`. The engine's tests also
@@ -13,7 +14,7 @@
 
 pub(super) mod graph;
 mod ops;
-pub(super) use ops::{DecodeAttention, Glu, ResidualNorm, RopeStore};
+pub(super) use ops::{DecodeAttention, Glu, ResidualNorm, RopeStore, TopCandidates};
 
 #[cfg(test)]
 mod emulate;
@@ -37,6 +38,10 @@ pub(super) const GLU_THREADS: u32 = 256;
 #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
 pub(super) const ROPE_THREADS: u32 = 128;
 
+/// Threads per block (a row) of `top_candidates` (at least 256: a thread per digit value).
+#[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
+pub(super) const TOP_THREADS: u32 = 1024;
+
 /// What NVRTC compiles ahead of [`SOURCE`]: half conversions as one PTX instruction each.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(super) const CUDA_PRELUDE: &str = r#"
@@ -53,7 +58,7 @@ __device__ __forceinline__ unsigned short f2h(float f) {
 "#;
 
 /// Which of the kernels run, from `LLAMA_CPP_EX_CUDA_KERNELS`: `1` or `all` for every one, or
-/// a comma-separated list of `attention`, `norm`, `glu`, `rope`. None by default until a GPU
+/// a comma-separated list of `attention`, `norm`, `glu`, `rope`, `candidates`. None by default until a GPU
 /// has run the engine's parity tests through them (`scripts/gpu_check.sh run` runs them all
 /// on, then each alone where that fails); on candle's CPU device their CPU forms run, which
 /// is how `make test` runs the tensor path's tests with them.
@@ -63,6 +68,8 @@ pub struct Kernels {
     pub norm: bool,
     pub glu: bool,
     pub rope: bool,
+    /// A sampled row's best candidates in place of its row ([`TopCandidates`]).
+    pub candidates: bool,
 }
 
 impl Kernels {
@@ -72,6 +79,7 @@ impl Kernels {
         norm: true,
         glu: true,
         rope: true,
+        candidates: true,
     };
 
     /// Parses the variable's value; an unknown name is an error naming it.
@@ -85,10 +93,11 @@ impl Kernels {
                 "norm" => k.norm = true,
                 "glu" => k.glu = true,
                 "rope" => k.rope = true,
+                "candidates" => k.candidates = true,
                 other => {
                     return Err(format!(
                         "LLAMA_CPP_EX_CUDA_KERNELS: unknown kernel {other:?} \
-                         (attention, norm, glu, rope, all)"
+                         (attention, norm, glu, rope, candidates, all)"
                     ))
                 }
             }
@@ -123,7 +132,8 @@ mod tests {
     fn the_kernel_choice_parses_names_and_refuses_unknown_ones() {
         assert_eq!(Kernels::parse(""), Ok(Kernels::default()));
         let all = Kernels::parse("1").unwrap();
-        assert!(all.attention && all.norm && all.glu && all.rope);
+        assert_eq!(all, Kernels::ALL);
+        assert!(all.attention && all.norm && all.glu && all.rope && all.candidates);
         assert_eq!(Kernels::parse("all"), Ok(all));
         let some = Kernels::parse("attention, glu").unwrap();
         assert!(some.attention && some.glu && !some.norm && !some.rope);

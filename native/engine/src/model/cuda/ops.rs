@@ -11,9 +11,12 @@ use candle_core::{Tensor, WithDType};
 use half::f16;
 
 use crate::model::tensor::{scatter_rows, UNSEEN};
+use crate::sampler::by_logit;
 
 #[cfg(feature = "cuda")]
-use super::{ATTN_THREADS, CUDA_PRELUDE, GLU_THREADS, MAX_HEAD_DIM, ROPE_THREADS, ROW_THREADS};
+use super::{
+    ATTN_THREADS, CUDA_PRELUDE, GLU_THREADS, MAX_HEAD_DIM, ROPE_THREADS, ROW_THREADS, TOP_THREADS,
+};
 #[cfg(feature = "cuda")]
 use candle_core::cuda_backend::cudarc::driver::{
     CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
@@ -551,6 +554,81 @@ impl CustomOp1 for RopeStore {
     }
 }
 
+/// Each row's `window` best entries of `[rows, n_vocab]` logits (contiguous rows) in the
+/// host sampler's candidate order ([`by_logit`]: the larger logit as `total_cmp` has it,
+/// then the lower id): `[rows, 2 × window]`, per row the ids (as floats, exact below 2^24)
+/// then the logits, so that a sampled row's step brings back `2 × window` floats instead of
+/// its vocabulary-wide row.
+pub(in crate::model) struct TopCandidates {
+    pub window: usize,
+}
+
+impl TopCandidates {
+    fn check(&self, l: &Layout) -> candle_core::Result<(usize, usize)> {
+        let (rows, vocab, rs) = rows_of(l)?;
+        if rs != vocab || self.window == 0 || self.window > vocab || vocab >= 1 << 24 {
+            candle_core::bail!("top candidates: a window past the row, or strided rows");
+        }
+        Ok((rows, vocab))
+    }
+}
+
+impl CustomOp1 for TopCandidates {
+    fn name(&self) -> &'static str {
+        "top-candidates"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, vocab) = self.check(l)?;
+        let x = host::<f32>(x, l)?;
+        let w = self.window;
+        let mut out = Vec::with_capacity(rows * 2 * w);
+        let mut cand = Vec::with_capacity(vocab);
+        for r in 0..rows {
+            cand.clear();
+            cand.extend(
+                x[r * vocab..][..vocab]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &v)| (i as u32, v)),
+            );
+            cand.select_nth_unstable_by(w - 1, by_logit);
+            cand.truncate(w);
+            cand.sort_unstable_by(by_logit);
+            out.extend(cand.iter().map(|c| c.0 as f32));
+            out.extend(cand.iter().map(|c| c.1));
+        }
+        Ok((CpuStorage::F32(out), Shape::from((rows, 2 * w))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, vocab) = self.check(l)?;
+        let dev = &x.device;
+        let stream = dev.cuda_stream();
+        let w = self.window;
+        // SAFETY: the kernel writes every row's `2 × window` outputs.
+        let out = unsafe { dev.alloc::<f32>(rows * 2 * w)? };
+        let args = [
+            Arg::Ptr(storage_addr::<f32>(x, l, &stream)?),
+            Arg::int(vocab),
+            Arg::int(w),
+            Arg::Ptr(out.device_ptr(&stream).0),
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (TOP_THREADS, 1, 1),
+            // the digit counts and the selection's state, then the gathered 64-bit keys
+            shared_mem_bytes: ((264 + 2 * w) * 4) as u32,
+        };
+        launch(dev, "top_candidates", cfg, &args)?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((rows, 2 * w)),
+        ))
+    }
+}
+
 /// The kernels' PTX, compiled once per process.
 #[cfg(feature = "cuda")]
 fn ptx() -> candle_core::Result<&'static str> {
@@ -643,7 +721,13 @@ mod tests {
     #[test]
     fn kernels_compile() {
         let ptx = super::ptx().expect("NVRTC compiles the kernels");
-        for name in ["paged_decode_attn", "residual_norm", "glu", "rope_store"] {
+        for name in [
+            "paged_decode_attn",
+            "residual_norm",
+            "glu",
+            "rope_store",
+            "top_candidates",
+        ] {
             assert!(ptx.contains(&format!(".entry {name}")), "{name}: {ptx}");
         }
         // a function NVRTC left to be linked would fail only when a GPU loads the module
