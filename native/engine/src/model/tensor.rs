@@ -334,30 +334,40 @@ struct SeqRows {
 pub const CANDIDATES: usize = 64;
 
 impl TensorDecoder {
-    /// Runs each input width of the model's quantized products on 8 rows of zeros and on
-    /// `rows`, so that candle's activation scratch has grown to what passes of up to `rows`
-    /// rows need ([`super::cuda::graph::scratch_for`]).
+    /// The model's quantized products, one of each input width, with that width.
     #[cfg(feature = "cuda")]
-    fn grow_scratch(&self, rows: usize) -> Result<()> {
+    fn product_widths(&self) -> Result<Vec<(&QMatMul, usize)>> {
         let mats = self.layers.iter().flat_map(|l| {
             let stacked = l.qkv.mats.iter().chain(&l.gate_up.mats).map(|(m, _)| m);
             stacked.chain([&l.wo, &l.down])
         });
-        let mut widths = Vec::new();
+        let mut widths: Vec<(&QMatMul, usize)> = Vec::new();
         for m in mats.chain([&self.output]) {
-            let QMatMul::QTensor(q) = m else {
-                continue;
-            };
-            let (_, k) = q.shape().dims2()?;
-            if widths.contains(&k) {
-                continue;
-            }
-            widths.push(k);
-            for r in [8, rows].into_iter().take(if rows > 8 { 2 } else { 1 }) {
-                m.forward(&Tensor::zeros((r, k), DType::F32, &self.device)?)?;
+            if let QMatMul::QTensor(q) = m {
+                let (_, k) = q.shape().dims2()?;
+                if !widths.iter().any(|w| w.1 == k) {
+                    widths.push((m, k));
+                }
             }
         }
-        Ok(())
+        Ok(widths)
+    }
+
+    /// Before a pass of `rows` rows with graphs on a GPU: candle's activation scratch grown
+    /// to what the pass needs ([`super::cuda::graph::scratch_for`]), by the model's products
+    /// run on 8 rows of zeros and on `rows`, one of each input width.
+    #[cfg(feature = "cuda")]
+    fn grow_scratch(&self, cuda: &candle_core::CudaDevice, rows: usize) -> Result<()> {
+        let widths = self.product_widths()?;
+        let widest = widths.iter().map(|w| w.1).max().unwrap_or(0);
+        super::cuda::graph::scratch_for(cuda, rows, widest, || {
+            for &(m, k) in &widths {
+                for r in [8, rows].into_iter().take(if rows > 8 { 2 } else { 1 }) {
+                    m.forward(&Tensor::zeros((r, k), DType::F32, &self.device)?)?;
+                }
+            }
+            Ok(())
+        })
     }
 
     /// How many best candidates a [`Pick::Best`] row brings back: none without the
@@ -1054,7 +1064,7 @@ impl Architecture for TensorDecoder {
         };
         #[cfg(feature = "cuda")]
         if let (true, Device::Cuda(cuda)) = (self.graphs, &self.device) {
-            super::cuda::graph::scratch_for(cuda, batch.len(), |rows| self.grow_scratch(rows))?;
+            self.grow_scratch(cuda, batch.len())?;
         }
         let mut pick_rows = std::mem::take(&mut ws.pick_rows);
         if let (Some(p), Some(&first)) = (pad, pick_rows.first()) {

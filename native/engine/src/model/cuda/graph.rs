@@ -73,35 +73,42 @@ mod cuda {
     use candle_core::{CudaDevice, DType, Storage};
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    /// How many rows candle's quantized products have grown their activation scratch for,
-    /// per device, and how many times any grew.
-    static SCRATCH: std::sync::Mutex<Vec<(DeviceId, usize)>> = std::sync::Mutex::new(Vec::new());
+    /// Per device, how far candle's quantized products have grown their two activation
+    /// scratch buffers (in rows times padded widths); and how many times any grew.
+    static SCRATCH: std::sync::Mutex<Vec<(DeviceId, [usize; 2])>> =
+        std::sync::Mutex::new(Vec::new());
     static GENERATION: AtomicU64 = AtomicU64::new(0);
 
     /// candle's quantized products quantize their activations into scratch buffers of its
     /// own, one per device for up to 8 rows (`fast_mmvq`) and one for more (`fast_mmq`),
-    /// that only grow: a call needing more frees the buffer and allocates a larger one, and
-    /// a graph captured before would then read freed memory. So before a pass of `rows`
-    /// rows on a device whose steps are captured, `grow` runs the model's products on that
-    /// many rows (and on 8, the first buffer's most) unless the device has seen as many; a
-    /// growth starts a new generation, and a context drops the graphs of an older one before
-    /// its next replay. The device's passes wait meanwhile (one stream: the old buffers are
-    /// freed after the replays already queued).
+    /// each sized by rows times the padded input width and only growing: a call needing
+    /// more frees the buffer and allocates a larger one, and a graph captured before would
+    /// then read freed memory. So before a pass of `rows` rows, whose products are at most
+    /// `widest` wide, on a device whose steps are captured, `grow` runs the model's products
+    /// on that many rows (and on 8, the first buffer's most) unless the device's buffers
+    /// have grown as far; a growth starts a new generation, and a context drops the graphs
+    /// of an older one before its next replay. The device's passes wait meanwhile (one
+    /// stream: the old buffers are freed after the replays already queued).
     pub fn scratch_for(
         cuda: &CudaDevice,
         rows: usize,
-        grow: impl FnOnce(usize) -> Result<()>,
+        widest: usize,
+        grow: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
+        // (candle pads a product's width to 512)
+        let width = widest.div_ceil(512) * 512;
+        let need = [8 * width, if rows > 8 { rows * width } else { 0 }];
         let mut grown = SCRATCH.lock().unwrap_or_else(|e| e.into_inner());
         let at = grown.iter().position(|(d, _)| *d == cuda.id());
-        if at.is_some_and(|i| grown[i].1 >= rows) {
+        let had = at.map_or([0, 0], |i| grown[i].1);
+        if need[0] <= had[0] && need[1] <= had[1] {
             return Ok(());
         }
-        let rows = rows.max(8);
-        grow(rows)?;
+        grow()?;
+        let now = [had[0].max(need[0]), had[1].max(need[1])];
         match at {
-            Some(i) => grown[i].1 = rows,
-            None => grown.push((cuda.id(), rows)),
+            Some(i) => grown[i].1 = now,
+            None => grown.push((cuda.id(), now)),
         }
         GENERATION.fetch_add(1, Ordering::Relaxed);
         Ok(())
