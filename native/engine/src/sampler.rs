@@ -415,9 +415,14 @@ impl Sampler {
     /// backend may then pick it where the logits are and bring back only the id (see
     /// [`argmax`]; accept the id with [`Sampler::accept`]).
     pub fn argmax_decides(&self) -> bool {
+        self.params.temp <= 0.0 && self.reads_the_raw_row_only()
+    }
+
+    /// Whether the next token depends on the raw row's values alone, as the chain's later
+    /// stages read them: no grammar, logit bias, penalties, DRY or log-probabilities.
+    fn reads_the_raw_row_only(&self) -> bool {
         let p = &self.params;
-        p.temp <= 0.0
-            && self.grammar.is_none()
+        self.grammar.is_none()
             && p.logit_bias.is_empty()
             && !p.penalties_active()
             && !p.dry_active()
@@ -430,15 +435,8 @@ impl Sampler {
     /// backend may then bring back only that many candidates, in [`by_logit`]'s order
     /// (ties: the lower id first), for [`Sampler::sample_candidates`].
     pub fn candidates_decide(&self) -> Option<usize> {
-        let p = &self.params;
-        (p.temp > 0.0
-            && self.grammar.is_none()
-            && p.logit_bias.is_empty()
-            && !p.penalties_active()
-            && !p.dry_active()
-            && p.logprobs.is_none()
-            && self.top_k_decides())
-        .then(|| self.top_k_len())
+        (self.params.temp > 0.0 && self.reads_the_raw_row_only() && self.top_k_decides())
+            .then(|| self.top_k_len())
     }
 
     /// Samples a token from the best candidates of a row, in [`by_logit`]'s order and at

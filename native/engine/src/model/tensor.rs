@@ -99,6 +99,10 @@ pub struct TensorDecoder {
     /// Decode steps run at bucketed shapes and, on a GPU, replay captured graphs
     /// ([`super::cuda::graph`]).
     graphs: bool,
+    /// The widest input of its quantized products: how much of candle's activation scratch
+    /// a pass's row needs (`graph::scratch_for`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    widest_product: usize,
 }
 
 /// A bucketed step's shapes: rows from `real` on pad the batch to `rows`, and key counts
@@ -334,34 +338,13 @@ struct SeqRows {
 pub const CANDIDATES: usize = 64;
 
 impl TensorDecoder {
-    /// The model's quantized products, one of each input width, with that width.
-    #[cfg(feature = "cuda")]
-    fn product_widths(&self) -> Result<Vec<(&QMatMul, usize)>> {
-        let mats = self.layers.iter().flat_map(|l| {
-            let stacked = l.qkv.mats.iter().chain(&l.gate_up.mats).map(|(m, _)| m);
-            stacked.chain([&l.wo, &l.down])
-        });
-        let mut widths: Vec<(&QMatMul, usize)> = Vec::new();
-        for m in mats.chain([&self.output]) {
-            if let QMatMul::QTensor(q) = m {
-                let (_, k) = q.shape().dims2()?;
-                if !widths.iter().any(|w| w.1 == k) {
-                    widths.push((m, k));
-                }
-            }
-        }
-        Ok(widths)
-    }
-
     /// Before a pass of `rows` rows with graphs on a GPU: candle's activation scratch grown
     /// to what the pass needs ([`super::cuda::graph::scratch_for`]), by the model's products
     /// run on 8 rows of zeros and on `rows`, one of each input width.
     #[cfg(feature = "cuda")]
     fn grow_scratch(&self, cuda: &candle_core::CudaDevice, rows: usize) -> Result<()> {
-        let widths = self.product_widths()?;
-        let widest = widths.iter().map(|w| w.1).max().unwrap_or(0);
-        super::cuda::graph::scratch_for(cuda, rows, widest, || {
-            for &(m, k) in &widths {
+        super::cuda::graph::scratch_for(cuda, rows, self.widest_product, || {
+            for (m, k) in product_widths(&self.layers, &self.output)? {
                 for r in [8, rows].into_iter().take(if rows > 8 { 2 } else { 1 }) {
                     m.forward(&Tensor::zeros((r, k), DType::F32, &self.device)?)?;
                 }
@@ -519,6 +502,11 @@ impl TensorDecoder {
         let graphs = kernels == Kernels::ALL
             && (device.is_cuda() || device.is_cpu())
             && super::cuda::graph::graphs_from_env().map_err(EngineError::InvalidArgument)?;
+        let widest_product = product_widths(&layers, &output)?
+            .iter()
+            .map(|w| w.1)
+            .max()
+            .unwrap_or(0);
         let model = TensorDecoder {
             cfg: cfg.clone(),
             family,
@@ -538,6 +526,7 @@ impl TensorDecoder {
             )?,
             kernels,
             graphs,
+            widest_product,
         };
         l.check_all_used()?;
         Ok(model)
@@ -890,6 +879,27 @@ fn kernels_for(cfg: &Config, device: &Device) -> Result<Kernels> {
 
 fn rms(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(&x.contiguous()?, w, eps)?)
+}
+
+/// A model's quantized products, one of each input width, with that width.
+fn product_widths<'a>(
+    layers: &'a [Layer],
+    output: &'a QMatMul,
+) -> Result<Vec<(&'a QMatMul, usize)>> {
+    let mats = layers.iter().flat_map(|l| {
+        let stacked = l.qkv.mats.iter().chain(&l.gate_up.mats).map(|(m, _)| m);
+        stacked.chain([&l.wo, &l.down])
+    });
+    let mut widths: Vec<(&QMatMul, usize)> = Vec::new();
+    for m in mats.chain([output]) {
+        if let QMatMul::QTensor(q) = m {
+            let (_, k) = q.shape().dims2()?;
+            if !widths.iter().any(|w| w.1 == k) {
+                widths.push((m, k));
+            }
+        }
+    }
+    Ok(widths)
 }
 
 /// Scatter indices that write whole cache rows: each row repeated along its `width` values.
