@@ -43,15 +43,19 @@ impl PackedMatrix {
         for r in act {
             let mut acc = 0f32;
             // with super-block scales, the super-block's two sums before its activation scale
-            // (the dots times their scales; split types' second halves), and for types with a
-            // minimum its integer sum of minimums times block sums, and their factor
+            // (split types: the dots times their scales, and their second halves; types with
+            // a minimum: the integer sums of the dots times their scale integers and of the
+            // minimums times block sums, and their factors)
             let (mut sup, mut sup2) = (0f32, 0f32);
-            let (mut mins, mut min_base) = (0i32, 0f32);
+            let (mut scaled, mut mins) = (0i32, 0i32);
+            let (mut d_base, mut min_base) = (0f32, 0f32);
             for (b, blk) in blocks.iter().enumerate() {
                 let x = &a.quants[r * k + b * QK4_1..][..QK4_1];
+                let int_dot = |range: std::ops::Range<usize>| -> i32 {
+                    range.map(|i| blk.vals[i] as i32 * x[i] as i32).sum::<i32>()
+                };
                 let dot = |range: std::ops::Range<usize>, folded: i32| -> f32 {
-                    let d = range.map(|i| blk.vals[i] as i32 * x[i] as i32).sum::<i32>();
-                    (d + folded) as f32
+                    (int_dot(range) + folded) as f32
                 };
                 let at = r * nb + b;
                 let dx = a.scales[at];
@@ -62,22 +66,23 @@ impl PackedMatrix {
                         let [lo, hi] = [a.folded_halves[2 * at], a.folded_halves[2 * at + 1]];
                         sup = dot(0..half, lo).mul_add(blk.d[0], sup);
                         sup2 = dot(half..QK4_1, hi).mul_add(blk.d[1], sup2);
-                    } else {
+                    } else if !self.kind.has_min() {
                         sup = dot(0..QK4_1, a.folded[at]).mul_add(blk.d[0], sup);
-                        if self.kind.has_min() {
-                            let f = blk.factors.expect("super-block scales are factored");
-                            mins += f.m_mul as i32 * a.block_sums[at] as i32;
-                            min_base = f.m_base.to_f32();
-                        }
+                    } else {
+                        // (types with a minimum have no folded offset)
+                        let f = blk.factors.expect("super-block scales are factored");
+                        scaled += f.d_mul[0] as i32 * int_dot(0..QK4_1);
+                        mins += f.m_mul as i32 * a.block_sums[at] as i32;
+                        (d_base, min_base) = (f.d_base.to_f32(), f.m_base.to_f32());
                     }
                     if b % SUPER_BLOCKS == SUPER_BLOCKS - 1 {
                         // (the sum of minimums is below 2^24: exact as an f32)
                         let sums = match self.kind.has_min() {
-                            true => (mins as f32).mul_add(min_base, sup),
+                            true => (mins as f32).mul_add(min_base, scaled as f32 * d_base),
                             false => sup + sup2,
                         };
                         acc = sums.mul_add(dx, acc);
-                        (sup, sup2, mins) = (0.0, 0.0, 0);
+                        (sup, sup2, scaled, mins) = (0.0, 0.0, 0, 0);
                     }
                 } else if self.kind.halves() == 2 {
                     let half = QK4_1 / 2;

@@ -31,6 +31,19 @@ pub(super) unsafe fn block_dot_vnni<const C: usize, const NARROW: bool>(
     sum
 }
 
+/// [`block_dot_vnni`] (without a folded offset) times each lane's (row's) block scale
+/// integer ([`GroupRef::scales8`]), in integers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+#[inline]
+pub(super) unsafe fn block_dot_scaled_vnni<const C: usize, const NARROW: bool>(
+    v: &[std::arch::x86_64::__m256i; 8],
+    x: *const i32,
+    scale: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256i {
+    std::arch::x86_64::_mm256_mullo_epi32(block_dot_vnni::<C, NARROW>(v, x, 0), scale)
+}
+
 /// `C` chains per half.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
@@ -63,6 +76,8 @@ group_kernel!(
     "avx2,fma,f16c,avx512vnni,avx512vl",
     block_dot_vnni,
     half_dots_vnni,
+    block_dot_scaled_vnni,
+    scales8,
     false,
     false,
     false,
@@ -260,10 +275,13 @@ unsafe fn wide_pass_vnni<
     let mut acc = [_mm512_setzero_ps(); R];
     let mut sup = [_mm512_setzero_ps(); R];
     let mut sup2 = [_mm512_setzero_ps(); R];
+    // (types with a minimum: the super-block's scaled dots, in integers)
+    let mut isup = [_mm512_setzero_si512(); R];
     let min_super = SUPER && T::has_min(&p[0]);
     // with super-block scales (K-quants), a super-block's blocks at a time: each row's sums
-    // over them (the dots times their scales, and the split types' second halves, or the
-    // integer sum of minimums) are scaled by its activation scale once, after its last block
+    // over them (the dots times their scales, in integers for types with a minimum, and the
+    // split types' second halves, or the integer sum of minimums) are scaled by its
+    // activation scale once, after its last block
     let span = if SUPER { SUPER_BLOCKS } else { nb.max(1) };
     for b0 in (0..nb).step_by(span) {
         let mins = match (min_super, BUFFERED) {
@@ -345,16 +363,18 @@ unsafe fn wide_pass_vnni<
                 }
                 continue;
             }
-            let dv = join_ps(p[0].d8::<T>(b, 0), p[1].d8::<T>(b, 0));
+            let dv = || join_ps(p[0].d8::<T>(b, 0), p[1].d8::<T>(b, 0));
             match T::has_min(&p[0]) {
                 true if SUPER => {
-                    // (the minimums once per super-block, below)
+                    // (the factor and the minimums once per super-block, below)
+                    let sc = join_si(p[0].scales8(b), p[1].scales8(b));
                     let s = dots(0..8, [0; R], C);
-                    for (i, sup) in sup.iter_mut().enumerate() {
-                        *sup = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), dv, *sup);
+                    for (i, isup) in isup.iter_mut().enumerate() {
+                        *isup = _mm512_add_epi32(*isup, _mm512_mullo_epi32(s[i], sc));
                     }
                 }
                 true => {
+                    let dv = dv();
                     let mv = join_ps(p[0].m8::<T>(b), p[1].m8::<T>(b));
                     let s = dots(0..8, [0; R], C);
                     for (i, acc) in acc.iter_mut().enumerate() {
@@ -366,6 +386,7 @@ unsafe fn wide_pass_vnni<
                     }
                 }
                 false => {
+                    let dv = dv();
                     let s = dots(
                         0..8,
                         std::array::from_fn(|i| *a.folded.get_unchecked(at(i))),
@@ -384,13 +405,16 @@ unsafe fn wide_pass_vnni<
             }
         }
         if SUPER {
+            let d_base = join_ps(p[0].d_base8::<T>(b0), p[1].d_base8::<T>(b0));
             for (i, acc) in acc.iter_mut().enumerate() {
                 let at = (r0 + i) * nb + b0;
                 let dx = _mm512_set1_ps(*a.scales.get_unchecked(at));
                 // (the sum of minimums is below 2^24: exact as an f32)
                 let sums = if min_super {
+                    let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(isup[i]), d_base);
+                    isup[i] = _mm512_setzero_si512();
                     let m = wide_min_dot(&mins.0, a.block_sums.as_ptr().add(at));
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), mins.1, sup[i])
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), mins.1, scaled)
                 } else {
                     _mm512_add_ps(sup[i], sup2[i])
                 };

@@ -106,9 +106,10 @@ thread_local! {
 /// copies made here: a kernel that passes over a row group's blocks once per few activation
 /// rows (a prompt, a longer decode batch) would otherwise multiply the factors out again in
 /// every pass, on the vector ports its products are bound by. The copies are the values
-/// [`GroupRef::d8`] computes, so results are bitwise the same. Minimums stay factored (the
-/// kernels read them as integers, [`GroupRef::min_pairs8`]). Groups whose scales are not
-/// factored are read as they are.
+/// [`GroupRef::d8`] computes, so results are bitwise the same. Types with a minimum (Q4_K,
+/// Q5_K) keep theirs factored: their kernels multiply each block's dot product by its scale
+/// integer in integers ([`int_scales`]) and read the minimums as integers
+/// ([`GroupRef::min_pairs8`]). Groups whose scales are not factored are read as they are.
 ///
 /// # Safety
 /// The groups are inside their matrix (as for the kernels); AVX2 and F16C are available.
@@ -120,7 +121,7 @@ pub(super) unsafe fn with_plain_scales<const N: usize, R>(
     f: impl FnOnce(&[GroupRef; N]) -> R,
 ) -> R {
     use std::arch::x86_64::_mm256_storeu_ps;
-    if !refs.iter().any(|p| p.factored) {
+    if !refs.iter().any(|p| p.factored && !int_scales(p)) {
         return f(refs);
     }
     let run = |buf: &mut Vec<f32>| {
@@ -152,6 +153,17 @@ pub(super) unsafe fn with_plain_scales<const N: usize, R>(
         Ok(mut buf) => run(&mut buf),
         Err(_) => run(&mut Vec::new()),
     })
+}
+
+/// Whether a row group's products scale each block's dot product by its scale integer in
+/// integers and its super-block's factor once after the super-block (factored scales with a
+/// minimum: Q4_K, Q5_K), as ggml's K-quant products do: exact sums, and on AVX2 the
+/// widening `vpmaddwd` multiplies by the scale at no cost. Split types (Q6_K) keep a float
+/// multiply-add per half; every path computes each type the same way.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn int_scales(p: &GroupRef) -> bool {
+    p.factored && p.kind.has_min()
 }
 
 /// How a row group's scales are stored (see [`Scales`]).
@@ -317,8 +329,7 @@ macro_rules! by_format {
     };
     (@ all true $p:expr, |$t:ident| $call:expr) => {
         by_format!(@ fixed $p, |$t| $call, [
-            (Q4_1, F32) 1 1, (Q4_1, Factored) 1 2, (Q5_1, F32) 3 1, (Q5_1, Factored) 3 2,
-            (Q6K, F32) 5 1, (Q6K, Factored) 5 2
+            (Q4_1, Factored) 1 2, (Q5_1, Factored) 3 2, (Q6K, F32) 5 1, (Q6K, Factored) 5 2
         ])
     };
     (@ fixed $p:expr, |$t:ident| $call:expr,
@@ -482,6 +493,32 @@ impl GroupRef {
             Form::Factored => self.fd.load8_with(unit, base),
             form => self.d.add(unit * GROUP).load8_as(form == Form::F16),
         }
+    }
+
+    /// Block `b`'s 8 rows' scale integers (factored scales of a type with a minimum, whose
+    /// products scale their dot products in integers), each in both 16-bit halves of its
+    /// lane, for [`block_dot_scaled_avx2`]'s `vpmaddwd`.
+    ///
+    /// # Safety
+    /// The scales are factored and block `b` is inside the matrix; AVX2 is available.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(super) unsafe fn scale_pairs8(&self, b: usize) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        let n = _mm_loadl_epi64(self.fd.mult.add(b * GROUP) as *const __m128i);
+        _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(n, n))
+    }
+
+    /// [`Self::scale_pairs8`]'s integers, one per 32-bit lane (for `vpmulld`).
+    ///
+    /// # Safety
+    /// As [`Self::scale_pairs8`].
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(super) unsafe fn scales8(&self, b: usize) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        let n = _mm_loadl_epi64(self.fd.mult.add(b * GROUP) as *const __m128i);
+        _mm256_cvtepi8_epi32(n)
     }
 
     /// Super-block `sb`'s minimums ([`Scales::Factored`], which super-block activation
@@ -715,7 +752,7 @@ pub(super) unsafe fn min_dot8(
 /// row's result does not depend on the batch around it.
 macro_rules! group_kernel {
     ($name:ident, $pass:ident, $features:literal, $dot:ident, $half_dots:ident,
-     $signed:literal, $buffer_5bit:literal, $narrow:literal, $rows:literal, [$($r:literal),*],
+     $scaled_dot:ident, $block_scales:ident, $signed:literal, $buffer_5bit:literal, $narrow:literal, $rows:literal, [$($r:literal),*],
      $formats:ident) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
@@ -810,30 +847,22 @@ macro_rules! group_kernel {
             let mut acc = [_mm256_setzero_ps(); R];
             let mut sup = [_mm256_setzero_ps(); R];
             let mut sup2 = [_mm256_setzero_ps(); R];
+            // (types with a minimum: the super-block's scaled dots, in integers)
+            let mut isup = [_mm256_setzero_si256(); R];
             let mut d_base = _mm256_setzero_ps();
-            let mut mins = ([_mm256_setzero_si256(); 4], _mm256_setzero_ps());
             let min_super = SUPER && T::has_min(p);
             // with super-block scales (K-quants), a super-block's blocks at a time: each row's
-            // sums over them (two chains: the dots times their scales, and the minimums or
-            // the split types' second halves) are scaled by its activation scale once, after
-            // its last block
+            // sums over them (the dots times their scales, in integers for types with a
+            // minimum, and the minimums or the split types' second halves) are scaled by its
+            // activation scale once, after its last block
             let span = if SUPER { SUPER_BLOCKS } else { nb.max(1) };
             for b0 in (0..nb).step_by(span) {
+                if SUPER {
+                    d_base = p.d_base8::<T>(b0);
+                }
                 for b in b0..(b0 + span).min(nb) {
                     if PREFETCH {
                         p.prefetch_next::<T>(nb, b, l2);
-                    }
-                    if b % SUPER_BLOCKS == 0 {
-                        d_base = p.d_base8::<T>(b);
-                        if min_super {
-                            mins = match buffered.get(nb + b / SUPER_BLOCKS) {
-                                Some(e) => {
-                                    let (pairs, factor) = from_min_entry(e);
-                                    (pairs, _mm256_castsi256_ps(factor))
-                                }
-                                None => p.min_pairs8(b / SUPER_BLOCKS),
-                            };
-                        }
                     }
                     let v = match buffered.get(b) {
                         Some(v) => *v,
@@ -865,7 +894,7 @@ macro_rules! group_kernel {
                         }
                         continue;
                     }
-                    let dv = p.d8_with::<T>(b, 0, d_base);
+                    let dv = || p.d8_with::<T>(b, 0, d_base);
                     let dot = |i: usize, folded: i32| {
                         if $signed {
                             block_dot_avx2_signed(&v, x(i))
@@ -889,13 +918,22 @@ macro_rules! group_kernel {
                     };
                     match T::has_min(p) {
                         true if SUPER => {
-                            // (the minimums once per super-block, below)
-                            for (i, sup) in sup.iter_mut().enumerate() {
-                                *sup = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(i, 0)), dv, *sup);
+                            // (the factor and the minimums once per super-block, below)
+                            let sc = p.$block_scales(b);
+                            for (i, isup) in isup.iter_mut().enumerate() {
+                                let d = match (R, narrow) {
+                                    (4.., true) => $scaled_dot::<1, true>(&v, x(i), sc),
+                                    (4.., false) => $scaled_dot::<1, false>(&v, x(i), sc),
+                                    (2.., true) => $scaled_dot::<2, true>(&v, x(i), sc),
+                                    (2.., false) => $scaled_dot::<2, false>(&v, x(i), sc),
+                                    (_, true) => $scaled_dot::<4, true>(&v, x(i), sc),
+                                    (_, false) => $scaled_dot::<4, false>(&v, x(i), sc),
+                                };
+                                *isup = _mm256_add_epi32(*isup, d);
                             }
                         }
                         true => {
-                            let mv = p.m8::<T>(b);
+                            let (dv, mv) = (dv(), p.m8::<T>(b));
                             for (i, acc) in acc.iter_mut().enumerate() {
                                 let dot = _mm256_cvtepi32_ps(dot(i, 0));
                                 let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
@@ -905,6 +943,7 @@ macro_rules! group_kernel {
                             }
                         }
                         false => {
+                            let dv = dv();
                             for (i, acc) in acc.iter_mut().enumerate() {
                                 let folded = *a.folded.get_unchecked(at(i));
                                 let dot = _mm256_cvtepi32_ps(dot(i, folded));
@@ -919,13 +958,25 @@ macro_rules! group_kernel {
                     }
                 }
                 if SUPER {
+                    // (read here, not copied at the super-block's start: a buffer's entry is
+                    // read in place rather than spilled beside the loop's registers)
+                    let mins = match (min_super, buffered.get(nb + b0 / SUPER_BLOCKS)) {
+                        (false, _) => ([_mm256_setzero_si256(); 4], _mm256_setzero_ps()),
+                        (true, Some(e)) => {
+                            let (pairs, factor) = from_min_entry(e);
+                            (pairs, _mm256_castsi256_ps(factor))
+                        }
+                        (true, None) => p.min_pairs8(b0 / SUPER_BLOCKS),
+                    };
                     for (i, acc) in acc.iter_mut().enumerate() {
                         let at = (r0 + i) * nb + b0;
                         let dx = _mm256_set1_ps(*a.scales.get_unchecked(at));
                         // (the sum of minimums is below 2^24: exact as an f32)
                         let sums = if min_super {
+                            let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(isup[i]), d_base);
+                            isup[i] = _mm256_setzero_si256();
                             let m = min_dot8(&mins.0, a.block_sums.as_ptr().add(at));
-                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), mins.1, sup[i])
+                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), mins.1, scaled)
                         } else {
                             _mm256_add_ps(sup[i], sup2[i])
                         };
