@@ -45,6 +45,7 @@ struct Outputs {
     scales: *mut f32,
     sums: *mut f32,
     block_sums: *mut i16,
+    half_sums: *mut i16,
     folded: *mut i32,
     folded_halves: *mut i32,
 }
@@ -67,6 +68,10 @@ pub struct Q8Activations {
     /// that two blocks' sums read as one `i32` are the 16-bit pair a `vpmaddwd` lane
     /// multiplies with two blocks' minimums (ggml's Q8_K `bsums`, per 32 values).
     pub(crate) block_sums: Vec<i16>,
+    /// With super-block scales, per block `Σ quants` of values 0..16 and of 16..32, one
+    /// after the other: read as one `i32`, the 16-bit pair a `vpmaddwd` lane multiplies
+    /// with a split type's two half scales (times its implied offset).
+    pub(crate) half_sums: Vec<i16>,
     /// Per block: `-c·Σ quants`, where the weights' values carry an implied offset of `c`
     /// units of their scale (`w = d·(q - c)`, see `packed`): the integer that turns the dot
     /// product of the stored values into the one of `q - c`, exactly.
@@ -104,6 +109,7 @@ impl Q8Activations {
         self.scales.resize(m * nb, 0.0);
         if sup {
             self.block_sums.resize(m * nb, 0);
+            self.half_sums.resize(2 * m * nb, 0);
         } else {
             self.sums.resize(m * nb, 0.0);
         }
@@ -114,6 +120,7 @@ impl Q8Activations {
             scales: self.scales.as_mut_ptr(),
             sums: self.sums.as_mut_ptr(),
             block_sums: self.block_sums.as_mut_ptr(),
+            half_sums: self.half_sums.as_mut_ptr(),
             folded: self.folded.as_mut_ptr(),
             folded_halves: self.folded_halves.as_mut_ptr(),
         };
@@ -124,6 +131,8 @@ impl Q8Activations {
             *out.scales.add(bi) = scale;
             if sup {
                 *out.block_sums.add(bi) = (lo + hi) as i16;
+                *out.half_sums.add(2 * bi) = lo as i16;
+                *out.half_sums.add(2 * bi + 1) = hi as i16;
             } else {
                 *out.sums.add(bi) = scale * (lo + hi) as f32;
             }
@@ -210,6 +219,7 @@ const fn empty() -> Q8Activations {
         scales: Vec::new(),
         sums: Vec::new(),
         block_sums: Vec::new(),
+        half_sums: Vec::new(),
         folded: Vec::new(),
         folded_halves: Vec::new(),
     }
@@ -403,6 +413,8 @@ mod tests {
                 let [lo, hi] = quantize_block_scalar(&x[bi * QK8_0..][..QK8_0], &mut q, 1.0 / d);
                 assert_eq!(&a.quants[bi * QK8_0..][..QK8_0], &q[..], "block {bi}");
                 assert_eq!(a.block_sums[bi] as i32, lo + hi, "block {bi}");
+                let halves = [a.half_sums[2 * bi], a.half_sums[2 * bi + 1]];
+                assert_eq!(halves.map(i32::from), [lo, hi], "block {bi}");
                 assert_eq!(a.folded[bi], -8 * (lo + hi), "block {bi}");
                 let pd = plain.scales[bi];
                 assert_eq!(pd, f16::from_f32(pd).to_f32(), "block {bi}");

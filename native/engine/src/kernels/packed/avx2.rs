@@ -33,27 +33,85 @@ pub(super) unsafe fn block_dot_avx2<const C: usize, const NARROW: bool>(
     _mm256_add_epi32(dot, _mm256_set1_epi32(folded))
 }
 
+/// Block `b`'s [`BlockScales`] on AVX2 (`split`: a type with a scale per half, whose
+/// implied offset folds `folded` per unit of an activation half's sum).
+///
+/// # Safety
+/// As [`GroupRef::scale_pairs8`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn block_scales_avx2(
+    p: &GroupRef,
+    b: usize,
+    split: bool,
+    folded: i16,
+) -> BlockScales {
+    if split {
+        BlockScales {
+            s: [p.scale_pairs8(2 * b), p.scale_pairs8(2 * b + 1)],
+            off: p.offset_pairs8(b, folded),
+        }
+    } else {
+        let s = p.scale_pairs8(b);
+        BlockScales {
+            s: [s, s],
+            off: std::arch::x86_64::_mm256_setzero_si256(),
+        }
+    }
+}
+
 /// [`block_dot_avx2`] (without a folded offset) times each lane's (row's) block scale
-/// integer, in integers: `scale` ([`GroupRef::scale_pairs8`]) holds it in both 16-bit halves
-/// of the lane, so the `vpmaddwd` that widens the 16-bit sums multiplies by it at no cost,
-/// where a conversion and a float multiply-add per block ran before.
+/// integer ([`BlockScales`]), in integers: the `vpmaddwd` that widens the 16-bit sums
+/// multiplies by it.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
 pub(super) unsafe fn block_dot_scaled_avx2<const C: usize, const NARROW: bool>(
     v: &[std::arch::x86_64::__m256i; 8],
     x: *const i32,
-    scale: std::arch::x86_64::__m256i,
+    scales: &BlockScales,
 ) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
     let p = |q: usize| _mm256_maddubs_epi16(v[q], _mm256_set1_epi32(*x.add(q)));
     let lo = _mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)));
     let hi = _mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7)));
+    let s = scales.s[0];
     if NARROW {
-        _mm256_madd_epi16(_mm256_add_epi16(lo, hi), scale)
+        _mm256_madd_epi16(_mm256_add_epi16(lo, hi), s)
     } else {
-        _mm256_add_epi32(_mm256_madd_epi16(lo, scale), _mm256_madd_epi16(hi, scale))
+        _mm256_add_epi32(_mm256_madd_epi16(lo, s), _mm256_madd_epi16(hi, s))
     }
+}
+
+/// Per lane (row), [`half_dots_avx2`]'s two dot products times their half scale integers
+/// and summed, in integers, the folded offsets added as the activations' half sums
+/// (`halves`, [`Q8Activations::half_sums`]) times [`BlockScales::off`] (the same integer as
+/// `(dot + folded)·scale` per half; `folded` is for the VNNI form).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn half_dots_scaled_avx2<const C: usize>(
+    v: &[std::arch::x86_64::__m256i; 8],
+    x: *const i32,
+    folded: [i32; 2],
+    halves: *const i16,
+    scales: &BlockScales,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let _ = folded;
+    let p = |q: usize| _mm256_maddubs_epi16(v[q], _mm256_set1_epi32(*x.add(q)));
+    let half = |q: usize, s: __m256i| {
+        let a = _mm256_madd_epi16(_mm256_add_epi16(p(q), p(q + 1)), s);
+        let b = _mm256_madd_epi16(_mm256_add_epi16(p(q + 2), p(q + 3)), s);
+        _mm256_add_epi32(a, b)
+    };
+    let sums = _mm256_set1_epi32((halves as *const i32).read_unaligned());
+    let off = _mm256_madd_epi16(scales.off, sums);
+    _mm256_add_epi32(
+        _mm256_add_epi32(half(0, scales.s[0]), half(4, scales.s[1])),
+        off,
+    )
 }
 
 /// Per lane (row), the dot product of a block of Q8_0 values flipped back from `q + 128` to
@@ -108,7 +166,8 @@ group_kernel!(
     block_dot_avx2,
     half_dots_avx2,
     block_dot_scaled_avx2,
-    scale_pairs8,
+    half_dots_scaled_avx2,
+    block_scales_avx2,
     false,
     true,
     true,
@@ -123,7 +182,8 @@ group_kernel!(
     block_dot_avx2,
     half_dots_avx2,
     block_dot_scaled_avx2,
-    scale_pairs8,
+    half_dots_scaled_avx2,
+    block_scales_avx2,
     true,
     false,
     false,

@@ -42,13 +42,11 @@ impl PackedMatrix {
         let (k, nb) = (self.n_in, self.nb);
         for r in act {
             let mut acc = 0f32;
-            // with super-block scales, the super-block's two sums before its activation scale
-            // (split types: the dots times their scales, and their second halves; types with
-            // a minimum: the integer sums of the dots times their scale integers and of the
-            // minimums times block sums, and their factors)
-            let (mut sup, mut sup2) = (0f32, 0f32);
+            // with super-block scales, the super-block's integer sums before their factors and
+            // its activation scale: the dots times their scale integers (with split types'
+            // folded offsets), and for types with a minimum the minimums times block sums
             let (mut scaled, mut mins) = (0i32, 0i32);
-            let (mut d_base, mut min_base) = (0f32, 0f32);
+            let mut min_base = 0f32;
             for (b, blk) in blocks.iter().enumerate() {
                 let x = &a.quants[r * k + b * QK4_1..][..QK4_1];
                 let int_dot = |range: std::ops::Range<usize>| -> i32 {
@@ -61,28 +59,28 @@ impl PackedMatrix {
                 let dx = a.scales[at];
                 if a.super_scales {
                     // (K-quants: split or with a minimum)
+                    // (K-quants: split, with an implied offset, or with a minimum)
+                    let f = blk.factors.expect("super-block scales are factored");
                     if self.kind.halves() == 2 {
                         let half = QK4_1 / 2;
                         let [lo, hi] = [a.folded_halves[2 * at], a.folded_halves[2 * at + 1]];
-                        sup = dot(0..half, lo).mul_add(blk.d[0], sup);
-                        sup2 = dot(half..QK4_1, hi).mul_add(blk.d[1], sup2);
-                    } else if !self.kind.has_min() {
-                        sup = dot(0..QK4_1, a.folded[at]).mul_add(blk.d[0], sup);
+                        scaled += f.d_mul[0] as i32 * (int_dot(0..half) + lo)
+                            + f.d_mul[1] as i32 * (int_dot(half..QK4_1) + hi);
                     } else {
                         // (types with a minimum have no folded offset)
-                        let f = blk.factors.expect("super-block scales are factored");
                         scaled += f.d_mul[0] as i32 * int_dot(0..QK4_1);
                         mins += f.m_mul as i32 * a.block_sums[at] as i32;
-                        (d_base, min_base) = (f.d_base.to_f32(), f.m_base.to_f32());
+                        min_base = f.m_base.to_f32();
                     }
                     if b % SUPER_BLOCKS == SUPER_BLOCKS - 1 {
+                        let factored = scaled as f32 * f.d_base.to_f32();
                         // (the sum of minimums is below 2^24: exact as an f32)
                         let sums = match self.kind.has_min() {
-                            true => (mins as f32).mul_add(min_base, scaled as f32 * d_base),
-                            false => sup + sup2,
+                            true => (mins as f32).mul_add(min_base, factored),
+                            false => factored,
                         };
                         acc = sums.mul_add(dx, acc);
-                        (sup, sup2, scaled, mins) = (0.0, 0.0, 0, 0);
+                        (scaled, mins) = (0, 0);
                     }
                 } else if self.kind.halves() == 2 {
                     let half = QK4_1 / 2;

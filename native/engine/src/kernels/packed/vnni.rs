@@ -31,17 +31,64 @@ pub(super) unsafe fn block_dot_vnni<const C: usize, const NARROW: bool>(
     sum
 }
 
+/// Block `b`'s [`BlockScales`] on VNNI: one integer per lane and half, no offsets (the
+/// folded offsets start the dot products' chains).
+///
+/// # Safety
+/// As [`GroupRef::scale_pairs8`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn block_scales_vnni(
+    p: &GroupRef,
+    b: usize,
+    split: bool,
+    folded: i16,
+) -> BlockScales {
+    let _ = folded;
+    let s = if split {
+        [p.scales8(2 * b), p.scales8(2 * b + 1)]
+    } else {
+        [p.scales8(b); 2]
+    };
+    BlockScales {
+        s,
+        off: std::arch::x86_64::_mm256_setzero_si256(),
+    }
+}
+
 /// [`block_dot_vnni`] (without a folded offset) times each lane's (row's) block scale
-/// integer ([`GroupRef::scales8`]), in integers.
+/// integer ([`BlockScales`]), in integers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
 #[inline]
 pub(super) unsafe fn block_dot_scaled_vnni<const C: usize, const NARROW: bool>(
     v: &[std::arch::x86_64::__m256i; 8],
     x: *const i32,
-    scale: std::arch::x86_64::__m256i,
+    scales: &BlockScales,
 ) -> std::arch::x86_64::__m256i {
-    std::arch::x86_64::_mm256_mullo_epi32(block_dot_vnni::<C, NARROW>(v, x, 0), scale)
+    std::arch::x86_64::_mm256_mullo_epi32(block_dot_vnni::<C, NARROW>(v, x, 0), scales.s[0])
+}
+
+/// [`half_dots_vnni`] (with their folded offsets) times their half scale integers and
+/// summed, in integers (`halves` is for the AVX2 form).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+#[inline]
+pub(super) unsafe fn half_dots_scaled_vnni<const C: usize>(
+    v: &[std::arch::x86_64::__m256i; 8],
+    x: *const i32,
+    folded: [i32; 2],
+    halves: *const i16,
+    scales: &BlockScales,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let _ = halves;
+    let [lo, hi] = half_dots_vnni::<C>(v, x, folded);
+    _mm256_add_epi32(
+        _mm256_mullo_epi32(lo, scales.s[0]),
+        _mm256_mullo_epi32(hi, scales.s[1]),
+    )
 }
 
 /// `C` chains per half.
@@ -77,7 +124,8 @@ group_kernel!(
     block_dot_vnni,
     half_dots_vnni,
     block_dot_scaled_vnni,
-    scales8,
+    half_dots_scaled_vnni,
+    block_scales_vnni,
     false,
     false,
     false,
@@ -145,13 +193,7 @@ pub(super) unsafe fn wide_kernel_vnni(
     debug_assert!(groups.len().is_multiple_of(2));
     for g in groups.step_by(2) {
         let (p, valid) = GroupRef::pair(base, w, g);
-        if act.len() > WIDE_ROWS {
-            with_plain_scales(&p, w.nb, |p| {
-                wide_passes(w, a, act.clone(), g, p, valid, out)
-            });
-        } else {
-            wide_passes(w, a, act.clone(), g, &p, valid, out)
-        }
+        wide_passes(w, a, act.clone(), g, &p, valid, out)
     }
 }
 
@@ -226,17 +268,15 @@ pub(super) unsafe fn pair_kernel_vnni(
                 min_entry(pairs, _mm512_castps_si512(factor), _mm512_setzero_si512())
             }));
         }
-        with_plain_scales(&p, w.nb, |p| {
-            by_format!(all & p[0], a.super_scales, |T, S| {
-                let mut r0 = act.start;
-                while r0 < act.end {
-                    let rows = (act.end - r0).min(PAIR_ROWS);
-                    by_rows!(rows, |R, C| wide_pass_vnni::<R, C, false, true, S, T>(
-                        w, p, buffered, a, r0, valid, g, out,
-                    ));
-                    r0 += rows;
-                }
-            })
+        by_format!(all & p[0], a.super_scales, |T, S| {
+            let mut r0 = act.start;
+            while r0 < act.end {
+                let rows = (act.end - r0).min(PAIR_ROWS);
+                by_rows!(rows, |R, C| wide_pass_vnni::<R, C, false, true, S, T>(
+                    w, &p, buffered, a, r0, valid, g, out,
+                ));
+                r0 += rows;
+            }
         })
     };
     WIDE_BUFFERED.with(|cell| match cell.try_borrow_mut() {
@@ -273,15 +313,14 @@ unsafe fn wide_pass_vnni<
     use std::arch::x86_64::*;
     let (k, nb) = (w.n_in, w.nb);
     let mut acc = [_mm512_setzero_ps(); R];
-    let mut sup = [_mm512_setzero_ps(); R];
-    let mut sup2 = [_mm512_setzero_ps(); R];
-    // (types with a minimum: the super-block's scaled dots, in integers)
+    // with super-block scales, each row's dots times their scale integers over the
+    // super-block ([`BlockScales`])
     let mut isup = [_mm512_setzero_si512(); R];
     let min_super = SUPER && T::has_min(&p[0]);
-    // with super-block scales (K-quants), a super-block's blocks at a time: each row's sums
-    // over them (the dots times their scales, in integers for types with a minimum, and the
-    // split types' second halves, or the integer sum of minimums) are scaled by its
-    // activation scale once, after its last block
+    // with super-block scales (K-quants), a super-block's blocks at a time: each row's
+    // integer sums over them (its dots times their scale integers, and for types with a
+    // minimum its minimums) are scaled by their factors and its activation scale once, after
+    // its last block
     let span = if SUPER { SUPER_BLOCKS } else { nb.max(1) };
     for b0 in (0..nb).step_by(span) {
         let mins = match (min_super, BUFFERED) {
@@ -335,10 +374,8 @@ unsafe fn wide_pass_vnni<
                     })
                 };
             if T::halves(&p[0]) == 2 {
-                // (split types have implied offsets, folded into the integers)
-                let dv = join_ps(p[0].d8::<T>(b, 0), p[1].d8::<T>(b, 0));
-                let dv1 = join_ps(p[0].d8::<T>(b, 1), p[1].d8::<T>(b, 1));
-                // (the two halves are independent chains already)
+                // (split types have implied offsets, folded into the integers; the two halves
+                // are independent chains already)
                 let chains = (C / 2).max(1);
                 let lo = dots(
                     0..4,
@@ -350,13 +387,22 @@ unsafe fn wide_pass_vnni<
                     std::array::from_fn(|i| *a.folded_halves.get_unchecked(2 * at(i) + 1)),
                     chains,
                 );
+                if SUPER {
+                    let half = |h: usize| join_si(p[0].scales8(2 * b + h), p[1].scales8(2 * b + h));
+                    let (s0, s1) = (half(0), half(1));
+                    for (i, isup) in isup.iter_mut().enumerate() {
+                        let d = _mm512_add_epi32(
+                            _mm512_mullo_epi32(lo[i], s0),
+                            _mm512_mullo_epi32(hi[i], s1),
+                        );
+                        *isup = _mm512_add_epi32(*isup, d);
+                    }
+                    continue;
+                }
+                let dv = join_ps(p[0].d8::<T>(b, 0), p[1].d8::<T>(b, 0));
+                let dv1 = join_ps(p[0].d8::<T>(b, 1), p[1].d8::<T>(b, 1));
                 for (i, acc) in acc.iter_mut().enumerate() {
                     let dx = _mm512_set1_ps(*a.scales.get_unchecked(at(i)));
-                    if SUPER {
-                        sup[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[i]), dv, sup[i]);
-                        sup2[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[i]), dv1, sup2[i]);
-                        continue;
-                    }
                     let dot_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(lo[i]), dv);
                     let dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[i]), dv1, dot_lo);
                     *acc = _mm512_fmadd_ps(dot, dx, *acc);
@@ -392,13 +438,10 @@ unsafe fn wide_pass_vnni<
                         std::array::from_fn(|i| *a.folded.get_unchecked(at(i))),
                         C,
                     );
+                    debug_assert!(!SUPER, "super-block scales: a minimum or halves");
                     for (i, acc) in acc.iter_mut().enumerate() {
                         let dot = _mm512_cvtepi32_ps(s[i]);
                         let dx = _mm512_set1_ps(*a.scales.get_unchecked(at(i)));
-                        if SUPER {
-                            sup[i] = _mm512_fmadd_ps(dot, dv, sup[i]);
-                            continue;
-                        }
                         *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, dx), *acc);
                     }
                 }
@@ -409,18 +452,16 @@ unsafe fn wide_pass_vnni<
             for (i, acc) in acc.iter_mut().enumerate() {
                 let at = (r0 + i) * nb + b0;
                 let dx = _mm512_set1_ps(*a.scales.get_unchecked(at));
+                let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(isup[i]), d_base);
+                isup[i] = _mm512_setzero_si512();
                 // (the sum of minimums is below 2^24: exact as an f32)
                 let sums = if min_super {
-                    let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(isup[i]), d_base);
-                    isup[i] = _mm512_setzero_si512();
                     let m = wide_min_dot(&mins.0, a.block_sums.as_ptr().add(at));
                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), mins.1, scaled)
                 } else {
-                    _mm512_add_ps(sup[i], sup2[i])
+                    scaled
                 };
                 *acc = _mm512_fmadd_ps(sums, dx, *acc);
-                sup[i] = _mm512_setzero_ps();
-                sup2[i] = _mm512_setzero_ps();
             }
         }
     }

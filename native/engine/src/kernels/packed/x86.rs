@@ -95,75 +95,21 @@ thread_local! {
         const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// A block's scale integers as a product multiplies its dot products by them (factored
+/// scales: K-quants, whose activations carry super-block scales). Each block's dot product
+/// is multiplied by its scale integer (Q6_K: each half's by its own) and summed in integers
+/// over the super-block; the sum is converted and multiplied by the super-block's factor
+/// once, as ggml's K-quant products do: exact sums, and on AVX2 the `vpmaddwd` that widens
+/// the 16-bit sums multiplies by the scale at no cost. `s`: per half (one for types without
+/// halves), the integers as the path multiplies by them (AVX2: in both 16-bit halves of each
+/// lane, [`GroupRef::scale_pairs8`]; VNNI: one per lane for `vpmulld`,
+/// [`GroupRef::scales8`]); `off`: for split types on AVX2, each lane's two half scales
+/// times the implied offset ([`GroupRef::offset_pairs8`]), for the activations' half sums.
 #[cfg(target_arch = "x86_64")]
-thread_local! {
-    /// f32 copies of the factored scales of the row groups a product is computing (see
-    /// [`with_plain_scales`]).
-    static PLAIN_SCALES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// Runs `f` with `refs` reading their factored scales ([`Scales::Factored`]) from f32
-/// copies made here: a kernel that passes over a row group's blocks once per few activation
-/// rows (a prompt, a longer decode batch) would otherwise multiply the factors out again in
-/// every pass, on the vector ports its products are bound by. The copies are the values
-/// [`GroupRef::d8`] computes, so results are bitwise the same. Types with a minimum (Q4_K,
-/// Q5_K) keep theirs factored: their kernels multiply each block's dot product by its scale
-/// integer in integers ([`int_scales`]) and read the minimums as integers
-/// ([`GroupRef::min_pairs8`]). Groups whose scales are not factored are read as they are.
-///
-/// # Safety
-/// The groups are inside their matrix (as for the kernels); AVX2 and F16C are available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn with_plain_scales<const N: usize, R>(
-    refs: &[GroupRef; N],
-    nb: usize,
-    f: impl FnOnce(&[GroupRef; N]) -> R,
-) -> R {
-    use std::arch::x86_64::_mm256_storeu_ps;
-    if !refs.iter().any(|p| p.factored && !int_scales(p)) {
-        return f(refs);
-    }
-    let run = |buf: &mut Vec<f32>| {
-        // per group, its `d`: `units` runs of GROUP values
-        let units = nb * Dyn::halves(&refs[0]);
-        buf.clear();
-        for p in refs {
-            for u in 0..units {
-                let halves = Dyn::halves(p);
-                let mut lanes = [0f32; GROUP];
-                _mm256_storeu_ps(lanes.as_mut_ptr(), p.d8::<Dyn>(u / halves, u % halves));
-                buf.extend_from_slice(&lanes);
-            }
-        }
-        // (pointers taken once the buffer no longer grows)
-        let mut at = 0;
-        let plain = refs.map(|p| {
-            let d = ScalePtr::f32(buf.as_ptr().wrapping_add(at));
-            at += units * GROUP;
-            GroupRef {
-                d,
-                factored: false,
-                ..p
-            }
-        });
-        f(&plain)
-    };
-    PLAIN_SCALES.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut buf) => run(&mut buf),
-        Err(_) => run(&mut Vec::new()),
-    })
-}
-
-/// Whether a row group's products scale each block's dot product by its scale integer in
-/// integers and its super-block's factor once after the super-block (factored scales with a
-/// minimum: Q4_K, Q5_K), as ggml's K-quant products do: exact sums, and on AVX2 the
-/// widening `vpmaddwd` multiplies by the scale at no cost. Split types (Q6_K) keep a float
-/// multiply-add per half; every path computes each type the same way.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(super) fn int_scales(p: &GroupRef) -> bool {
-    p.factored && p.kind.has_min()
+#[derive(Clone, Copy)]
+pub(super) struct BlockScales {
+    pub(super) s: [std::arch::x86_64::__m256i; 2],
+    pub(super) off: std::arch::x86_64::__m256i,
 }
 
 /// How a row group's scales are stored (see [`Scales`]).
@@ -329,7 +275,7 @@ macro_rules! by_format {
     };
     (@ all true $p:expr, |$t:ident| $call:expr) => {
         by_format!(@ fixed $p, |$t| $call, [
-            (Q4_1, Factored) 1 2, (Q5_1, Factored) 3 2, (Q6K, F32) 5 1, (Q6K, Factored) 5 2
+            (Q4_1, Factored) 1 2, (Q5_1, Factored) 3 2, (Q6K, Factored) 5 2
         ])
     };
     (@ fixed $p:expr, |$t:ident| $call:expr,
@@ -362,7 +308,7 @@ pub(super) struct GroupRef {
     pub(super) q: *const u8,
     pub(super) h: Option<*const u32>,
     /// The scales and minimums (unused when `factored`, or the minimums without
-    /// `has_min`; a factored matrix's minimums even after [`with_plain_scales`]).
+    /// `has_min`).
     pub(super) d: ScalePtr,
     pub(super) m: ScalePtr,
     /// The factored scales and minimums ([`Scales::Factored`]; the scales unused unless
@@ -495,17 +441,17 @@ impl GroupRef {
         }
     }
 
-    /// Block `b`'s 8 rows' scale integers (factored scales of a type with a minimum, whose
-    /// products scale their dot products in integers), each in both 16-bit halves of its
-    /// lane, for [`block_dot_scaled_avx2`]'s `vpmaddwd`.
+    /// The 8 rows' scale integers of run `unit` (a block, or a half of one for split types;
+    /// factored scales), each in both 16-bit halves of its lane, for the `vpmaddwd` of
+    /// [`BlockScales`] on AVX2.
     ///
     /// # Safety
-    /// The scales are factored and block `b` is inside the matrix; AVX2 is available.
+    /// The scales are factored and the run is inside the matrix; AVX2 is available.
     #[target_feature(enable = "avx2")]
     #[inline]
-    pub(super) unsafe fn scale_pairs8(&self, b: usize) -> std::arch::x86_64::__m256i {
+    pub(super) unsafe fn scale_pairs8(&self, unit: usize) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
-        let n = _mm_loadl_epi64(self.fd.mult.add(b * GROUP) as *const __m128i);
+        let n = _mm_loadl_epi64(self.fd.mult.add(unit * GROUP) as *const __m128i);
         _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(n, n))
     }
 
@@ -515,10 +461,27 @@ impl GroupRef {
     /// As [`Self::scale_pairs8`].
     #[target_feature(enable = "avx2")]
     #[inline]
-    pub(super) unsafe fn scales8(&self, b: usize) -> std::arch::x86_64::__m256i {
+    pub(super) unsafe fn scales8(&self, unit: usize) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
-        let n = _mm_loadl_epi64(self.fd.mult.add(b * GROUP) as *const __m128i);
+        let n = _mm_loadl_epi64(self.fd.mult.add(unit * GROUP) as *const __m128i);
         _mm256_cvtepi8_epi32(n)
+    }
+
+    /// Per row of a split type's block `b`, its two half scale integers times `c` (the
+    /// type's implied offset) as the low and high 16 bits of its lane: against the
+    /// activations' half sums ([`Q8Activations::half_sums`]), the integer the folded offsets
+    /// add to the scaled dot products.
+    ///
+    /// # Safety
+    /// As [`Self::scale_pairs8`], the type split.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(super) unsafe fn offset_pairs8(&self, b: usize, c: i16) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // halves 2b and 2b + 1: 8 rows' integers each, one after the other
+        let two = _mm_loadu_si128(self.fd.mult.add(2 * b * GROUP) as *const __m128i);
+        let pairs = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(two, _mm_srli_si128::<8>(two)));
+        _mm256_mullo_epi16(pairs, _mm256_set1_epi16(c))
     }
 
     /// Super-block `sb`'s minimums ([`Scales::Factored`], which super-block activation
@@ -752,7 +715,8 @@ pub(super) unsafe fn min_dot8(
 /// row's result does not depend on the batch around it.
 macro_rules! group_kernel {
     ($name:ident, $pass:ident, $features:literal, $dot:ident, $half_dots:ident,
-     $scaled_dot:ident, $block_scales:ident, $signed:literal, $buffer_5bit:literal, $narrow:literal, $rows:literal, [$($r:literal),*],
+     $scaled_dot:ident, $scaled_half_dots:ident, $block_scales:ident, $signed:literal,
+     $buffer_5bit:literal, $narrow:literal, $rows:literal, [$($r:literal),*],
      $formats:ident) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
@@ -810,11 +774,7 @@ macro_rules! group_kernel {
                             }));
                         }
                     }
-                    if act.len() > chunk {
-                        with_plain_scales(&[p], w.nb, |[p]| passes(p, g, buffered, chunk))
-                    } else {
-                        passes(&p, g, buffered, chunk)
-                    }
+                    passes(&p, g, buffered, chunk)
                 }
             };
             // one buffer per thread, grown once: a batch's products used to allocate and
@@ -845,16 +805,17 @@ macro_rules! group_kernel {
             let narrow = $narrow && !T::bytes8(p) && !T::high(p) && !T::six(p);
             let l2 = crate::kernels::prefetch_to_l2();
             let mut acc = [_mm256_setzero_ps(); R];
-            let mut sup = [_mm256_setzero_ps(); R];
-            let mut sup2 = [_mm256_setzero_ps(); R];
-            // (types with a minimum: the super-block's scaled dots, in integers)
+            // with super-block scales, each row's dots times their scale integers over the
+            // super-block ([`BlockScales`])
             let mut isup = [_mm256_setzero_si256(); R];
+            // (split types' implied offset, per unit of an activation half's sum)
+            let folded_unit = -(w.kind.folded_offset() as i16);
             let mut d_base = _mm256_setzero_ps();
             let min_super = SUPER && T::has_min(p);
             // with super-block scales (K-quants), a super-block's blocks at a time: each row's
-            // sums over them (the dots times their scales, in integers for types with a
-            // minimum, and the minimums or the split types' second halves) are scaled by its
-            // activation scale once, after its last block
+            // integer sums over them (its dots times their scale integers, and for types with
+            // a minimum its minimums) are scaled by their factors and its activation scale
+            // once, after its last block
             let span = if SUPER { SUPER_BLOCKS } else { nb.max(1) };
             for b0 in (0..nb).step_by(span) {
                 if SUPER {
@@ -872,22 +833,32 @@ macro_rules! group_kernel {
                     let at = |i: usize| (r0 + i) * nb + b;
                     if T::halves(p) == 2 {
                         // (split types have implied offsets, folded into the integers)
+                        let folded = |i: usize| {
+                            let f = a.folded_halves.as_ptr().add(2 * at(i));
+                            [*f, *f.add(1)]
+                        };
+                        if SUPER {
+                            let sc = $block_scales(p, b, true, folded_unit);
+                            for (i, isup) in isup.iter_mut().enumerate() {
+                                let halves = a.half_sums.as_ptr().add(2 * at(i));
+                                let d = if R >= 4 {
+                                    $scaled_half_dots::<1>(&v, x(i), folded(i), halves, &sc)
+                                } else {
+                                    $scaled_half_dots::<2>(&v, x(i), folded(i), halves, &sc)
+                                };
+                                *isup = _mm256_add_epi32(*isup, d);
+                            }
+                            continue;
+                        }
                         let dv = p.d8_with::<T>(b, 0, d_base);
                         let dv1 = p.d8_with::<T>(b, 1, d_base);
                         for (i, acc) in acc.iter_mut().enumerate() {
-                            let f = a.folded_halves.as_ptr().add(2 * at(i));
-                            let f = [*f, *f.add(1)];
                             let [lo, hi] = if R >= 4 {
-                                $half_dots::<1>(&v, x(i), f)
+                                $half_dots::<1>(&v, x(i), folded(i))
                             } else {
-                                $half_dots::<2>(&v, x(i), f)
+                                $half_dots::<2>(&v, x(i), folded(i))
                             };
                             let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
-                            if SUPER {
-                                sup[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), dv, sup[i]);
-                                sup2[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), dv1, sup2[i]);
-                                continue;
-                            }
                             let dot_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), dv);
                             let dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), dv1, dot_lo);
                             *acc = _mm256_fmadd_ps(dot, dx, *acc);
@@ -919,7 +890,7 @@ macro_rules! group_kernel {
                     match T::has_min(p) {
                         true if SUPER => {
                             // (the factor and the minimums once per super-block, below)
-                            let sc = p.$block_scales(b);
+                            let sc = &$block_scales(p, b, false, 0);
                             for (i, isup) in isup.iter_mut().enumerate() {
                                 let d = match (R, narrow) {
                                     (4.., true) => $scaled_dot::<1, true>(&v, x(i), sc),
@@ -943,15 +914,12 @@ macro_rules! group_kernel {
                             }
                         }
                         false => {
+                            debug_assert!(!SUPER, "super-block scales: a minimum or halves");
                             let dv = dv();
                             for (i, acc) in acc.iter_mut().enumerate() {
                                 let folded = *a.folded.get_unchecked(at(i));
                                 let dot = _mm256_cvtepi32_ps(dot(i, folded));
                                 let dx = _mm256_set1_ps(*a.scales.get_unchecked(at(i)));
-                                if SUPER {
-                                    sup[i] = _mm256_fmadd_ps(dot, dv, sup[i]);
-                                    continue;
-                                }
                                 *acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, dx), *acc);
                             }
                         }
@@ -971,18 +939,16 @@ macro_rules! group_kernel {
                     for (i, acc) in acc.iter_mut().enumerate() {
                         let at = (r0 + i) * nb + b0;
                         let dx = _mm256_set1_ps(*a.scales.get_unchecked(at));
+                        let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(isup[i]), d_base);
+                        isup[i] = _mm256_setzero_si256();
                         // (the sum of minimums is below 2^24: exact as an f32)
                         let sums = if min_super {
-                            let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(isup[i]), d_base);
-                            isup[i] = _mm256_setzero_si256();
                             let m = min_dot8(&mins.0, a.block_sums.as_ptr().add(at));
                             _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), mins.1, scaled)
                         } else {
-                            _mm256_add_ps(sup[i], sup2[i])
+                            scaled
                         };
                         *acc = _mm256_fmadd_ps(sums, dx, *acc);
-                        sup[i] = _mm256_setzero_ps();
-                        sup2[i] = _mm256_setzero_ps();
                     }
                 }
             }
