@@ -504,33 +504,15 @@ impl FactorPtr {
         }
     }
 
-    /// Super-block `sb`'s 8 factors as f32, for [`Self::load8_with`].
+    /// Super-block `sb`'s 8 factors as f32.
     ///
     /// # Safety
-    /// As [`Self::load8_with`].
+    /// The super-block lies inside the matrix; AVX2 and F16C are available.
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     unsafe fn base8(self, sb: usize) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
         _mm256_cvtph_ps(_mm_loadu_si128(self.base.add(sb * GROUP) as *const __m128i))
-    }
-
-    /// The 8 values of run `unit` (a block, or a half of one for split types), multiplied
-    /// out given its super-block's factors (`f`, from [`Self::base8`]): bitwise the f32
-    /// values, the products being exact.
-    ///
-    /// # Safety
-    /// The run lies inside the matrix; AVX2 and F16C are available.
-    #[target_feature(enable = "avx2,f16c")]
-    #[inline]
-    unsafe fn load8_with(
-        self,
-        unit: usize,
-        f: std::arch::x86_64::__m256,
-    ) -> std::arch::x86_64::__m256 {
-        use std::arch::x86_64::*;
-        let n = _mm_loadl_epi64(self.mult.add(unit * GROUP) as *const __m128i);
-        _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(n)))
     }
 
     /// Asks for the lines of run `unit` of super-block `sb` to be loaded into the caches

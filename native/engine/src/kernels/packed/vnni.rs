@@ -388,8 +388,7 @@ unsafe fn wide_pass_vnni<
                     chains,
                 );
                 if SUPER {
-                    let half = |h: usize| join_si(p[0].scales8(2 * b + h), p[1].scales8(2 * b + h));
-                    let (s0, s1) = (half(0), half(1));
+                    let (s0, s1) = (wide_scales(p, 2 * b), wide_scales(p, 2 * b + 1));
                     for (i, isup) in isup.iter_mut().enumerate() {
                         let d = _mm512_add_epi32(
                             _mm512_mullo_epi32(lo[i], s0),
@@ -413,7 +412,7 @@ unsafe fn wide_pass_vnni<
             match T::has_min(&p[0]) {
                 true if SUPER => {
                     // (the factor and the minimums once per super-block, below)
-                    let sc = join_si(p[0].scales8(b), p[1].scales8(b));
+                    let sc = wide_scales(p, b);
                     let s = dots(0..8, [0; R], C);
                     for (i, isup) in isup.iter_mut().enumerate() {
                         *isup = _mm512_add_epi32(*isup, _mm512_mullo_epi32(s[i], sc));
@@ -472,6 +471,15 @@ unsafe fn wide_pass_vnni<
         store_group(lo, out.at(r0 + i, g * GROUP), valid[0]);
         store_group(hi, out.at(r0 + i, (g + 1) * GROUP), valid[1]);
     }
+}
+
+/// [`GroupRef::scales8`] of both groups (`p[0]` in lanes 0..8): run `unit`'s scale integers
+/// ([`BlockScales`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f")]
+#[inline]
+unsafe fn wide_scales(p: &[GroupRef; 2], unit: usize) -> std::arch::x86_64::__m512i {
+    join_si(p[0].scales8(unit), p[1].scales8(unit))
 }
 
 /// [`GroupRef::min_pairs8`] of both groups (`p[0]` in lanes 0..8).

@@ -379,7 +379,8 @@ impl GroupRef {
     }
 
     /// The 8 rows' scales of half `h` of block `b` (`h` = 0 for types with one scale a
-    /// block).
+    /// block; scales not factored: factored ones are multiplied in integers,
+    /// [`BlockScales`]).
     ///
     /// # Safety
     /// Block `b` is inside the matrix; AVX2 and F16C are available; `T` is this group's
@@ -387,7 +388,10 @@ impl GroupRef {
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     pub(super) unsafe fn d8<T: Format>(&self, b: usize, h: usize) -> std::arch::x86_64::__m256 {
-        self.d8_with::<T>(b, h, self.d_base8::<T>(b))
+        let form = T::scales(self);
+        debug_assert!(form != Form::Factored, "factored scales are integers");
+        let unit = b * T::halves(self) + h;
+        self.d.add(unit * GROUP).load8_as(form == Form::F16)
     }
 
     /// The 8 rows' minimums of block `b` (types with a stored one, scales not factored), as
@@ -407,9 +411,8 @@ impl GroupRef {
         self.m.add(b * GROUP).load8_as(form == Form::F16)
     }
 
-    /// The converted super-block factor of block `b`'s scales, for [`Self::d8_with`]
-    /// (unused unless the scales are factored): a pass over a group's blocks converts it once
-    /// per super-block instead of per block.
+    /// The converted super-block factor of block `b`'s scales (zero unless they are
+    /// factored), by which a super-block's integer sum is multiplied ([`BlockScales`]).
     ///
     /// # Safety
     /// As [`Self::d8`].
@@ -419,25 +422,6 @@ impl GroupRef {
         match T::scales(self) {
             Form::Factored => self.fd.base8(b / SUPER_BLOCKS),
             _ => std::arch::x86_64::_mm256_setzero_ps(),
-        }
-    }
-
-    /// [`Self::d8`] given block `b`'s [`Self::d_base8`]: the same values, bitwise.
-    ///
-    /// # Safety
-    /// As [`Self::d8`].
-    #[target_feature(enable = "avx2,f16c")]
-    #[inline]
-    pub(super) unsafe fn d8_with<T: Format>(
-        &self,
-        b: usize,
-        h: usize,
-        base: std::arch::x86_64::__m256,
-    ) -> std::arch::x86_64::__m256 {
-        let unit = b * T::halves(self) + h;
-        match T::scales(self) {
-            Form::Factored => self.fd.load8_with(unit, base),
-            form => self.d.add(unit * GROUP).load8_as(form == Form::F16),
         }
     }
 
@@ -810,7 +794,6 @@ macro_rules! group_kernel {
             let mut isup = [_mm256_setzero_si256(); R];
             // (split types' implied offset, per unit of an activation half's sum)
             let folded_unit = -(w.kind.folded_offset() as i16);
-            let mut d_base = _mm256_setzero_ps();
             let min_super = SUPER && T::has_min(p);
             // with super-block scales (K-quants), a super-block's blocks at a time: each row's
             // integer sums over them (its dots times their scale integers, and for types with
@@ -818,9 +801,6 @@ macro_rules! group_kernel {
             // once, after its last block
             let span = if SUPER { SUPER_BLOCKS } else { nb.max(1) };
             for b0 in (0..nb).step_by(span) {
-                if SUPER {
-                    d_base = p.d_base8::<T>(b0);
-                }
                 for b in b0..(b0 + span).min(nb) {
                     if PREFETCH {
                         p.prefetch_next::<T>(nb, b, l2);
@@ -850,8 +830,8 @@ macro_rules! group_kernel {
                             }
                             continue;
                         }
-                        let dv = p.d8_with::<T>(b, 0, d_base);
-                        let dv1 = p.d8_with::<T>(b, 1, d_base);
+                        let dv = p.d8::<T>(b, 0);
+                        let dv1 = p.d8::<T>(b, 1);
                         for (i, acc) in acc.iter_mut().enumerate() {
                             let [lo, hi] = if R >= 4 {
                                 $half_dots::<1>(&v, x(i), folded(i))
@@ -865,7 +845,7 @@ macro_rules! group_kernel {
                         }
                         continue;
                     }
-                    let dv = || p.d8_with::<T>(b, 0, d_base);
+                    let dv = || p.d8::<T>(b, 0);
                     let dot = |i: usize, folded: i32| {
                         if $signed {
                             block_dot_avx2_signed(&v, x(i))
@@ -936,6 +916,7 @@ macro_rules! group_kernel {
                         }
                         (true, None) => p.min_pairs8(b0 / SUPER_BLOCKS),
                     };
+                    let d_base = p.d_base8::<T>(b0);
                     for (i, acc) in acc.iter_mut().enumerate() {
                         let at = (r0 + i) * nb + b0;
                         let dx = _mm256_set1_ps(*a.scales.get_unchecked(at));
