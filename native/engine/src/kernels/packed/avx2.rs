@@ -21,16 +21,48 @@ pub(super) unsafe fn block_dot_avx2<const C: usize, const NARROW: bool>(
     folded: i32,
 ) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
+    let dot = quad_sums::<NARROW>(v, x, _mm256_set1_epi16(1));
+    _mm256_add_epi32(dot, _mm256_set1_epi32(folded))
+}
+
+/// Per lane, the 8 quads' `vpmaddubsw` pairs summed in 16 bits (for `NARROW` all eight,
+/// else two sums of four) and widened by a `vpmaddwd` with `by` (ones, or the lane's scale
+/// integer in both halves): the dot product times `by`, in integers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn quad_sums<const NARROW: bool>(
+    v: &[std::arch::x86_64::__m256i; 8],
+    x: *const i32,
+    by: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
     let p = |q: usize| _mm256_maddubs_epi16(v[q], _mm256_set1_epi32(*x.add(q)));
     let lo = _mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)));
     let hi = _mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7)));
-    let ones = _mm256_set1_epi16(1);
-    let dot = if NARROW {
-        _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones)
+    if NARROW {
+        _mm256_madd_epi16(_mm256_add_epi16(lo, hi), by)
     } else {
-        _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
-    };
-    _mm256_add_epi32(dot, _mm256_set1_epi32(folded))
+        _mm256_add_epi32(_mm256_madd_epi16(lo, by), _mm256_madd_epi16(hi, by))
+    }
+}
+
+/// Per lane, the dot product of quads `q..q + 4` (half a block; values at most 63, so a sum
+/// of two `maddubs` pairs stays below 2¹⁵) times `by`, as [`quad_sums`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn half_sums(
+    v: &[std::arch::x86_64::__m256i; 8],
+    x: *const i32,
+    q: usize,
+    by: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let p = |q: usize| _mm256_maddubs_epi16(v[q], _mm256_set1_epi32(*x.add(q)));
+    let a = _mm256_madd_epi16(_mm256_add_epi16(p(q), p(q + 1)), by);
+    let b = _mm256_madd_epi16(_mm256_add_epi16(p(q + 2), p(q + 3)), by);
+    _mm256_add_epi32(a, b)
 }
 
 /// Block `b`'s [`BlockScales`] on AVX2 (`split`: a type with a scale per half, whose
@@ -72,16 +104,7 @@ pub(super) unsafe fn block_dot_scaled_avx2<const C: usize, const NARROW: bool>(
     x: *const i32,
     scales: &BlockScales,
 ) -> std::arch::x86_64::__m256i {
-    use std::arch::x86_64::*;
-    let p = |q: usize| _mm256_maddubs_epi16(v[q], _mm256_set1_epi32(*x.add(q)));
-    let lo = _mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)));
-    let hi = _mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7)));
-    let s = scales.s[0];
-    if NARROW {
-        _mm256_madd_epi16(_mm256_add_epi16(lo, hi), s)
-    } else {
-        _mm256_add_epi32(_mm256_madd_epi16(lo, s), _mm256_madd_epi16(hi, s))
-    }
+    quad_sums::<NARROW>(v, x, scales.s[0])
 }
 
 /// Per lane (row), [`half_dots_avx2`]'s two dot products times their half scale integers
@@ -100,18 +123,13 @@ pub(super) unsafe fn half_dots_scaled_avx2<const C: usize>(
 ) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
     let _ = folded;
-    let p = |q: usize| _mm256_maddubs_epi16(v[q], _mm256_set1_epi32(*x.add(q)));
-    let half = |q: usize, s: __m256i| {
-        let a = _mm256_madd_epi16(_mm256_add_epi16(p(q), p(q + 1)), s);
-        let b = _mm256_madd_epi16(_mm256_add_epi16(p(q + 2), p(q + 3)), s);
-        _mm256_add_epi32(a, b)
-    };
     let sums = _mm256_set1_epi32((halves as *const i32).read_unaligned());
     let off = _mm256_madd_epi16(scales.off, sums);
-    _mm256_add_epi32(
-        _mm256_add_epi32(half(0, scales.s[0]), half(4, scales.s[1])),
-        off,
-    )
+    let dots = _mm256_add_epi32(
+        half_sums(v, x, 0, scales.s[0]),
+        half_sums(v, x, 4, scales.s[1]),
+    );
+    _mm256_add_epi32(dots, off)
 }
 
 /// Per lane (row), the dot product of a block of Q8_0 values flipped back from `q + 128` to
@@ -149,12 +167,9 @@ pub(super) unsafe fn half_dots_avx2<const C: usize>(
     folded: [i32; 2],
 ) -> [std::arch::x86_64::__m256i; 2] {
     use std::arch::x86_64::*;
-    let p = |q: usize| _mm256_maddubs_epi16(v[q], _mm256_set1_epi32(*x.add(q)));
     let ones = _mm256_set1_epi16(1);
     let half = |q: usize, folded: i32| {
-        let a = _mm256_madd_epi16(_mm256_add_epi16(p(q), p(q + 1)), ones);
-        let b = _mm256_madd_epi16(_mm256_add_epi16(p(q + 2), p(q + 3)), ones);
-        _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_set1_epi32(folded))
+        _mm256_add_epi32(half_sums(v, x, q, ones), _mm256_set1_epi32(folded))
     };
     [half(0, folded[0]), half(4, folded[1])]
 }
