@@ -352,6 +352,7 @@ cpu_cores() {
         LLAMA_CPP_EX_SIMD=avx2 PP_REPS=2 timeout 60 "$bin/decode_profile" "$m" "$t" 128 \
           > "$log/ours_cpu_avx2_${name}_$t.txt" 2>&1
         summary+="CPU $name $t threads, ours at the AVX2 level: $(grep -E '^(pp|tg)' "$log/ours_cpu_avx2_${name}_$t.txt" | tr '\n' ' ')"$'\n'
+        summary+="CPU $name $t threads, a decode step's $(grep -E '^pool:' "$log/ours_cpu_sections_${name}_$t.txt")"$'\n'
       fi
       summary+="CPU $name $t threads: llama.cpp $(grep -E '^\| .*(pp|tg)' "$log/lcp_cpu_${name}_$t.md" |
         awk -F'|' '{printf "%s %s; ", $(NF-2), $(NF-1)}') ours $(grep -E '^(pp|tg|pool|median)' "$log/ours_cpu_${name}_$t.txt" | tr '\n' ' ')"$'\n'

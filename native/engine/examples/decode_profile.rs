@@ -15,7 +15,8 @@
 //! median: on a machine whose bandwidth drifts between runs, a share from the same moment.
 //! `SECTIONS=1` prints where the decode steps' time went: each product, attention, the steps
 //! between them ([`llama_cpp_ex_engine::profile`]), in microseconds a step, and the same for
-//! the pp512 runs (a "step" there is one whole prompt). `DMMV=1` (a `cuda` build) has candle's
+//! the pp512 runs (a "step" there is one whole prompt), and how much of the decode steps the
+//! pool's workers sat idle and its caller waited for them. `DMMV=1` (a `cuda` build) has candle's
 //! quantized products take their f32 activations as they are, one launch per product, where
 //! its default quantizes them to Q8_1 first (two launches); rows beyond one then dequantize
 //! whole matrices, so it is for timing one stream. With `LLAMA_CPP_EX_CUDA_GRAPHS=1` it
@@ -188,10 +189,13 @@ fn main() {
         } else {
             String::new()
         };
+        // the timed steps' wall time, while the pool's accounting was on
+        let timed: f64 = runs.iter().map(|tps| steps as f64 / tps).sum();
         println!("tg{steps}{at}: {:.1} tok/s", runs[2]);
         print_graphs(&copies);
         if sections {
             print_sections(5 * steps);
+            print_pool_time(&pool_before, timed, threads);
         }
         // (the 5 runs' prompts included: a few calls against hundreds of steps)
         let pool = llama_cpp_ex_engine::pool::stats();
@@ -220,6 +224,7 @@ fn main() {
             })
             .collect();
         profile::take();
+        let pool_before = llama_cpp_ex_engine::pool::stats();
         profile::enable(sections);
         let before = ctx.device_copies();
         let t = Instant::now();
@@ -239,12 +244,10 @@ fn main() {
                 ctx.decode(&b).unwrap();
             }
         }
+        let timed = t.elapsed().as_secs_f64();
         let n = (steps * streams) as f64;
         let how = if sample { " (sampled)" } else { "" };
-        println!(
-            "{streams} streams{how}: {:.1} tok/s",
-            n / t.elapsed().as_secs_f64()
-        );
+        println!("{streams} streams{how}: {:.1} tok/s", n / timed);
         let after = ctx.device_copies();
         if sample && after.to_host > before.to_host {
             println!(
@@ -260,8 +263,29 @@ fn main() {
         profile::enable(false);
         if sections {
             print_sections(steps);
+            print_pool_time(&pool_before, timed, threads);
         }
     }
+}
+
+/// How the pool's threads spent `timed` seconds of timed steps since `before`: the workers'
+/// share of their time idle (the caller's serial steps, waking, or done before it), and the
+/// caller's time in three: its part of the pool's calls, waiting for the workers after it,
+/// and alone (serial steps, and calls too short for the pool).
+fn print_pool_time(before: &llama_cpp_ex_engine::pool::PoolStats, timed: f64, threads: usize) {
+    let after = llama_cpp_ex_engine::pool::stats();
+    let share =
+        |a: std::time::Duration, b: std::time::Duration| 100.0 * (a - b).as_secs_f64() / timed;
+    let helpers = threads.saturating_sub(1).max(1) as f64;
+    let (work, wait) = (
+        share(after.caller_work, before.caller_work),
+        share(after.join_wait, before.join_wait),
+    );
+    println!(
+        "pool: workers idle {:.1}% of their time; the caller in its part of calls {work:.1}%, waiting for the workers {wait:.1}%, alone {:.1}%",
+        (100.0 - share(after.helper_work, before.helper_work) / helpers).max(0.0),
+        (100.0 - work - wait).max(0.0)
+    );
 }
 
 /// How many decode steps ran bucketed and how many of them replayed a CUDA graph

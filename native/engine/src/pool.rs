@@ -85,6 +85,18 @@ pub struct PoolStats {
     /// Times a call had to unpark a sleeping worker (a system call, then the scheduler's
     /// latency before the worker runs).
     pub unparks: usize,
+    /// Time workers spent running calls' jobs, counted while [`crate::profile`] times
+    /// passes: against the workers' share of the wall time, how much of it they are idle
+    /// (the caller's serial steps, waking, uneven shares).
+    pub helper_work: Duration,
+    /// Time callers spent publishing calls on the pool and running their own part of them,
+    /// counted while [`crate::profile`] times passes; the rest of a caller's time, but for
+    /// [`Self::join_wait`], is serial: steps no worker can help with.
+    pub caller_work: Duration,
+    /// Time callers spent waiting for their helpers after finishing their own part of a
+    /// call, counted while [`crate::profile`] times passes (late starts, uneven shares,
+    /// preempted helpers).
+    pub join_wait: Duration,
 }
 
 /// The pool's counters.
@@ -99,6 +111,9 @@ pub fn stats() -> PoolStats {
             .map(|w| w.0.load(Ordering::Relaxed))
             .sum(),
         unparks: p.shared.unparks.0.load(Ordering::Relaxed),
+        helper_work: Duration::from_nanos(p.shared.helper_work.0.load(Ordering::Relaxed)),
+        caller_work: Duration::from_nanos(p.shared.caller_work.0.load(Ordering::Relaxed)),
+        join_wait: Duration::from_nanos(p.shared.join_wait.0.load(Ordering::Relaxed)),
     }
 }
 
@@ -172,6 +187,11 @@ struct Shared {
     wakeups: Vec<Line<AtomicUsize>>,
     /// Unparks by callers (see [`stats`]).
     unparks: Line<AtomicUsize>,
+    /// Nanoseconds of [`PoolStats::helper_work`], [`PoolStats::caller_work`] and
+    /// [`PoolStats::join_wait`].
+    helper_work: Line<AtomicU64>,
+    caller_work: Line<AtomicU64>,
+    join_wait: Line<AtomicU64>,
     panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
@@ -218,6 +238,9 @@ fn pool() -> &'static Pool {
                 .map(|_| Line(AtomicUsize::new(0)))
                 .collect(),
             unparks: Line(AtomicUsize::new(0)),
+            helper_work: Line(AtomicU64::new(0)),
+            caller_work: Line(AtomicU64::new(0)),
+            join_wait: Line(AtomicU64::new(0)),
             panic: Mutex::new(None),
         }),
         call: Mutex::new(Vec::new()),
@@ -246,9 +269,13 @@ fn worker(shared: Arc<Shared>, id: usize, mut seen: u64) {
         // SAFETY: see `Shared`: this worker is active for this state, so the job stays
         // valid until its decrement of `pending` below.
         let job = unsafe { *shared.job().get() };
+        let clock = crate::profile::enabled().then(Instant::now);
         if let Err(payload) = catch_unwind(AssertUnwindSafe(|| unsafe { (job.call)(job.data) })) {
             let mut slot = shared.panic.lock().unwrap_or_else(|e| e.into_inner());
             slot.get_or_insert(payload);
+        }
+        if let Some(start) = clock {
+            add_nanos(&shared.helper_work.0, start);
         }
         shared.pending.0.fetch_sub(1, Ordering::AcqRel);
     }
@@ -283,6 +310,10 @@ fn wait_for_call(shared: &Shared, id: usize, seen: u64, spin: bool) -> u64 {
         }
         std::thread::park();
     }
+}
+
+fn add_nanos(total: &AtomicU64, since: Instant) {
+    total.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
 }
 
 /// Starts workers until `helpers` exist (fewer if the system refuses threads); returns how
@@ -325,6 +356,8 @@ fn run_on_workers<F: Fn() + Sync>(
         };
     }
     shared.pending.0.store(helpers, Ordering::Release);
+    // (from before the publish: a worker's part of the call starts after it)
+    let clock = crate::profile::enabled().then(Instant::now);
     let word = state_word(epoch_of(before) + 1, helpers, team);
     shared.state().store(word, Ordering::SeqCst);
     for (id, thread) in started.iter().enumerate().take(helpers) {
@@ -334,6 +367,10 @@ fn run_on_workers<F: Fn() + Sync>(
         }
     }
     let own = catch_unwind(AssertUnwindSafe(f));
+    let clock = clock.map(|start| {
+        add_nanos(&shared.caller_work.0, start);
+        Instant::now()
+    });
     let mut polls = 0u32;
     while shared.pending.0.load(Ordering::Acquire) != 0 {
         polls += 1;
@@ -343,6 +380,9 @@ fn run_on_workers<F: Fn() + Sync>(
         } else {
             std::hint::spin_loop();
         }
+    }
+    if let Some(start) = clock {
+        add_nanos(&shared.join_wait.0, start);
     }
     let worker_panic = shared
         .panic
@@ -520,6 +560,44 @@ mod tests {
         for h in handles {
             assert_eq!(h.join().unwrap(), 5000);
         }
+    }
+
+    #[test]
+    fn timed_calls_count_the_workers_work_and_the_callers_part_and_wait() {
+        let _timing = crate::profile::TIMING
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        crate::profile::enable(true);
+        let nap = Duration::from_millis(2);
+        // another test's call may hold the pool, and then this one runs inline: try until a
+        // call ran on two threads (the caller's part item 0, the worker's item 1)
+        let counted = (0..200).any(|_| {
+            let before = stats();
+            let places = Mutex::new(Vec::new());
+            with_threads(2, || {
+                for_each_chunk_in(2, 1, |r| {
+                    places.lock().unwrap().push(PLACE.with(|p| p.get()));
+                    std::thread::sleep(nap * (1 + r.start as u32));
+                })
+            });
+            let mut places = places.into_inner().unwrap();
+            places.sort_unstable();
+            places.dedup();
+            if places.len() < 2 {
+                return false;
+            }
+            // other calls timed meanwhile only add to the totals: lower bounds
+            let after = stats();
+            assert!(after.helper_work - before.helper_work >= 2 * nap);
+            assert!(after.caller_work - before.caller_work >= nap);
+            // the caller's clock runs from before the publish to the worker's end
+            let caller =
+                (after.caller_work + after.join_wait) - (before.caller_work + before.join_wait);
+            assert!(caller >= 2 * nap);
+            true
+        });
+        crate::profile::enable(false);
+        assert!(counted);
     }
 
     #[test]

@@ -60,9 +60,20 @@ impl Section {
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static NANOS: [AtomicU64; Section::ALL.len()] = [const { AtomicU64::new(0) }; Section::ALL.len()];
 
-/// Turns the timing of forward passes on or off (off by default).
+/// Turns the timing of forward passes on or off (off by default), the worker pool's
+/// accounting of its threads' time included ([`crate::pool::PoolStats`]).
 pub fn enable(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// Serialises the tests that turn timing on and off (the switch is per process).
+#[cfg(test)]
+pub(crate) static TIMING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Whether forward passes are being timed.
+#[inline]
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
 }
 
 /// The time spent in each section since the last call, and resets it.
@@ -103,6 +114,7 @@ mod tests {
     #[test]
     fn a_lap_adds_the_time_since_the_last_to_its_section() {
         // other tests' passes may be timed while this one has timing on: lower bounds only
+        let _timing = TIMING.lock().unwrap_or_else(|e| e.into_inner());
         enable(true);
         let mut clock = Clock::start();
         std::thread::sleep(Duration::from_millis(2));
