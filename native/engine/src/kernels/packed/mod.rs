@@ -1043,14 +1043,15 @@ impl PackedMatrix {
         let groups = g..g + rows.div_ceil(GROUP);
         if self.pairs_groups(a.m) {
             self.two_groups(TwoGroups::Buffered, base, a, act, groups, out)
-        } else if self.wide_groups() {
+        } else if self.wide_groups() && !Self::single_row_on_avx2(a.m) {
             self.two_groups(TwoGroups::Wide, base, a, act, groups, out)
         } else {
             self.group(base, a, act, groups, out)
         }
     }
 
-    /// Row groups `groups` (one after the other) on the one-group kernel of the CPU.
+    /// Row groups `groups` (one after the other) on the one-group kernel of the CPU (the
+    /// AVX2 one for a single row where [`Self::single_row_on_avx2`]).
     fn group(
         &self,
         base: &Base,
@@ -1064,7 +1065,7 @@ impl PackedMatrix {
             // SAFETY: the features were detected at run time; every offset stays inside the
             // matrices and the activations (checked by the asserts in `matmul`), and each
             // row group writes only its own output columns.
-            if super::has_vnni() {
+            if super::has_vnni() && !Self::single_row_on_avx2(a.m) {
                 return unsafe { group_kernel_vnni(self, base, a, act, groups, out) };
             }
             if super::has_avx2() {
@@ -1090,6 +1091,12 @@ impl PackedMatrix {
         }
         let _ = m;
         false
+    }
+
+    /// Whether a product of `m` activation rows runs on the one-group AVX2 kernels although
+    /// the VNNI path is available ([`super::single_row_on_one_group`]).
+    fn single_row_on_avx2(m: usize) -> bool {
+        m == 1 && super::has_vnni() && super::single_row_on_one_group()
     }
 
     /// Whether short batches (decode) run two row groups per pass in 512-bit vectors
