@@ -353,6 +353,16 @@ cpu_cores() {
           > "$log/ours_cpu_avx2_${name}_$t.txt" 2>&1
         summary+="CPU $name $t threads, ours at the AVX2 level: $(grep -E '^(pp|tg)' "$log/ours_cpu_avx2_${name}_$t.txt" | tr '\n' ' ')"$'\n'
         summary+="CPU $name $t threads, a decode step's $(grep -E '^pool:' "$log/ours_cpu_sections_${name}_$t.txt")"$'\n'
+        # a single row's products on the one-group kernels (the choice on AMD Zen 5) against
+        # the 512-bit two-group kernel, alternated twice, to see whether this CPU wants it too
+        local k r ab=""
+        for r in 1 2; do
+          for k in group wide; do
+            ab+="$k $(LLAMA_CPP_EX_DECODE_KERNEL=$k TG_ONLY=1 timeout 60 "$bin/decode_profile" "$m" "$t" 128 2>&1 |
+              grep -E '^tg' | sed 's/^tg128: //'); "
+          done
+        done
+        summary+="CPU $name $t threads, single-row decode kernel: $ab"$'\n'
       fi
       summary+="CPU $name $t threads: llama.cpp $(grep -E '^\| .*(pp|tg)' "$log/lcp_cpu_${name}_$t.md" |
         awk -F'|' '{printf "%s %s; ", $(NF-2), $(NF-1)}') ours $(grep -E '^(pp|tg|pool|median)' "$log/ours_cpu_${name}_$t.txt" | tr '\n' ' ')"$'\n'
