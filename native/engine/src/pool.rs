@@ -367,9 +367,12 @@ fn run_on_workers<F: Fn() + Sync>(
         }
     }
     let own = catch_unwind(AssertUnwindSafe(f));
+    // (one reading ends the caller's part and starts its wait: together they are the call)
     let clock = clock.map(|start| {
-        add_nanos(&shared.caller_work.0, start);
-        Instant::now()
+        let now = Instant::now();
+        let nanos = now.duration_since(start).as_nanos() as u64;
+        shared.caller_work.0.fetch_add(nanos, Ordering::Relaxed);
+        now
     });
     let mut polls = 0u32;
     while shared.pending.0.load(Ordering::Acquire) != 0 {
