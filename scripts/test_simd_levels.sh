@@ -10,7 +10,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
 levels=()
-if [[ $flags =~ (avx512_vnni|avx512vnni) ]] && [[ $flags =~ avx512vl ]]; then levels+=(avx2); fi
+vnni=false
+if [[ $flags =~ (avx512_vnni|avx512vnni) ]] && [[ $flags =~ avx512vl ]]; then
+  levels+=(avx2)
+  vnni=true
+fi
 if [[ $flags =~ avx2 ]]; then levels+=(scalar); fi
 for level in "${levels[@]}"; do
   echo "==> engine kernel, parity and allocation tests with LLAMA_CPP_EX_SIMD=$level"
@@ -20,7 +24,7 @@ for level in "${levels[@]}"; do
     -p llama_cpp_ex_engine --test kernels --test llama_parity --test gemma3_parity \
     --test allocations --test arch_parity --test kv_precision
 done
-if [[ " ${levels[*]} " == *" avx2 "* ]]; then
+if $vnni; then
   # the VNNI path runs a single row's products on one of two kernels by CPU (see
   # `kernels::single_row_on_one_group`): the parity and batch-invariance tests on each
   for kernel in wide group; do

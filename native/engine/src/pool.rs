@@ -312,8 +312,15 @@ fn wait_for_call(shared: &Shared, id: usize, seen: u64, spin: bool) -> u64 {
     }
 }
 
-fn add_nanos(total: &AtomicU64, since: Instant) {
-    total.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+/// Adds the time since `since` to `total`; returns the reading it took, where the next span
+/// can start.
+fn add_nanos(total: &AtomicU64, since: Instant) -> Instant {
+    let now = Instant::now();
+    total.fetch_add(
+        now.duration_since(since).as_nanos() as u64,
+        Ordering::Relaxed,
+    );
+    now
 }
 
 /// Starts workers until `helpers` exist (fewer if the system refuses threads); returns how
@@ -368,12 +375,7 @@ fn run_on_workers<F: Fn() + Sync>(
     }
     let own = catch_unwind(AssertUnwindSafe(f));
     // (one reading ends the caller's part and starts its wait: together they are the call)
-    let clock = clock.map(|start| {
-        let now = Instant::now();
-        let nanos = now.duration_since(start).as_nanos() as u64;
-        shared.caller_work.0.fetch_add(nanos, Ordering::Relaxed);
-        now
-    });
+    let clock = clock.map(|start| add_nanos(&shared.caller_work.0, start));
     let mut polls = 0u32;
     while shared.pending.0.load(Ordering::Acquire) != 0 {
         polls += 1;
