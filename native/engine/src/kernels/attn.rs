@@ -5,8 +5,12 @@
 //! keeps 4×2 score accumulators and 4×16 output columns in registers, so every loaded key or
 //! value vector is used by four query rows (by the 1–3 left over in a last, narrower pass: a
 //! decode tile of 3 query heads per KV head computes 3 rows, not 4). Each row's arithmetic is
-//! its own, so the passes never change a result. [`exp_sum`] and [`max_of`] do the
-//! softmax of a score row between the two.
+//! its own, so the passes never change a result. On the AVX-512 level the same kernels run
+//! 512 bits wide (two keys side by side in a score accumulator, 16 columns in an output
+//! one), each lane adding the same products in the same order: bitwise the AVX2 results, in
+//! half the multiply-add instructions (5–7% less time for a decode step's attention with
+//! its keys in cache, 2–20% from memory, in alternating rounds on a Zen 5). [`exp_sum`] and
+//! [`max_of`] do the softmax of a score row between the two.
 
 use crate::math::fast_exp;
 #[cfg(target_arch = "x86_64")]
@@ -24,6 +28,22 @@ const COL_BLOCK: usize = 16;
 fn simd_ok(hd: usize) -> bool {
     hd.is_multiple_of(COL_BLOCK) && super::has_avx2()
 }
+
+/// Whether the 512-bit kernels run ([`scores_avx512`], [`accumulate_avx512`]): on the
+/// AVX-512 level, with AVX-512 DQ (every CPU with VNNI has it), for head dims of whole
+/// 32-column passes.
+#[cfg(target_arch = "x86_64")]
+fn wide_ok(hd: usize) -> bool {
+    use std::sync::OnceLock;
+    static DQ: OnceLock<bool> = OnceLock::new();
+    hd.is_multiple_of(WIDE_COL_BLOCK)
+        && super::has_vnni()
+        && *DQ.get_or_init(|| is_x86_feature_detected!("avx512dq"))
+}
+
+/// Output columns per pass of [`accumulate_avx512`] (two 16-lane vectors).
+#[cfg(target_arch = "x86_64")]
+const WIDE_COL_BLOCK: usize = 32;
 
 /// Keys or values, `[keys, hd]` row-major: the KV cache's own rows or f32 scratch.
 #[derive(Clone, Copy)]
@@ -71,6 +91,43 @@ trait Src: Copy {
         i: usize,
         factor: std::arch::x86_64::__m256,
     ) -> std::arch::x86_64::__m256;
+
+    /// Elements `a..a + 8` in the low 8 lanes and `b..b + 8` in the high ones, each widened
+    /// as [`Src::load8_in`] does, given their blocks' factors.
+    ///
+    /// # Safety
+    /// As [`Src::load8_in`] for `a` and for `b`; the caller runs with AVX-512 F.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8x2_in(
+        self,
+        a: usize,
+        fa: std::arch::x86_64::__m256,
+        b: usize,
+        fb: std::arch::x86_64::__m256,
+    ) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        let (lo, hi) = (self.load8_in(a, fa), self.load8_in(b, fb));
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+            _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+            _mm256_castps_pd(hi),
+        ))
+    }
+
+    /// Elements `i..i + 16` of one block, widened as [`Src::load8_in`] does.
+    ///
+    /// # Safety
+    /// As [`Src::load8_in`] for `i` and `i + 8`, both in the block of `factor`; the caller
+    /// runs with AVX-512 F.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16_in(
+        self,
+        i: usize,
+        factor: std::arch::x86_64::__m256,
+    ) -> std::arch::x86_64::__m512 {
+        self.load8x2_in(i, factor, i + 8, factor)
+    }
 }
 
 impl Src for &[f32] {
@@ -87,6 +144,12 @@ impl Src for &[f32] {
     #[inline(always)]
     unsafe fn load8_in(self, i: usize, _: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
         std::arch::x86_64::_mm256_loadu_ps(self.as_ptr().add(i))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16_in(self, i: usize, _: std::arch::x86_64::__m256) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(self.as_ptr().add(i))
     }
 }
 
@@ -105,6 +168,27 @@ impl Src for &[f16] {
     unsafe fn load8_in(self, i: usize, _: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
         _mm256_cvtph_ps(_mm_loadu_si128(self.as_ptr().add(i) as *const __m128i))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8x2_in(
+        self,
+        a: usize,
+        _: std::arch::x86_64::__m256,
+        b: usize,
+        _: std::arch::x86_64::__m256,
+    ) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        let at = |i: usize| _mm_loadu_si128(self.as_ptr().add(i) as *const __m128i);
+        _mm512_cvtph_ps(_mm256_set_m128i(at(b), at(a)))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16_in(self, i: usize, _: std::arch::x86_64::__m256) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_cvtph_ps(_mm256_loadu_si256(self.as_ptr().add(i) as *const __m256i))
     }
 }
 
@@ -192,8 +276,15 @@ fn scores_of<T: Src>(
     assert!(rows == 0 || s.len() >= (rows - 1) * s_stride + keys);
     #[cfg(target_arch = "x86_64")]
     if simd_ok(hd) {
-        // SAFETY: AVX2, FMA and F16C were detected; the asserts above bound every access.
-        unsafe { scores_avx2(q, rows, k, keys, hd, s, s_stride) };
+        // SAFETY: AVX2, FMA and F16C (and AVX-512 F and DQ for the wide kernel) were
+        // detected; the asserts above bound every access.
+        unsafe {
+            if wide_ok(hd) {
+                scores_avx512(q, rows, k, keys, hd, s, s_stride)
+            } else {
+                scores_avx2(q, rows, k, keys, hd, s, s_stride)
+            }
+        };
         return;
     }
     for i in 0..rows {
@@ -257,8 +348,15 @@ fn accumulate_of<T: Src>(
     assert!(rows == 0 || p.len() >= (rows - 1) * p_stride + keys);
     #[cfg(target_arch = "x86_64")]
     if simd_ok(hd) {
-        // SAFETY: AVX2, FMA and F16C were detected; the asserts above bound every access.
-        unsafe { accumulate_avx2(p, p_stride, rows, v, keys, hd, o) };
+        // SAFETY: AVX2, FMA and F16C (and AVX-512 F for the wide kernel) were detected; the
+        // asserts above bound every access.
+        unsafe {
+            if wide_ok(hd) {
+                accumulate_avx512(p, p_stride, rows, v, keys, hd, o)
+            } else {
+                accumulate_avx2(p, p_stride, rows, v, keys, hd, o)
+            }
+        };
         return;
     }
     for i in 0..rows {
@@ -556,6 +654,170 @@ unsafe fn accumulate_rows_avx2<T: Src, const R: usize, const H: usize>(
     }
 }
 
+/// [`scores_avx2`] in 512-bit vectors: each of a row's accumulators holds two keys side by
+/// side (lanes 0–7 the first key's, 8–15 the second's), so every lane adds the same
+/// products in the same order as the AVX2 kernel's, and the horizontal sums are the same
+/// operations: bitwise its scores, with half the multiply-add instructions.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn scores_avx512<T: Src>(
+    q: &[f32],
+    rows: usize,
+    k: T,
+    keys: usize,
+    hd: usize,
+    s: &mut [f32],
+    s_stride: usize,
+) {
+    with_head_dim!(hd, H, {
+        row_passes!(rows, |r0, R| scores_rows_avx512::<T, R, H>(
+            q, r0, k, keys, hd, s, s_stride
+        ))
+    });
+}
+
+/// Scores of rows `r0..r0 + R` (`R ≤ ROW_BLOCK`) against every key, 512 bits wide.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn scores_rows_avx512<T: Src, const R: usize, const H: usize>(
+    q: &[f32],
+    r0: usize,
+    k: T,
+    keys: usize,
+    hd: usize,
+    s: &mut [f32],
+    s_stride: usize,
+) {
+    use std::arch::x86_64::*;
+    let hd = if H > 0 { H } else { hd };
+    let (qp, sp) = (q.as_ptr(), s.as_mut_ptr());
+    let halves = |v: __m512| {
+        let d = _mm512_castps_pd(v);
+        (
+            _mm512_castps512_ps256(v),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(d)),
+        )
+    };
+    // four keys a pass where they are: twice the independent chains of multiply-adds (each
+    // lane's chain is the head dim over 8 long, its order fixed by the AVX2 kernel's), and
+    // one horizontal reduction per row for four scores
+    let mut j0 = 0;
+    while j0 + 2 * KEY_BLOCK <= keys {
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        let mut f = [_mm256_setzero_ps(); 2 * KEY_BLOCK];
+        let mut d = 0;
+        while d < hd {
+            let at: [usize; 4] = std::array::from_fn(|j| (j0 + j) * hd + d);
+            if d % T::BLOCK == 0 {
+                f = at.map(|a| k.factor(a));
+            }
+            let kv = [
+                k.load8x2_in(at[0], f[0], at[1], f[1]),
+                k.load8x2_in(at[2], f[2], at[3], f[3]),
+            ];
+            for (i, row) in acc.iter_mut().enumerate() {
+                let qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qp.add((r0 + i) * hd + d)));
+                row[0] = _mm512_fmadd_ps(qv, kv[0], row[0]);
+                row[1] = _mm512_fmadd_ps(qv, kv[1], row[1]);
+            }
+            d += 8;
+        }
+        for (i, row) in acc.iter().enumerate() {
+            let (a, b) = (halves(row[0]), halves(row[1]));
+            // [k0 k1 k2 k3]: the AVX2 kernel's reduction of each key's 8 lanes
+            let h = _mm256_hadd_ps(_mm256_hadd_ps(a.0, a.1), _mm256_hadd_ps(b.0, b.1));
+            let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(sp.add((r0 + i) * s_stride + j0), sums);
+        }
+        j0 += 2 * KEY_BLOCK;
+    }
+    if j0 < keys {
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut f = [_mm256_setzero_ps(); KEY_BLOCK];
+        let mut d = 0;
+        while d < hd {
+            let at = [j0 * hd + d, (j0 + 1) * hd + d];
+            if d % T::BLOCK == 0 {
+                f = [k.factor(at[0]), k.factor(at[1])];
+            }
+            let kv = k.load8x2_in(at[0], f[0], at[1], f[1]);
+            for (i, row) in acc.iter_mut().enumerate() {
+                let qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qp.add((r0 + i) * hd + d)));
+                *row = _mm512_fmadd_ps(qv, kv, *row);
+            }
+            d += 8;
+        }
+        for (i, row) in acc.iter().enumerate() {
+            let a = halves(*row);
+            let h = _mm256_hadd_ps(_mm256_hadd_ps(a.0, a.1), _mm256_setzero_ps());
+            let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            let at = sp.add((r0 + i) * s_stride + j0);
+            *at = _mm_cvtss_f32(sums);
+            *at.add(1) = _mm_cvtss_f32(_mm_shuffle_ps::<1>(sums, sums));
+        }
+    }
+}
+
+/// [`accumulate_avx2`] in 512-bit vectors, [`WIDE_COL_BLOCK`] columns a pass: each output
+/// element adds the same products in the same order, so the results are bitwise the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn accumulate_avx512<T: Src>(
+    p: &[f32],
+    p_stride: usize,
+    rows: usize,
+    v: T,
+    keys: usize,
+    hd: usize,
+    o: &mut [f32],
+) {
+    with_head_dim!(hd, H, {
+        row_passes!(rows, |r0, R| accumulate_rows_avx512::<T, R, H>(
+            p, p_stride, r0, v, keys, hd, o
+        ))
+    });
+}
+
+/// The weighted sums of rows `r0..r0 + R` (`R ≤ ROW_BLOCK`), 512 bits wide.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn accumulate_rows_avx512<T: Src, const R: usize, const H: usize>(
+    p: &[f32],
+    p_stride: usize,
+    r0: usize,
+    v: T,
+    keys: usize,
+    hd: usize,
+    o: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let hd = if H > 0 { H } else { hd };
+    let (pp, op) = (p.as_ptr(), o.as_mut_ptr());
+    for c in (0..hd).step_by(WIDE_COL_BLOCK) {
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        for (i, row) in acc.iter_mut().enumerate() {
+            let at = op.add((r0 + i) * hd + c);
+            *row = [_mm512_loadu_ps(at), _mm512_loadu_ps(at.add(16))];
+        }
+        for j in 0..keys {
+            // (one block: `WIDE_COL_BLOCK` divides a quantized block and the head dim)
+            let f = v.factor(j * hd + c);
+            let v0 = v.load16_in(j * hd + c, f);
+            let v1 = v.load16_in(j * hd + c + 16, f);
+            for (i, row) in acc.iter_mut().enumerate() {
+                let w = _mm512_set1_ps(*pp.add((r0 + i) * p_stride + j));
+                row[0] = _mm512_fmadd_ps(w, v0, row[0]);
+                row[1] = _mm512_fmadd_ps(w, v1, row[1]);
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            let at = op.add((r0 + i) * hd + c);
+            _mm512_storeu_ps(at, row[0]);
+            _mm512_storeu_ps(at.add(16), row[1]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -604,6 +866,17 @@ mod tests {
                 }
             }
             assert_eq!(o1, o2, "weighted sums, {rows} rows of {hd}");
+            if wide_ok(hd) {
+                let mut s3 = vec![0f32; rows * stride];
+                let mut o3 = vec![0.25f32; rows * hd];
+                // SAFETY: AVX-512 F and DQ were detected; the buffers hold every index touched.
+                unsafe {
+                    scores_avx512(&q, rows, &k[..], keys, hd, &mut s3, stride);
+                    accumulate_avx512(&s1, stride, rows, &k[..], keys, hd, &mut o3);
+                }
+                assert_eq!(s3, s1, "512-bit scores, {rows} rows of {hd}");
+                assert_eq!(o3, o1, "512-bit weighted sums, {rows} rows of {hd}");
+            }
         }
     }
 

@@ -135,10 +135,20 @@ pub fn paged_attention(
     out: &mut [f32],
 ) {
     assert_eq!(q.len(), out.len());
-    let n_pairs = tiles.len() * p.n_kv_heads;
+    let ratio = p.n_head / p.n_kv_heads;
+    let threads = crate::pool::threads();
+    // Fewer (tile, KV head) pairs than threads (a decode step of one sequence over 1–3 KV
+    // heads): each pair's query heads are split among tasks too. Every row's arithmetic is
+    // its own, so the results do not change; each task reads the pair's keys and values.
+    let units = tiles.len() * p.n_kv_heads;
+    let parts = if units < threads {
+        ratio.min(threads.div_ceil(units))
+    } else {
+        1
+    };
+    let n_pairs = units * parts;
     let shared = SharedOut(out.as_mut_ptr());
     let shared = &shared;
-    let ratio = p.n_head / p.n_kv_heads;
     let with_scratch = |f: &mut dyn FnMut(&mut Scratch)| {
         SCRATCH.with(|cell| {
             let mut scratch = cell.borrow_mut();
@@ -147,8 +157,11 @@ pub fn paged_attention(
         })
     };
     let tile = |pair: usize| {
-        let (start, len) = tiles[pair / p.n_kv_heads];
-        Tile::new(kv, layer, batch, start, len, pair % p.n_kv_heads, p)
+        let (unit, part) = (pair / parts, pair % parts);
+        let (start, len) = tiles[unit / p.n_kv_heads];
+        let head0 = unit % p.n_kv_heads * ratio;
+        let heads = head0 + part * ratio / parts..head0 + (part + 1) * ratio / parts;
+        Tile::new(kv, layer, batch, start, len, heads, p)
     };
     let walk = |range: std::ops::Range<usize>| {
         with_scratch(&mut |s| {
@@ -169,7 +182,6 @@ pub fn paged_attention(
     };
 
     // Few pairs: a task per segment, when that makes more tasks and the partial states fit.
-    let threads = crate::pool::threads();
     if n_pairs < 2 * threads && threads > 1 {
         let plan = SPLIT.with(|cell| {
             let mut split = cell.borrow_mut();
@@ -444,7 +456,8 @@ impl Scratch {
     }
 }
 
-/// One tile of queries (every query head of KV head `g`) and the slots its rows see.
+/// One tile of queries (query heads `head0..head0 + heads`, some or all of those of KV head
+/// `g`) and the slots its rows see.
 struct Tile<'a> {
     blocks: &'a [u32],
     layer: usize,
@@ -453,7 +466,8 @@ struct Tile<'a> {
     g: usize,
     first: usize,
     last: usize,
-    ratio: usize,
+    head0: usize,
+    heads: usize,
     rows: usize,
     causal: bool,
     window: Option<usize>,
@@ -467,7 +481,7 @@ impl<'a> Tile<'a> {
         batch: &Batch,
         start: usize,
         len: usize,
-        g: usize,
+        heads: std::ops::Range<usize>,
         p: &AttnParams,
     ) -> Self {
         let ratio = p.n_head / p.n_kv_heads;
@@ -482,16 +496,17 @@ impl<'a> Tile<'a> {
                 .max()
                 .unwrap_or(last + 1)
         };
-        let rows = len * ratio;
+        let rows = len * heads.len();
         Tile {
             blocks: kv.seq_view(layer, seq).blocks,
             layer,
             start,
             len,
-            g,
+            g: heads.start / ratio,
             first: batch.pos[start],
             last,
-            ratio,
+            head0: heads.start,
+            heads: heads.len(),
             rows,
             causal: p.causal,
             window: kv.layer_window(layer),
@@ -545,8 +560,8 @@ impl<'a> Tile<'a> {
         let hd = p.head_dim;
         let row = p.n_head * hd;
         for t in 0..self.len {
-            let src = &q[(self.start + t) * row + self.g * self.ratio * hd..][..self.ratio * hd];
-            let dst = &mut s.q[t * self.ratio * hd..(t + 1) * self.ratio * hd];
+            let src = &q[(self.start + t) * row + self.head0 * hd..][..self.heads * hd];
+            let dst = &mut s.q[t * self.heads * hd..(t + 1) * self.heads * hd];
             for (d, x) in dst.iter_mut().zip(src) {
                 *d = x * p.scale;
             }
@@ -585,7 +600,7 @@ impl<'a> Tile<'a> {
             let st = &mut s.state;
             for r in 0..rows {
                 let probs = &mut s.s[r * CHUNK..r * CHUNK + keys];
-                let pos = self.first + r / self.ratio;
+                let pos = self.first + r / self.heads;
                 // slots of this chunk visible to the row's query, relative to c0
                 let (a, z) = (self.lo_of(pos).max(start).max(c0), self.hi_of(pos).min(c1));
                 if a >= z {
@@ -651,11 +666,11 @@ impl<'a> Tile<'a> {
         let hd = p.head_dim;
         let row = p.n_head * hd;
         for t in 0..self.len {
-            let off = (self.start + t) * row + self.g * self.ratio * hd;
-            // SAFETY: see `SharedOut`; `off + ratio * hd` is within the output (`q.len()`).
-            let o = unsafe { std::slice::from_raw_parts_mut(shared.0.add(off), self.ratio * hd) };
-            for h in 0..self.ratio {
-                let r = t * self.ratio + h;
+            let off = (self.start + t) * row + self.head0 * hd;
+            // SAFETY: see `SharedOut`; `off + heads * hd` is within the output (`q.len()`).
+            let o = unsafe { std::slice::from_raw_parts_mut(shared.0.add(off), self.heads * hd) };
+            for h in 0..self.heads {
+                let r = t * self.heads + h;
                 let inv = 1.0 / total.l[r];
                 for (x, acc) in o[h * hd..(h + 1) * hd].iter_mut().zip(&total.o[r * hd..]) {
                     *x = acc * inv;
@@ -819,10 +834,11 @@ mod tests {
         }
     }
 
-    /// A decoding token at a long context, with an even and an odd number of slots in its
-    /// last block, with and without a sliding window (whose first block is partial), in f32
-    /// and f16 caches: one task per segment on two threads equals the pairs walking their
-    /// segments on one thread, in a batch with more pairs than threads, and the same token as
+    /// A decoding token at a short context and at a long one, with an even and an odd number
+    /// of slots in its last block, with and without a sliding window (whose first block is
+    /// partial), in f32 and f16 caches: its query heads split among tasks, and one task per
+    /// segment, on two and three threads equal the pairs walking their segments on one
+    /// thread, in a batch with more pairs than threads, and the same token as
     /// the second of a two-token tile, all bitwise, and within f32 rounding of the softmax in
     /// f64.
     #[test]
@@ -830,6 +846,7 @@ mod tests {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         for ty in [KvType::F32, KvType::F16] {
             for (long, window) in [
+                (100, None),
                 (1000, None),
                 (1001, None),
                 (1000, Some(301)),
@@ -841,7 +858,10 @@ mod tests {
 
                 let alone = Batch::for_sequence(&[0], long - 1, 0);
                 let split = attend(&kv, &alone, &q, 2);
-                assert_eq!(split, attend(&kv, &alone, &q, 1), "{case}: threads");
+                let one = attend(&kv, &alone, &q, 1);
+                assert_eq!(split, one, "{case}: threads");
+                // (the query heads split in two tasks above, in three here)
+                assert_eq!(attend(&kv, &alone, &q, 3), one, "{case}: 3 threads");
 
                 // four more tiles (non-consecutive positions of sequence 1): five pairs
                 let mut mixed = Batch::for_sequence(&[0], long - 1, 0);
