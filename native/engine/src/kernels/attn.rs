@@ -6,10 +6,10 @@
 //! value vector is used by four query rows (by the 1–3 left over in a last, narrower pass: a
 //! decode tile of 3 query heads per KV head computes 3 rows, not 4). Each row's arithmetic is
 //! its own, so the passes never change a result. On the AVX-512 level the same kernels run
-//! 512 bits wide (two keys side by side in a score accumulator, 16 columns in an output
-//! one), each lane adding the same products in the same order: bitwise the AVX2 results, in
-//! half the multiply-add instructions (5–7% less time for a decode step's attention with
-//! its keys in cache, 2–20% from memory, in alternating rounds on a Zen 5). [`exp_sum`] and
+//! 512 bits wide (two keys side by side in a score accumulator, eight keys a pass whose sums
+//! are reduced together; 16 columns in an output accumulator; 16 exponentials a vector),
+//! each lane adding the same products in the same order: bitwise the AVX2 results
+//! (`docs/performance.md` has the alternated timings). [`exp_sum`] and
 //! [`max_of`] do the softmax of a score row between the two.
 
 use crate::math::fast_exp;
@@ -390,7 +390,10 @@ pub fn max_of(xs: &[f32]) -> f32 {
 pub fn exp_sum(xs: &mut [f32], m: f32) -> f32 {
     let mut lanes = [0f32; 8];
     #[cfg(target_arch = "x86_64")]
-    let done = if super::has_avx2() {
+    let done = if wide_ok(WIDE_COL_BLOCK) {
+        // SAFETY: AVX-512 F was detected; the function touches only `xs[..done]`.
+        unsafe { exp_sum_avx512(xs, m, &mut lanes) }
+    } else if super::has_avx2() {
         // SAFETY: AVX2 and FMA were detected; the function touches only `xs[..done]`.
         unsafe { exp_sum_avx2(xs, m, &mut lanes) }
     } else {
@@ -442,6 +445,58 @@ unsafe fn exp_sum_avx2(xs: &mut [f32], m: f32, lanes: &mut [f32; 8]) -> usize {
     }
     _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
     n
+}
+
+/// [`exp_sum_avx2`] 16 elements a pass: the exponentials in 512-bit vectors (the same
+/// operations on every lane), each pass's two halves added to the 8 lane sums one after the
+/// other, the order [`exp_sum`] defines. Then the last whole 8, if any, as the AVX2 path.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512dq")]
+unsafe fn exp_sum_avx512(xs: &mut [f32], m: f32, lanes: &mut [f32; 8]) -> usize {
+    use std::arch::x86_64::*;
+    let n16 = xs.len() / 16 * 16;
+    let mv = _mm512_set1_ps(m);
+    let mut acc = _mm256_setzero_ps();
+    for i in (0..n16).step_by(16) {
+        let at = xs.as_mut_ptr().add(i);
+        let e = fast_exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(at), mv));
+        _mm512_storeu_ps(at, e);
+        acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+        acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps::<1>(e));
+    }
+    if xs.len() - n16 >= 8 {
+        let at = xs.as_mut_ptr().add(n16);
+        let e = fast_exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(at), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(at, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    xs.len() / 8 * 8
+}
+
+/// [`fast_exp_avx2`] on 16 lanes: the same operations in the same order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn fast_exp_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    use FAST_EXP as C;
+    let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(C.lo)), _mm512_set1_ps(C.hi));
+    let round = _mm512_set1_ps(C.round);
+    let k = _mm512_sub_ps(
+        _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(C.log2e)), round),
+        round,
+    );
+    let r = _mm512_sub_ps(
+        _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(C.ln2_hi))),
+        _mm512_mul_ps(k, _mm512_set1_ps(C.ln2_lo)),
+    );
+    let mut p = _mm512_set1_ps(C.poly[0]);
+    for &c in &C.poly[1..] {
+        p = _mm512_add_ps(_mm512_set1_ps(c), _mm512_mul_ps(r, p));
+    }
+    let k = _mm512_slli_epi32::<23>(_mm512_cvttps_epi32(k));
+    _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), k))
 }
 
 /// [`fast_exp`] on 8 lanes with the same operations in the same order (separate multiplies
@@ -698,10 +753,37 @@ unsafe fn scores_rows_avx512<T: Src, const R: usize, const H: usize>(
             _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(d)),
         )
     };
-    // four keys a pass where they are: twice the independent chains of multiply-adds (each
-    // lane's chain is the head dim over 8 long, its order fixed by the AVX2 kernel's), and
-    // one horizontal reduction per row for four scores
+    // eight keys a pass where they are: four times the independent chains of multiply-adds
+    // (each lane's chain is the head dim over 8 long, its order fixed by the AVX2 kernel's),
+    // and each row's eight sums reduced together, with the AVX2 kernel's additions
     let mut j0 = 0;
+    while j0 + 8 <= keys {
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        let mut f = [_mm256_setzero_ps(); 8];
+        let mut d = 0;
+        while d < hd {
+            let at: [usize; 8] = std::array::from_fn(|j| (j0 + j) * hd + d);
+            if d % T::BLOCK == 0 {
+                f = at.map(|a| k.factor(a));
+            }
+            let kv: [__m512; 4] = std::array::from_fn(|p| {
+                k.load8x2_in(at[2 * p], f[2 * p], at[2 * p + 1], f[2 * p + 1])
+            });
+            for (i, row) in acc.iter_mut().enumerate() {
+                let qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qp.add((r0 + i) * hd + d)));
+                for (a, kv) in row.iter_mut().zip(kv) {
+                    *a = _mm512_fmadd_ps(qv, kv, *a);
+                }
+            }
+            d += 8;
+        }
+        for (i, row) in acc.iter().enumerate() {
+            let sums = reduce8(*row);
+            _mm256_storeu_ps(sp.add((r0 + i) * s_stride + j0), sums);
+        }
+        j0 += 8;
+    }
+    // then four keys a pass
     while j0 + 2 * KEY_BLOCK <= keys {
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
         let mut f = [_mm256_setzero_ps(); 2 * KEY_BLOCK];
@@ -756,6 +838,36 @@ unsafe fn scores_rows_avx512<T: Src, const R: usize, const H: usize>(
             *at.add(1) = _mm_cvtss_f32(_mm_shuffle_ps::<1>(sums, sums));
         }
     }
+}
+
+/// The scores of eight keys from a row's accumulators (`z[p]`: keys `2p` and `2p + 1`,
+/// 8 lanes each), each `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))` of its lanes as
+/// the AVX2 kernel's horizontal sums add them, in key order: in-lane shuffles pair the
+/// lanes for all eight keys at once (each `hadd` of the AVX2 kernel adds the same pairs).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f")]
+#[inline]
+unsafe fn reduce8(z: [std::arch::x86_64::__m512; 4]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    const EVEN: i32 = 0b10_00_10_00;
+    const ODD: i32 = 0b11_01_11_01;
+    // per 128-bit quarter [a0 a1 a2 a3] of two inputs x, y: [x0+x1, x2+x3, y0+y1, y2+y3]
+    let pairs = |x: __m512, y: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<EVEN>(x, y),
+            _mm512_shuffle_ps::<ODD>(x, y),
+        )
+    };
+    // quarters (k0 lo, k0 hi, k1 lo, k1 hi) of z[0] with those of z[1] beside them, ...
+    let (p01, p23) = (pairs(z[0], z[1]), pairs(z[2], z[3]));
+    // quarter q: [key 0, 2, 4, 6] (q = 0, 1: their lanes 0-3, 4-7) or [1, 3, 5, 7] (q = 2, 3),
+    // each the sum of those four lanes
+    let quads = pairs(p01, p23);
+    // lanes 0-3 plus lanes 4-7: keys 0, 2, 4, 6, 1, 3, 5, 7
+    let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(quads, quads);
+    let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(quads, quads);
+    let sums = _mm512_castps512_ps256(_mm512_add_ps(lo, hi));
+    _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
 }
 
 /// [`accumulate_avx2`] in 512-bit vectors, [`WIDE_COL_BLOCK`] columns a pass: each output
@@ -842,7 +954,8 @@ mod tests {
             (3, 96),
             (4, 256),
         ] {
-            let (keys, stride) = (6, 8);
+            // (the 512-bit scores take 8 keys a pass, then 4, then 2)
+            let (keys, stride) = (14, 16);
             let q: Vec<f32> = (0..rows * hd).map(|_| lcg(&mut seed)).collect();
             let k: Vec<f32> = (0..keys * hd).map(|_| lcg(&mut seed)).collect();
             let (mut s1, mut s2) = (vec![0f32; rows * stride], vec![0f32; rows * stride]);
@@ -886,7 +999,7 @@ mod tests {
     #[test]
     fn softmax_helpers_are_bitwise_the_scalar_definitions() {
         let mut seed = 3u64;
-        for n in [0usize, 1, 7, 8, 9, 16, 31, 64, 100] {
+        for n in [0usize, 1, 7, 8, 9, 16, 24, 31, 64, 100] {
             let xs: Vec<f32> = (0..n).map(|_| 20.0 * lcg(&mut seed)).collect();
             let max = xs.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
             assert_eq!(max_of(&xs).to_bits(), max.to_bits(), "max n={n}");
@@ -919,6 +1032,23 @@ mod tests {
                 };
                 for (a, b) in x.iter().zip(e) {
                     assert_eq!(fast_exp(*a).to_bits(), b.to_bits(), "exp({a})");
+                }
+            }
+            if wide_ok(WIDE_COL_BLOCK) {
+                for c in xs.chunks(16) {
+                    let mut x = [0f32; 16];
+                    x[..c.len()].copy_from_slice(c);
+                    let mut e = [0f32; 16];
+                    // SAFETY: AVX-512 F was detected; both arrays hold 16 floats.
+                    unsafe {
+                        _mm512_storeu_ps(
+                            e.as_mut_ptr(),
+                            fast_exp_avx512(_mm512_loadu_ps(x.as_ptr())),
+                        )
+                    };
+                    for (a, b) in x.iter().zip(e) {
+                        assert_eq!(fast_exp(*a).to_bits(), b.to_bits(), "512-bit exp({a})");
+                    }
                 }
             }
         }
@@ -961,7 +1091,7 @@ mod tests {
     fn f16_rows_in_place_equal_their_f32_widening() {
         let mut seed = 11u64;
         for &hd in &[64usize, 256, 24] {
-            let (rows, keys, stride, col) = (8, 6, 16, 5);
+            let (rows, keys, stride, col) = (8, 14, 20, 5);
             let q: Vec<f32> = (0..rows * hd).map(|_| lcg(&mut seed)).collect();
             let kh: Vec<f16> = (0..keys * hd)
                 .map(|_| f16::from_f32(4.0 * lcg(&mut seed)))
