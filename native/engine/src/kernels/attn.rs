@@ -29,16 +29,20 @@ fn simd_ok(hd: usize) -> bool {
     hd.is_multiple_of(COL_BLOCK) && super::has_avx2()
 }
 
-/// Whether the 512-bit kernels run ([`scores_avx512`], [`accumulate_avx512`]): on the
-/// AVX-512 level, with AVX-512 DQ (every CPU with VNNI has it), for head dims of whole
-/// 32-column passes.
+/// Whether the 512-bit kernels run: on the AVX-512 level, with AVX-512 DQ (every CPU with
+/// VNNI has it).
 #[cfg(target_arch = "x86_64")]
-fn wide_ok(hd: usize) -> bool {
+fn wide() -> bool {
     use std::sync::OnceLock;
     static DQ: OnceLock<bool> = OnceLock::new();
-    hd.is_multiple_of(WIDE_COL_BLOCK)
-        && super::has_vnni()
-        && *DQ.get_or_init(|| is_x86_feature_detected!("avx512dq"))
+    super::has_vnni() && *DQ.get_or_init(|| is_x86_feature_detected!("avx512dq"))
+}
+
+/// Whether [`scores_avx512`] and [`accumulate_avx512`] run for heads of `hd`: [`wide`], and
+/// whole 32-column passes.
+#[cfg(target_arch = "x86_64")]
+fn wide_ok(hd: usize) -> bool {
+    hd.is_multiple_of(WIDE_COL_BLOCK) && wide()
 }
 
 /// Output columns per pass of [`accumulate_avx512`] (two 16-lane vectors).
@@ -390,7 +394,7 @@ pub fn max_of(xs: &[f32]) -> f32 {
 pub fn exp_sum(xs: &mut [f32], m: f32) -> f32 {
     let mut lanes = [0f32; 8];
     #[cfg(target_arch = "x86_64")]
-    let done = if wide_ok(WIDE_COL_BLOCK) {
+    let done = if wide() {
         // SAFETY: AVX-512 F was detected; the function touches only `xs[..done]`.
         unsafe { exp_sum_avx512(xs, m, &mut lanes) }
     } else if super::has_avx2() {
@@ -1034,7 +1038,7 @@ mod tests {
                     assert_eq!(fast_exp(*a).to_bits(), b.to_bits(), "exp({a})");
                 }
             }
-            if wide_ok(WIDE_COL_BLOCK) {
+            if wide() {
                 for c in xs.chunks(16) {
                     let mut x = [0f32; 16];
                     x[..c.len()].copy_from_slice(c);
