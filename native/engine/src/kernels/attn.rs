@@ -735,7 +735,10 @@ unsafe fn scores_avx512<T: Src>(
     });
 }
 
-/// Scores of rows `r0..r0 + R` (`R ≤ ROW_BLOCK`) against every key, 512 bits wide.
+/// Scores of rows `r0..r0 + R` (`R ≤ ROW_BLOCK`) against every key, 512 bits wide: eight
+/// keys a pass where they are (four times the independent chains of multiply-adds of a
+/// two-key pass; each lane's chain is the head dim over 8 long, its order fixed by the AVX2
+/// kernel's), then a pass of four and one of two for the rest.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
 unsafe fn scores_rows_avx512<T: Src, const R: usize, const H: usize>(
@@ -747,99 +750,67 @@ unsafe fn scores_rows_avx512<T: Src, const R: usize, const H: usize>(
     s: &mut [f32],
     s_stride: usize,
 ) {
+    let mut j0 = 0;
+    while j0 + 8 <= keys {
+        scores_pass_avx512::<T, R, H, 4>(q, r0, k, j0, hd, s, s_stride);
+        j0 += 8;
+    }
+    if j0 + 4 <= keys {
+        scores_pass_avx512::<T, R, H, 2>(q, r0, k, j0, hd, s, s_stride);
+        j0 += 4;
+    }
+    if j0 < keys {
+        scores_pass_avx512::<T, R, H, 1>(q, r0, k, j0, hd, s, s_stride);
+    }
+}
+
+/// Scores of rows `r0..r0 + R` against keys `j0..j0 + 2P` (`P` ≤ 4 accumulators a row, two
+/// keys each), their sums reduced together ([`reduce8`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+#[inline]
+unsafe fn scores_pass_avx512<T: Src, const R: usize, const H: usize, const P: usize>(
+    q: &[f32],
+    r0: usize,
+    k: T,
+    j0: usize,
+    hd: usize,
+    s: &mut [f32],
+    s_stride: usize,
+) {
     use std::arch::x86_64::*;
     let hd = if H > 0 { H } else { hd };
     let (qp, sp) = (q.as_ptr(), s.as_mut_ptr());
-    let halves = |v: __m512| {
-        let d = _mm512_castps_pd(v);
-        (
-            _mm512_castps512_ps256(v),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(d)),
-        )
-    };
-    // eight keys a pass where they are: four times the independent chains of multiply-adds
-    // (each lane's chain is the head dim over 8 long, its order fixed by the AVX2 kernel's),
-    // and each row's eight sums reduced together, with the AVX2 kernel's additions
-    let mut j0 = 0;
-    while j0 + 8 <= keys {
-        let mut acc = [[_mm512_setzero_ps(); 4]; R];
-        let mut f = [_mm256_setzero_ps(); 8];
-        let mut d = 0;
-        while d < hd {
-            let at: [usize; 8] = std::array::from_fn(|j| (j0 + j) * hd + d);
-            if d % T::BLOCK == 0 {
-                f = at.map(|a| k.factor(a));
-            }
-            let kv: [__m512; 4] = std::array::from_fn(|p| {
-                k.load8x2_in(at[2 * p], f[2 * p], at[2 * p + 1], f[2 * p + 1])
-            });
-            for (i, row) in acc.iter_mut().enumerate() {
-                let qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qp.add((r0 + i) * hd + d)));
-                for (a, kv) in row.iter_mut().zip(kv) {
-                    *a = _mm512_fmadd_ps(qv, kv, *a);
-                }
-            }
-            d += 8;
+    let mut acc = [[_mm512_setzero_ps(); P]; R];
+    let mut f = [[_mm256_setzero_ps(); 2]; P];
+    let mut d = 0;
+    while d < hd {
+        let at = |p: usize, h: usize| (j0 + 2 * p + h) * hd + d;
+        if d % T::BLOCK == 0 {
+            f = std::array::from_fn(|p| [k.factor(at(p, 0)), k.factor(at(p, 1))]);
         }
-        for (i, row) in acc.iter().enumerate() {
-            let sums = reduce8(*row);
-            _mm256_storeu_ps(sp.add((r0 + i) * s_stride + j0), sums);
+        let kv: [__m512; P] =
+            std::array::from_fn(|p| k.load8x2_in(at(p, 0), f[p][0], at(p, 1), f[p][1]));
+        for (i, row) in acc.iter_mut().enumerate() {
+            let qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qp.add((r0 + i) * hd + d)));
+            for (a, kv) in row.iter_mut().zip(kv) {
+                *a = _mm512_fmadd_ps(qv, kv, *a);
+            }
         }
-        j0 += 8;
+        d += 8;
     }
-    // then four keys a pass
-    while j0 + 2 * KEY_BLOCK <= keys {
-        let mut acc = [[_mm512_setzero_ps(); 2]; R];
-        let mut f = [_mm256_setzero_ps(); 2 * KEY_BLOCK];
-        let mut d = 0;
-        while d < hd {
-            let at: [usize; 4] = std::array::from_fn(|j| (j0 + j) * hd + d);
-            if d % T::BLOCK == 0 {
-                f = at.map(|a| k.factor(a));
-            }
-            let kv = [
-                k.load8x2_in(at[0], f[0], at[1], f[1]),
-                k.load8x2_in(at[2], f[2], at[3], f[3]),
-            ];
-            for (i, row) in acc.iter_mut().enumerate() {
-                let qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qp.add((r0 + i) * hd + d)));
-                row[0] = _mm512_fmadd_ps(qv, kv[0], row[0]);
-                row[1] = _mm512_fmadd_ps(qv, kv[1], row[1]);
-            }
-            d += 8;
-        }
-        for (i, row) in acc.iter().enumerate() {
-            let (a, b) = (halves(row[0]), halves(row[1]));
-            // [k0 k1 k2 k3]: the AVX2 kernel's reduction of each key's 8 lanes
-            let h = _mm256_hadd_ps(_mm256_hadd_ps(a.0, a.1), _mm256_hadd_ps(b.0, b.1));
-            let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-            _mm_storeu_ps(sp.add((r0 + i) * s_stride + j0), sums);
-        }
-        j0 += 2 * KEY_BLOCK;
-    }
-    if j0 < keys {
-        let mut acc = [_mm512_setzero_ps(); R];
-        let mut f = [_mm256_setzero_ps(); KEY_BLOCK];
-        let mut d = 0;
-        while d < hd {
-            let at = [j0 * hd + d, (j0 + 1) * hd + d];
-            if d % T::BLOCK == 0 {
-                f = [k.factor(at[0]), k.factor(at[1])];
-            }
-            let kv = k.load8x2_in(at[0], f[0], at[1], f[1]);
-            for (i, row) in acc.iter_mut().enumerate() {
-                let qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qp.add((r0 + i) * hd + d)));
-                *row = _mm512_fmadd_ps(qv, kv, *row);
-            }
-            d += 8;
-        }
-        for (i, row) in acc.iter().enumerate() {
-            let a = halves(*row);
-            let h = _mm256_hadd_ps(_mm256_hadd_ps(a.0, a.1), _mm256_setzero_ps());
-            let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-            let at = sp.add((r0 + i) * s_stride + j0);
-            *at = _mm_cvtss_f32(sums);
-            *at.add(1) = _mm_cvtss_f32(_mm_shuffle_ps::<1>(sums, sums));
+    for (i, row) in acc.iter().enumerate() {
+        // (missing accumulators as zeros: their sums are never stored)
+        let sums = reduce8(std::array::from_fn(|p| {
+            row.get(p).copied().unwrap_or(_mm512_setzero_ps())
+        }));
+        let at = sp.add((r0 + i) * s_stride + j0);
+        if P == 4 {
+            _mm256_storeu_ps(at, sums);
+        } else {
+            let mut out = [0f32; 8];
+            _mm256_storeu_ps(out.as_mut_ptr(), sums);
+            std::ptr::copy_nonoverlapping(out.as_ptr(), at, 2 * P);
         }
     }
 }
