@@ -11,8 +11,8 @@
 //!   between forward passes they use no CPU;
 //! * gives each thread its first chunk of a call by its place in the call and hands the rest
 //!   out through a shared cursor, so a preempted thread delays only its own chunk, while a
-//!   short call (a decode step's products on many threads) is split one chunk per thread
-//!   and touches no shared line at all ([`for_each_chunk_in`]);
+//!   short call (a decode step's products) is split in fewer chunks, down to one per thread
+//!   touching no shared line at all ([`for_each_chunk_in`]);
 //! * runs a call inline when the pool is already busy (another context computing on another
 //!   thread, or a nested call), instead of waiting for it.
 
@@ -31,7 +31,7 @@ const SPINS_PER_CLOCK_READ: u32 = 64;
 /// Hard cap on workers, whatever `n_threads` asks for.
 const MAX_WORKERS: usize = 255;
 /// Work items handed out per thread and call: more balances better, fewer contend less.
-const GRABS_PER_THREAD: usize = 8;
+pub(crate) const GRABS_PER_THREAD: usize = 8;
 
 thread_local! {
     /// Threads (the caller included) that calls from this thread may use.

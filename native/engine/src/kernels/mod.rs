@@ -166,10 +166,14 @@ pub fn has_avx2() -> bool {
 /// Below this many multiply-adds a product runs on the calling thread.
 pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 16;
 
-/// Below this many multiply-adds per thread a product's tiles are split one range per
-/// thread, with no shared cursor ([`crate::pool::for_each_chunk_in`]): a few microseconds of
-/// work each, where handing tiles out one by one on many threads queued on the cursor.
-const SHORT_CALL_MACS_PER_THREAD: usize = 1 << 18;
+/// Multiply-adds a range of a product's tiles handed to a thread should hold at least
+/// ([`crate::pool::for_each_chunk_in`]): a range is a run of weights streamed in order and
+/// each one starts cold, so a product's per-thread share is cut in at most as many ranges as
+/// it holds this many (one a thread below twice as many, as llama.cpp splits short
+/// products; at most [`crate::pool::GRABS_PER_THREAD`]). More ranges balance a call better
+/// where a thread is slowed; fewer stream better: SmolLM2's decode steps ran 3–10% faster
+/// with its mid-sized products in 1–3 ranges a thread instead of 8 (`docs/performance.md`).
+const RANGE_MACS: usize = 1 << 18;
 
 /// Fewest activation rows a prompt's product gives one task (see [`for_each_tile`]): each
 /// task unpacks its tile's weights again, which a shorter run of rows would not repay.
@@ -222,10 +226,9 @@ pub(crate) fn for_each_task(
     };
     if threads == 1 {
         run(0..n_tiles * runs);
-    } else if macs / threads < SHORT_CALL_MACS_PER_THREAD {
-        crate::pool::for_each_chunk_in(n_tiles * runs, 1, run);
     } else {
-        crate::pool::for_each_chunk(n_tiles * runs, run);
+        let grabs = (macs / threads / RANGE_MACS).clamp(1, crate::pool::GRABS_PER_THREAD);
+        crate::pool::for_each_chunk_in(n_tiles * runs, grabs, run);
     }
 }
 
