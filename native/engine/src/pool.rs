@@ -217,6 +217,9 @@ struct Pool {
     shared: Arc<Shared>,
     /// Held for the duration of a call; holds the workers started so far.
     call: Mutex<Vec<Thread>>,
+    /// Per place in a call of [`for_each_split`]: what is left of its range, `front` in the
+    /// high half and `back` in the low (only the holder of `call` uses them).
+    ranges: Vec<Line<AtomicU64>>,
 }
 
 fn pool() -> &'static Pool {
@@ -244,6 +247,7 @@ fn pool() -> &'static Pool {
             panic: Mutex::new(None),
         }),
         call: Mutex::new(Vec::new()),
+        ranges: (0..=MAX_WORKERS).map(|_| Line(AtomicU64::new(0))).collect(),
     })
 }
 
@@ -458,6 +462,98 @@ pub fn for_each_chunk_in(n_items: usize, grabs: usize, f: impl Fn(std::ops::Rang
     run_on_workers(p, &started, helpers, team - 1, &grab);
 }
 
+/// `(front, back)` of a range of [`for_each_split`] in one word.
+fn pack(front: usize, back: usize) -> u64 {
+    ((front as u64) << 32) | back as u64
+}
+
+fn unpack(word: u64) -> (usize, usize) {
+    ((word >> 32) as usize, (word & 0xffff_ffff) as usize)
+}
+
+/// Calls `f` on every item of `0..n_items` (one item a call, in ranges of consecutive items),
+/// in parallel over the calling thread's share of the pool. Each thread walks its own
+/// contiguous share in order; one that finishes takes the back half of what is left of
+/// another's and walks that in order, so every thread's items stay runs of consecutive
+/// items (a product's weights streamed in order) while the call still ends within about an
+/// item of its threads' slowest. Items must be fewer than 2³².
+pub fn for_each_split(n_items: usize, f: impl Fn(usize) + Sync) {
+    assert!(
+        n_items < 1 << 32,
+        "for_each_split takes fewer than 2^32 items"
+    );
+    if n_items == 0 {
+        return;
+    }
+    let team = threads().min(MAX_WORKERS + 1);
+    let threads = team.min(n_items);
+    if threads <= 1 || PLACE.with(|p| p.get()) != 0 {
+        return (0..n_items).for_each(f);
+    }
+    let p = pool();
+    let mut started = match p.call.try_lock() {
+        Ok(guard) => guard,
+        Err(TryLockError::WouldBlock) => return (0..n_items).for_each(f),
+        Err(TryLockError::Poisoned(e)) => e.into_inner(),
+    };
+    let helpers = start_workers(p, &mut started, threads - 1);
+    let places = helpers + 1;
+    let ranges = &p.ranges[..places];
+    for (i, r) in ranges.iter().enumerate() {
+        r.0.store(
+            pack(i * n_items / places, (i + 1) * n_items / places),
+            Ordering::Relaxed,
+        );
+    }
+    // the owner of a range takes its front item; a thief halves what is left from the back
+    let walk = |own: &AtomicU64| loop {
+        let word = own.load(Ordering::Acquire);
+        let (front, back) = unpack(word);
+        if front >= back {
+            return;
+        }
+        let taken = pack(front + 1, back);
+        if own
+            .compare_exchange_weak(word, taken, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            f(front);
+        }
+    };
+    let work = || {
+        let me = PLACE.with(|p| p.get());
+        let own = &ranges[me].0;
+        walk(own);
+        let mut victim = (me + 1) % places;
+        let mut dry = 0;
+        while dry < places - 1 {
+            if victim == me {
+                victim = (victim + 1) % places;
+                continue;
+            }
+            let other = &ranges[victim].0;
+            let word = other.load(Ordering::Acquire);
+            let (front, back) = unpack(word);
+            // two items or more left: the owner keeps the front half
+            if back > front + 1 {
+                let mid = front + (back - front).div_ceil(2);
+                if other
+                    .compare_exchange(word, pack(front, mid), Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    own.store(pack(mid, back), Ordering::Release);
+                    walk(own);
+                    dry = 0;
+                }
+                continue;
+            }
+            dry += 1;
+            victim = (victim + 1) % places;
+        }
+    };
+    run_on_workers(p, &started, helpers, team - 1, &work);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -474,6 +570,36 @@ mod tests {
                         }
                     });
                     assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+                }
+            });
+        }
+    }
+
+    #[test]
+    fn split_calls_run_every_item_once_and_in_order_within_a_thread() {
+        for threads in [2, 3, 8] {
+            with_threads(threads, || {
+                for n in [1usize, 2, 3, 7, 64, 1000] {
+                    let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                    // the last item each thread ran, +1 (0: none yet)
+                    let last: Vec<AtomicUsize> =
+                        (0..=threads).map(|_| AtomicUsize::new(0)).collect();
+                    let descending = AtomicUsize::new(0);
+                    for_each_split(n, |i| {
+                        hits[i].fetch_add(1, Ordering::Relaxed);
+                        let me = PLACE.with(|p| p.get());
+                        if last[me].swap(i + 1, Ordering::Relaxed) > i + 1 {
+                            descending.fetch_add(1, Ordering::Relaxed);
+                        }
+                        // uneven items, so that threads steal
+                        if i % 5 == 0 {
+                            std::thread::sleep(Duration::from_micros(50));
+                        }
+                    });
+                    assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+                    // a thread's items ascend: its own share, then halves stolen further on
+                    // (a stolen half may lie before its own share, once per steal at most)
+                    assert!(descending.load(Ordering::Relaxed) <= n / 2);
                 }
             });
         }

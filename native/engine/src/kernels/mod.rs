@@ -173,6 +173,8 @@ pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 16;
 /// products; at most [`crate::pool::GRABS_PER_THREAD`]). More ranges balance a call better
 /// where a thread is slowed; fewer stream better: SmolLM2's decode steps ran 3–10% faster
 /// with its mid-sized products in 1–3 ranges a thread instead of 8 (`docs/performance.md`).
+/// A single row's product goes further ([`crate::pool::for_each_split`]): one range a thread,
+/// halves of the slowest's rest taken at the end.
 const RANGE_MACS: usize = 1 << 18;
 
 /// Fewest activation rows a prompt's product gives one task (see [`for_each_tile`]): each
@@ -226,6 +228,9 @@ pub(crate) fn for_each_task(
     };
     if threads == 1 {
         run(0..n_tiles * runs);
+    } else if m == 1 {
+        // a single row's product is one stream of weights: each thread's stays in order
+        crate::pool::for_each_split(n_tiles * runs, |t| run(t..t + 1));
     } else {
         let grabs = (macs / threads / RANGE_MACS).clamp(1, crate::pool::GRABS_PER_THREAD);
         crate::pool::for_each_chunk_in(n_tiles * runs, grabs, run);
