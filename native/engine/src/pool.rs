@@ -13,6 +13,9 @@
 //!   out through a shared cursor, so a preempted thread delays only its own chunk, while a
 //!   short call (a decode step's products) is split in fewer chunks, down to one per thread
 //!   touching no shared line at all ([`for_each_chunk_in`]);
+//! * or gives each thread one contiguous share, walked in order, and lets a thread that
+//!   finishes first take the back half of another's rest ([`for_each_split`]: a single
+//!   row's product, whose weights each thread then reads as one stream);
 //! * runs a call inline when the pool is already busy (another context computing on another
 //!   thread, or a nested call), instead of waiting for it.
 
