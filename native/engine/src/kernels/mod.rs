@@ -171,10 +171,11 @@ pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 16;
 /// each one starts cold, so a product's per-thread share is cut in at most as many ranges as
 /// it holds this many (one a thread below twice as many, as llama.cpp splits short
 /// products; at most [`crate::pool::GRABS_PER_THREAD`]). More ranges balance a call better
-/// where a thread is slowed; fewer stream better: SmolLM2's decode steps ran 3–10% faster
-/// with its mid-sized products in 1–3 ranges a thread instead of 8 (`docs/performance.md`).
-/// A single row's product goes further ([`crate::pool::for_each_split`]): one range a thread,
-/// halves of the slowest's rest taken at the end.
+/// where a thread is slowed; fewer stream better (SmolLM2's single-row decode ran 3–10%
+/// faster with its mid-sized products in 1–3 ranges a thread instead of 8,
+/// `docs/performance.md`). Batches use this rule; a single row's product goes further
+/// ([`crate::pool::for_each_split`]: one range a thread, halves of another's rest taken at
+/// the end).
 const RANGE_MACS: usize = 1 << 18;
 
 /// Fewest activation rows a prompt's product gives one task (see [`for_each_tile`]): each
