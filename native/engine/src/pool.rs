@@ -6,9 +6,9 @@
 //!
 //! * runs a call on the calling thread plus `n - 1` workers, where `n` is the calling
 //!   context's `n_threads` (see [`with_threads`]); workers are started on first need;
-//! * lets idle workers spin only for [`SPIN`] (long enough to bridge the short serial steps
-//!   between the products of one forward pass), then sleep on a condition variable, so
-//!   between forward passes they use no CPU;
+//! * lets idle workers spin only for [`SPIN`] (long enough to bridge the serial steps between
+//!   the products of one forward pass and the Server's turn between two passes), then sleep
+//!   (parked), so between requests they use no CPU;
 //! * gives each thread its first chunk of a call by its place in the call and hands the rest
 //!   out through a shared cursor, so a preempted thread delays only its own chunk, while a
 //!   short call (a decode step's products) is split in fewer chunks, down to one per thread
@@ -27,8 +27,11 @@ use std::sync::{Arc, Mutex, OnceLock, TryLockError};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-/// How long an idle worker polls for the next call before it sleeps.
-const SPIN: Duration = Duration::from_micros(100);
+/// How long an idle worker polls for the next call before it sleeps. Long enough to span the
+/// Server's turn between two steps (the outcome to the VM, the next tick, the next step to
+/// the engine thread: ~150–300 µs on 2 vCPUs), so that a step does not begin by unparking a
+/// worker whose wake-up a VM's scheduler can delay by tens to hundreds of microseconds.
+const SPIN: Duration = Duration::from_micros(400);
 /// Polls between two reads of the clock while spinning.
 const SPINS_PER_CLOCK_READ: u32 = 64;
 /// Hard cap on workers, whatever `n_threads` asks for.
