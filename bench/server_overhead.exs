@@ -11,7 +11,8 @@
 #     inter-token latency from the stream.
 #
 # Alternating rounds keep a shared machine's drift out of the comparison. Prints per-round
-# medians and the median over rounds, with the ratios server/bare.
+# medians with the ratios server/bare, then each column's median over rounds (the ratios'
+# taken over the per-round ratios).
 
 alias LlamaCppEx.{Context, Server, Tokenizer}
 
@@ -109,6 +110,14 @@ results =
     {[b | bs], [e | es], [i | is]}
   end)
 
-{b, e, i} = {Bench.Overhead.median(bs), Bench.Overhead.median(es), Bench.Overhead.median(is)}
-IO.puts("| median | #{f.(b)} | #{f.(e)} | #{f.(i)} | #{r.(e, b)} | #{r.(i, b)} |")
+# the ratios' medians over rounds, each a ratio within one round (the machine drifts between
+# rounds, which the alternation keeps out of a round's ratio but not out of a ratio of medians)
+med = &Bench.Overhead.median/1
+ratio = fn xs, ys -> xs |> Enum.zip(ys) |> Enum.map(fn {x, y} -> x / y end) |> med.() end
+
+IO.puts(
+  "| median | #{f.(med.(bs))} | #{f.(med.(es))} | #{f.(med.(is))} | #{f.(ratio.(es, bs))} | " <>
+    "#{f.(ratio.(is, bs))} |"
+)
+
 GenServer.stop(s)
