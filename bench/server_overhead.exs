@@ -110,8 +110,8 @@ results =
     {[b | bs], [e | es], [i | is]}
   end)
 
-# the ratios' medians over rounds, each a ratio within one round (the machine drifts between
-# rounds, which the alternation keeps out of a round's ratio but not out of a ratio of medians)
+# the machine drifts between rounds: alternation keeps that out of a round's ratio, not out of
+# a ratio of two columns' medians
 med = &Bench.Overhead.median/1
 ratio = fn xs, ys -> xs |> Enum.zip(ys) |> Enum.map(fn {x, y} -> x / y end) |> med.() end
 

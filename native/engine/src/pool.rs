@@ -7,8 +7,9 @@
 //! * runs a call on the calling thread plus `n - 1` workers, where `n` is the calling
 //!   context's `n_threads` (see [`with_threads`]); workers are started on first need;
 //! * lets idle workers spin only for [`SPIN`] (long enough to bridge the serial steps between
-//!   the products of one forward pass and the Server's turn between two passes), then sleep
-//!   (parked), so between requests they use no CPU;
+//!   the products of one forward pass and the Server's turn between two passes), and only
+//!   those within the last call's thread count, then park them, so between requests they
+//!   use no CPU;
 //! * gives each thread its first chunk of a call by its place in the call and hands the rest
 //!   out through a shared cursor, so a preempted thread delays only its own chunk, while a
 //!   short call (a decode step's products) is split in fewer chunks, down to one per thread
