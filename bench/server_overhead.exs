@@ -8,7 +8,9 @@
 #     n_ctx, threads, positions), timed around the NIF call;
 #   * server: `Server.stream/3` of the same prompt (temperature 0, prompt cache off); the
 #     engine's own time per one-token tick comes from the `:tick` telemetry (`eval_ms`), the
-#     inter-token latency from the stream.
+#     inter-token latency from the stream;
+#   * the same on a second server with `overlap: false` (each step waits for the server's
+#     turn after the one before).
 #
 # Alternating rounds keep a shared machine's drift out of the comparison. Prints per-round
 # medians with the ratios server/bare, then each column's median over rounds (the ratios'
@@ -72,17 +74,23 @@ prompt =
 {:ok, ids} = Tokenizer.encode(model, prompt)
 {:ok, ctx} = Context.create(model, n_ctx: n_ctx, n_threads: threads)
 
-{:ok, s} =
-  Server.start_link(
-    model_path: path,
-    n_parallel: 1,
-    n_ctx: n_ctx,
-    n_threads: threads,
-    temp: 0.0,
-    cache_prompt: false
-  )
+start = fn overlap ->
+  {:ok, s} =
+    Server.start_link(
+      model_path: path,
+      n_parallel: 1,
+      n_ctx: n_ctx,
+      n_threads: threads,
+      temp: 0.0,
+      cache_prompt: false,
+      overlap: overlap
+    )
 
-Server.generate(s, "warm up", max_tokens: 4)
+  Server.generate(s, "warm up", max_tokens: 4)
+  s
+end
+
+{s, s_off} = {start.(true), start.(false)}
 Bench.Overhead.bare(ctx, ids, 8)
 
 IO.puts(
@@ -90,10 +98,11 @@ IO.puts(
 )
 
 IO.puts(
-  "| round | bare decode p50 ms | server eval p50 ms | server ITL p50 ms | eval/bare | ITL/bare |"
+  "| round | bare decode p50 ms | server eval p50 ms | server ITL p50 ms | " <>
+    "ITL p50 ms, overlap off | eval/bare | ITL/bare | ITL off/bare |"
 )
 
-IO.puts("|---:|---:|---:|---:|---:|---:|")
+IO.puts("|---:|---:|---:|---:|---:|---:|---:|---:|")
 r = fn x, y -> :erlang.float_to_binary(x / y, decimals: 2) end
 f = fn x -> :erlang.float_to_binary(x / 1, decimals: 2) end
 
@@ -101,14 +110,18 @@ results =
   for round <- 1..rounds do
     b = Bench.Overhead.bare(ctx, ids, n)
     {e, i} = Bench.Overhead.server(s, prompt, n)
-    IO.puts("| #{round} | #{f.(b)} | #{f.(e)} | #{f.(i)} | #{r.(e, b)} | #{r.(i, b)} |")
-    {b, e, i}
+    {_, o} = Bench.Overhead.server(s_off, prompt, n)
+
+    IO.puts(
+      "| #{round} | #{f.(b)} | #{f.(e)} | #{f.(i)} | #{f.(o)} | #{r.(e, b)} | #{r.(i, b)} | " <>
+        "#{r.(o, b)} |"
+    )
+
+    {b, e, i, o}
   end
 
-{bs, es, is} =
-  Enum.reduce(results, {[], [], []}, fn {b, e, i}, {bs, es, is} ->
-    {[b | bs], [e | es], [i | is]}
-  end)
+[bs, es, is, os] =
+  results |> Enum.map(&Tuple.to_list/1) |> Enum.zip() |> Enum.map(&Tuple.to_list/1)
 
 # the machine drifts between rounds: alternation keeps that out of a round's ratio, not out of
 # a ratio of two columns' medians
@@ -116,8 +129,9 @@ med = &Bench.Overhead.median/1
 ratio = fn xs, ys -> xs |> Enum.zip(ys) |> Enum.map(fn {x, y} -> x / y end) |> med.() end
 
 IO.puts(
-  "| median | #{f.(med.(bs))} | #{f.(med.(es))} | #{f.(med.(is))} | #{f.(ratio.(es, bs))} | " <>
-    "#{f.(ratio.(is, bs))} |"
+  "| median | #{f.(med.(bs))} | #{f.(med.(es))} | #{f.(med.(is))} | #{f.(med.(os))} | " <>
+    "#{f.(ratio.(es, bs))} | #{f.(ratio.(is, bs))} | #{f.(ratio.(os, bs))} |"
 )
 
 GenServer.stop(s)
+GenServer.stop(s_off)

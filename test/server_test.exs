@@ -34,6 +34,10 @@ defmodule LlamaCppEx.ServerTest do
       assert blocks == div(cached + 15, 16), "seq #{seq}: #{blocks} blocks for #{cached} tokens"
     end
 
+    # every position the cache holds is one the server lists
+    for {seq, cached} <- audit.cached_tokens,
+        do: assert(Map.get(audit.tokens, seq, 0) == cached, "seq #{seq}: #{inspect(audit)}")
+
     audit
   end
 
@@ -56,6 +60,9 @@ defmodule LlamaCppEx.ServerTest do
 
       assert {:error, {:invalid_batch_strategy, {:build_batch_4_not_exported, String}}} =
                Server.start_link(model_path: path, batch_strategy: String)
+
+      assert {:error, "invalid overlap: :yes"} =
+               Server.start_link(model_path: path, overlap: :yes)
 
       assert_raise ArgumentError, ~r/n_paralell \(did you mean :n_parallel\?\)/, fn ->
         Server.start_link(model_path: path, n_paralell: 2)
@@ -270,6 +277,69 @@ defmodule LlamaCppEx.ServerTest do
     assert %{active_slots: 0, queue_depth: 0, idle_slots: 4} = stats
     assert stats.requests_completed >= before.requests_completed + 150
     assert_no_leaks(server)
+  end
+
+  describe ":overlap" do
+    test "queued steps generate what planned ticks do; the cache stays what the slots list",
+         %{path: path, model: model} do
+      attach([[:llama_cpp_ex, :server, :tick]])
+
+      requests =
+        for {prompt, opts} <- [
+              {"The capital of France is", max_tokens: 24},
+              {"Once upon a time", max_tokens: 7},
+              {"1, 2, 3, 4,", max_tokens: 30, stop: ["9"]},
+              {"The days of the week are Monday, Tuesday,", max_tokens: 30, stop: [" Friday"]}
+            ] do
+          {:ok, ids} = Tokenizer.encode(model, prompt)
+          {ids, opts}
+        end
+
+      run = fn overlap ->
+        {:ok, s} =
+          Server.start_link(
+            model_path: path,
+            n_parallel: 4,
+            n_ctx: 2048,
+            temp: 0.0,
+            overlap: overlap
+          )
+
+        {:ok, _} = wait_model(s)
+
+        # twice: the second wave starts from the caches the first one left
+        results =
+          for _ <- 1..2 do
+            requests
+            |> Enum.map(fn {ids, opts} ->
+              Task.async(fn -> Server.complete_tokens(s, ids, opts) end)
+            end)
+            |> Task.await_many(120_000)
+          end
+
+        assert_no_leaks(s)
+        GenServer.stop(s)
+        {results, queued_ticks(s, 0)}
+      end
+
+      {overlapped, queued} = run.(true)
+      {planned, 0} = run.(false)
+      assert overlapped == planned
+      assert queued > 0
+
+      reasons = for {:ok, r} <- List.flatten(planned), do: r.finish_reason
+      assert Enum.count(reasons, &(&1 == :stop)) == 4
+      assert Enum.count(reasons, &(&1 == :max_tokens)) == 4
+    end
+  end
+
+  defp queued_ticks(s, n) do
+    receive do
+      {:telemetry, [_, _, :tick], _, %{server: ^s, queued: q}} ->
+        queued_ticks(s, if(q, do: n + 1, else: n))
+    after
+      0 -> n
+    end
   end
 
   describe "isolation and backpressure" do

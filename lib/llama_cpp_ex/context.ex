@@ -373,12 +373,13 @@ defmodule LlamaCppEx.Context do
 
   @doc """
   Block usage of the KV cache after an integrity audit:
-  `%{n_blocks: n, used: [per layer group], owners: [[{seq_id, blocks}]]}`.
+  `%{n_blocks: n, used: [per layer group], owners: [[{seq_id, blocks}]], tokens: %{seq_id =>
+  positions held}}`.
   """
   @spec kv_usage(t()) :: {:ok, map()} | {:error, String.t()}
   def kv_usage(%__MODULE__{ref: ref}) do
-    with {:ok, {n, used, owners}} <- NIF.context_kv_usage(ref) do
-      {:ok, %{n_blocks: n, used: used, owners: owners}}
+    with {:ok, {n, used, owners, tokens}} <- NIF.context_kv_usage(ref) do
+      {:ok, %{n_blocks: n, used: used, owners: owners, tokens: Map.new(tokens)}}
     end
   end
 end

@@ -36,14 +36,17 @@ defmodule LlamaCppEx.Engine do
   defmodule Step do
     @moduledoc false
     # KV operations applied first, then one forward pass of `entries` (`{token, pos, seq,
-    # logits?}`), sampling with the sampler of every sequence in `samplers`.
+    # logits?}`), sampling with the sampler of every sequence in `samplers`. The entry of a
+    # sequence in `follow` feeds the token the step before sampled for it (its token is a
+    # placeholder), or is left out when that token ended the generation or none came.
     defstruct ops: [],
               entries: [],
               samplers: [],
               purgeable: [],
               save_purged_max_bytes: 0,
               embeds: [],
-              specs: []
+              specs: [],
+              follow: []
 
     @type kv_op ::
             {:trim, non_neg_integer(), non_neg_integer()}
@@ -60,7 +63,8 @@ defmodule LlamaCppEx.Engine do
             purgeable: [non_neg_integer()],
             save_purged_max_bytes: non_neg_integer(),
             embeds: [Embed.t()],
-            specs: [Spec.t()]
+            specs: [Spec.t()],
+            follow: [non_neg_integer()]
           }
   end
 

@@ -80,7 +80,11 @@ defmodule LlamaCppEx.Server do
 
   Forward passes run on an engine thread fed through a channel; the result comes back as a
   message, so the server keeps admitting, cancelling and answering `get_stats/1` while the
-  engine computes. The engine's threads share the cores with the BEAM's schedulers, which
+  engine computes. While every active request is generating and nothing else waits, the next
+  decode step is queued behind the one running (`:overlap`): the engine feeds it the tokens
+  the running step samples and goes straight on to it, while the server hands out the
+  running step's tokens. A request that ends on a stop string (or is cancelled) then costs
+  its queued row; one reaching `:max_tokens` or an end-of-generation token costs nothing. The engine's threads share the cores with the BEAM's schedulers, which
   spin when idle by default; a node that runs little else besides the server gains from
   starting the VM with `+sbwt none +sbwtdcpu none +sbwtdio none` (many streams wake the
   schedulers every tick: ~1.2× the 8-stream decode on 2 vCPUs, `docs/performance.md`).
@@ -90,7 +94,8 @@ defmodule LlamaCppEx.Server do
   Emitted through `:telemetry` when the application includes it:
 
     * `[:llama_cpp_ex, :server, :tick]` - `batch_size`, `decode_tokens`, `prefill_tokens`,
-      `embed_tokens`, `active_slots`, `queue_depth`, `eval_ms`; metadata `server`.
+      `embed_tokens`, `active_slots`, `queue_depth`, `eval_ms`; metadata `server`, `queued`
+      (whether the step was queued behind the one before it, `:overlap`).
     * `[:llama_cpp_ex, :server, :request, :start]` - `prompt_tokens`, `prefix_cache_tokens`;
       metadata `server`, `seq_id`, `mode` (`:generate` for a blocking call, `:stream` for a
       stream).
@@ -185,6 +190,9 @@ defmodule LlamaCppEx.Server do
     * `:kv_unified` - allow cross-slot prefix sharing. Default `true`.
     * `:batch_strategy` - a `LlamaCppEx.Server.BatchStrategy`. Default
       `LlamaCppEx.Server.Strategy.DecodeMaximal`.
+    * `:overlap` - queue the next decode step behind the running one (see "Non-blocking").
+      It applies with the built-in strategies and without a `:pause_policy` (which is asked
+      before every step); with others it is a no-op. Default `true`.
     * `:n_threads` and other context tuning options, `:requantize`, `:quantize` (Hugging
       Face directories) and model tuning options, and server-wide sampler defaults (`:temp`,
       `:top_k`, ...).
@@ -661,8 +669,8 @@ defmodule LlamaCppEx.Server do
 
   @doc """
   KV audit, answered once the engine is idle: verifies block reference counts and returns
-  `%{n_blocks: n, used: [blocks per layer group], owners: [[{seq_id, blocks}]],
-  cached_tokens: %{seq_id => tokens}}`.
+  `%{n_blocks: n, used: [blocks per layer group], owners: [[{seq_id, blocks}]], tokens:
+  %{seq_id => positions the cache holds}, cached_tokens: %{seq_id => tokens the server lists}}`.
   """
   @spec kv_audit(GenServer.server(), timeout()) :: {:ok, map()} | {:error, term()}
   def kv_audit(server, timeout \\ 60_000), do: GenServer.call(server, :kv_audit, timeout)

@@ -30,7 +30,19 @@ defmodule LlamaCppEx.Server.Config do
     draft_model: nil,
     kv_policy: nil,
     cluster: nil,
-    batch_strategy: LlamaCppEx.Server.Strategy.DecodeMaximal
+    batch_strategy: LlamaCppEx.Server.Strategy.DecodeMaximal,
+    overlap: true
+  ]
+
+  # the strategies that plan every generating slot's decode row when nothing else waits: the
+  # steps `:overlap` queues are exactly what they would plan
+  @overlapping_strategies [
+    LlamaCppEx.Server.Strategy.DecodeMaximal,
+    LlamaCppEx.Server.Strategy.PrefillPriority,
+    LlamaCppEx.Server.Strategy.Balanced,
+    LlamaCppEx.Server.Strategy.Fair,
+    LlamaCppEx.Server.Strategy.LatencyFirst,
+    LlamaCppEx.Server.Strategy.ThroughputFirst
   ]
 
   defstruct Keyword.keys(@own) ++ [:sampler_defaults, :model_opts, :context_opts]
@@ -59,6 +71,7 @@ defmodule LlamaCppEx.Server.Config do
           kv_policy: KvPolicy.t() | nil,
           cluster: term(),
           batch_strategy: module(),
+          overlap: boolean(),
           sampler_defaults: keyword(),
           model_opts: keyword(),
           context_opts: keyword()
@@ -115,6 +128,15 @@ defmodule LlamaCppEx.Server.Config do
 
       {:ok, config}
     end
+  end
+
+  @doc """
+  Whether the server queues a decode step behind the one in flight (`:overlap`, with a
+  built-in strategy and no pause policy, which is consulted before every step).
+  """
+  @spec overlap?(t()) :: boolean()
+  def overlap?(%__MODULE__{} = cfg) do
+    cfg.overlap and cfg.batch_strategy in @overlapping_strategies and cfg.pause_policy == nil
   end
 
   defp path(:error), do: {:error, {:missing_option, :model_path}}
@@ -244,6 +266,7 @@ defmodule LlamaCppEx.Server.Config do
       pause_poll_ms: {:int, 1, 3_600_000},
       cache_prompt: :boolean,
       kv_unified: :boolean,
+      overlap: :boolean,
       prompt_cache_ram_mb: {:int, 0, 16_777_216}
     )
   end

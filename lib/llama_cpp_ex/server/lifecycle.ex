@@ -60,12 +60,18 @@ defmodule LlamaCppEx.Server.Lifecycle do
     if r.monitor_ref, do: Process.demonitor(r.monitor_ref, [:flush])
 
     # a speculating request that ended inside a verified draft leaves accepted draft tokens
-    # past what it fed in the cache: cut them, so the cache is what the slot says it holds
+    # past what it fed in the cache, and a chained one the token its queued step feeds: cut
+    # them, so the cache is what the slot says it holds
     ops =
       cond do
-        not r.cache_prompt -> st.pending_ops ++ [{:clear, seq}]
-        r.n_draft != nil -> st.pending_ops ++ [{:trim, seq, Slot.fed_length(slot)}]
-        true -> st.pending_ops
+        not r.cache_prompt ->
+          st.pending_ops ++ [{:clear, seq}]
+
+        r.n_draft != nil or slot.chained ->
+          st.pending_ops ++ [{:trim, seq, Slot.fed_length(slot)}]
+
+        true ->
+          st.pending_ops
       end
 
     %{st | slots: Map.put(st.slots, seq, Slot.release(slot, Stats.now_ms())), pending_ops: ops}

@@ -16,8 +16,7 @@ defmodule LlamaCppEx.Server.Outcome do
 
     st = %{
       st
-      | in_flight: nil,
-        embed_free: Map.keys(flight.embeds) ++ st.embed_free,
+      | embed_free: Map.keys(flight.embeds) ++ st.embed_free,
         kv_free: o.kv_free_tokens,
         kv_exclusive: Map.new(o.kv_exclusive_tokens)
     }
@@ -61,7 +60,7 @@ defmodule LlamaCppEx.Server.Outcome do
         queue_depth: :queue.len(st.queue),
         eval_ms: o.eval_us / 1000
       },
-      %{server: self()}
+      %{server: self(), queued: flight.queued}
     )
 
     st
@@ -72,7 +71,7 @@ defmodule LlamaCppEx.Server.Outcome do
   def apply_error(st, reason) do
     embeds = st.in_flight.embeds
     st = drop_saves(st, st.in_flight.save_tags)
-    st = %{st | in_flight: nil, embed_free: Map.keys(embeds) ++ st.embed_free}
+    st = %{st | embed_free: Map.keys(embeds) ++ st.embed_free}
 
     st =
       embeds
@@ -179,7 +178,7 @@ defmodule LlamaCppEx.Server.Outcome do
         case Pipeline.push(r.pipeline, t.piece, t.eog, t.logprobs) do
           {:cont, events, p} ->
             Request.deliver(r, events)
-            slot = %{slot | pending: t.token, request: %{r | pipeline: p}}
+            slot = %{fed(slot, t.token) | request: %{r | pipeline: p}}
             %{st | slots: Map.put(st.slots, seq, slot)}
 
           {:done, events, p} ->
@@ -191,6 +190,12 @@ defmodule LlamaCppEx.Server.Outcome do
         end
     end
   end
+
+  # a token a queued step feeds already, or the one the next tick feeds
+  defp fed(%Slot{chained: true} = slot, token),
+    do: %{slot | fed: [token | slot.fed], chained: false}
+
+  defp fed(slot, token), do: %{slot | pending: token}
 
   # the slot as a token sampled for it finds it
   defp advance(%Slot{state: :prefilling} = slot, now) do

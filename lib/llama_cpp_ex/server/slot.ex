@@ -3,7 +3,10 @@ defmodule LlamaCppEx.Server.Slot do
   # One KV sequence of the server's context and the request using it. Its bookkeeping mirrors
   # the sequence exactly: an idle slot's `cached` tokens, a prefilling slot's prompt up to
   # `prefill_pos`, a generating slot's prompt plus the generated tokens already fed (`fed`,
-  # newest first). `pending` is the token sampled last tick, fed in the next one.
+  # newest first). `pending` is the token sampled last tick, fed in the next one; a `chained`
+  # slot's next token is fed by a step already queued (the engine takes it from the step
+  # before), so it goes straight to `fed` when it comes; until then the queued steps leave
+  # one token more in the cache than `fed` lists.
 
   alias LlamaCppEx.Server.Request
 
@@ -17,6 +20,7 @@ defmodule LlamaCppEx.Server.Slot do
     prefill_pos: 0,
     pos: 0,
     pending: nil,
+    chained: false,
     fed: [],
     cache_scope: nil,
     session: nil,
@@ -34,6 +38,7 @@ defmodule LlamaCppEx.Server.Slot do
           prefill_pos: non_neg_integer(),
           pos: non_neg_integer(),
           pending: non_neg_integer() | nil,
+          chained: boolean(),
           fed: [non_neg_integer()],
           cache_scope: term(),
           session: term(),

@@ -19,6 +19,7 @@ defmodule LlamaCppEx.Server.State do
     queue: :queue.new(),
     sessions: %{},
     in_flight: nil,
+    chained: nil,
     tick_scheduled: false,
     tick: 0,
     pending_ops: [],
@@ -38,11 +39,17 @@ defmodule LlamaCppEx.Server.State do
     cluster: %LlamaCppEx.Cluster.Member{}
   ]
 
-  @typedoc "The step being computed: its reply ref, row counts, save tags and embedding texts."
+  @typedoc """
+  A step queued or being computed: its reply ref, whether it was queued behind another
+  unplanned, row counts, the sequences of its decode rows when they are all it has (else
+  `[]`: no step may follow it unplanned), save tags and embedding texts.
+  """
   @type flight :: %{
           ref: reference(),
+          queued: boolean(),
           decode: non_neg_integer(),
           prefill: non_neg_integer(),
+          rows: [non_neg_integer()],
           save_tags: [pos_integer()],
           embed: non_neg_integer(),
           embeds: %{non_neg_integer() => {reference(), non_neg_integer()}}
@@ -64,6 +71,8 @@ defmodule LlamaCppEx.Server.State do
           # `{cache_scope, session}` => the slot it last used
           sessions: %{term() => non_neg_integer()},
           in_flight: flight() | nil,
+          # a decode step queued behind `in_flight` before its outcome came (`:overlap`)
+          chained: flight() | nil,
           tick_scheduled: boolean(),
           tick: non_neg_integer(),
           # KV operations decided since the last step, shipped with the next one

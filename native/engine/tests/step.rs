@@ -88,6 +88,115 @@ fn a_step_samples_every_sequence_as_it_would_alone() {
 }
 
 #[test]
+fn a_follow_entry_feeds_what_the_step_before_sampled() {
+    let model = load(SMOLLM2, Requantize::Off);
+    let tok = &model.tokenizer;
+    let a = tok.encode("The capital of France is", true, true).unwrap();
+    let b = tok.encode("Once upon a time", true, true).unwrap();
+    let (want_a, want_b) = (alone(&model, &a, 5), alone(&model, &b, 5));
+
+    let mut c = ctx(&model, 256, 3);
+    let (sa, sb) = (greedy(&model), greedy(&model));
+    let mut batch = prefill(&a, 0);
+    for (i, &t) in b.iter().enumerate() {
+        batch.push(t, i, 1, i + 1 == b.len());
+    }
+    let o = c
+        .step(&Step {
+            batch,
+            samplers: vec![(0, sa.clone()), (1, sb.clone())],
+            ..Default::default()
+        })
+        .unwrap();
+    let (mut got_a, mut got_b) = (vec![o.sampled[0].token], vec![o.sampled[1].token]);
+    // every later step is built without the tokens: placeholders the engine fills in
+    for i in 0..4 {
+        let mut next = Batch::default();
+        next.push(0, a.len() + i, 0, true);
+        next.push(0, b.len() + i, 1, true);
+        let o = c
+            .step(&Step {
+                batch: next,
+                samplers: vec![(0, sa.clone()), (1, sb.clone())],
+                follow: vec![0, 1],
+                ..Default::default()
+            })
+            .unwrap();
+        got_a.push(o.sampled.iter().find(|s| s.seq == 0).unwrap().token);
+        got_b.push(o.sampled.iter().find(|s| s.seq == 1).unwrap().token);
+    }
+    assert_eq!(got_a, want_a);
+    assert_eq!(got_b, want_b);
+
+    // a sequence the step before sampled nothing for is left out, the others still run
+    let mut next = Batch::default();
+    next.push(0, a.len() + 4, 0, true);
+    next.push(0, 0, 2, true);
+    let o = c
+        .step(&Step {
+            batch: next,
+            samplers: vec![(0, sa.clone()), (2, greedy(&model))],
+            follow: vec![0, 2],
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(o.sampled.len(), 1);
+    assert_eq!(o.sampled[0].seq, 0);
+    assert_eq!(c.kv.seq_len(2), 0);
+    // an end-of-generation token is not fed
+    let eog = tok.eog_tokens()[0];
+    let mut params = SamplerParams::greedy();
+    params.logit_bias = vec![(eog, 1e9)];
+    let spec = SamplerSpec {
+        params,
+        seed: Some(1),
+        grammar: None,
+        grammar_triggers: Vec::new(),
+        dry_sequence_breakers: Vec::new(),
+    };
+    let ending = Arc::new(Mutex::new(model.sampler(&spec).unwrap()));
+    let o = c
+        .step(&Step {
+            batch: prefill(&b, 2),
+            samplers: vec![(2, ending.clone())],
+            ..Default::default()
+        })
+        .unwrap();
+    assert!(o.sampled[0].is_eog);
+    let mut next = Batch::default();
+    next.push(0, b.len(), 2, true);
+    let o = c
+        .step(&Step {
+            batch: next,
+            samplers: vec![(2, ending)],
+            follow: vec![2],
+            ..Default::default()
+        })
+        .unwrap();
+    assert!(o.sampled.is_empty());
+    assert_eq!(c.kv.seq_len(2), b.len());
+    // after a step that failed, no entry follows it
+    assert!(c
+        .step(&Step {
+            ops: vec![KvOp::Trim { seq: 9, keep: 0 }],
+            ..Default::default()
+        })
+        .is_err());
+    let mut next = Batch::default();
+    next.push(0, a.len() + 5, 0, true);
+    let o = c
+        .step(&Step {
+            batch: next,
+            samplers: vec![(0, sa)],
+            follow: vec![0],
+            ..Default::default()
+        })
+        .unwrap();
+    assert!(o.sampled.is_empty());
+    assert_eq!(c.kv.seq_len(0), a.len() + 5);
+}
+
+#[test]
 fn kv_ops_apply_in_order_before_the_batch() {
     let model = load(SMOLLM2, Requantize::Off);
     let tok = &model.tokenizer;

@@ -131,8 +131,14 @@ fn memory_clear(c: ResourceArc<ContextRes>) -> Atom {
     atoms::ok()
 }
 
-/// `{n_blocks, used blocks per layer group, [[{seq, blocks}]] per layer group}`.
-type KvUsageTerm = (usize, Vec<usize>, Vec<Vec<(usize, usize)>>);
+/// `{n_blocks, used blocks per layer group, [[{seq, blocks}]] per layer group,
+/// [{seq, positions}]}`.
+type KvUsageTerm = (
+    usize,
+    Vec<usize>,
+    Vec<Vec<(usize, usize)>>,
+    Vec<(usize, usize)>,
+);
 
 /// The KV cache's block usage after an integrity audit.
 #[rustler::nif(schedule = "DirtyCpu")]
@@ -141,7 +147,7 @@ fn context_kv_usage(c: ResourceArc<ContextRes>) -> Out<KvUsageTerm> {
         let ctx = lock(&c.ctx);
         ctx.kv.audit().map_err(message)?;
         let u = ctx.kv.usage();
-        Ok((u.n_blocks, u.used, u.owners))
+        Ok((u.n_blocks, u.used, u.owners, u.tokens))
     })
 }
 

@@ -57,6 +57,7 @@ pub struct StepTerm {
     save_purged_max_bytes: usize,
     embeds: Vec<EmbedTerm>,
     specs: Vec<SpecTerm>,
+    follow: Vec<usize>,
 }
 
 impl StepTerm {
@@ -97,6 +98,7 @@ impl StepTerm {
                     source: DraftSource::new(s.n_draft, s.draft_model),
                 })
                 .collect(),
+            follow: self.follow,
         })
     }
 }

@@ -113,6 +113,9 @@ pub struct Context {
     /// A draft model attached for speculative decoding (its own context and KV), used by
     /// sequences that ask for draft-model drafts.
     drafter: Option<Box<DraftModel>>,
+    /// `(seq, token, end of generation?)` of the last token the last step sampled for each
+    /// sequence: what a [`Step::follow`] entry of the next step feeds.
+    last_sampled: Vec<(usize, TokenId, bool)>,
 }
 
 impl Context {
@@ -195,6 +198,7 @@ impl Context {
             ranges: Vec::new(),
             spec_history: Vec::new(),
             drafter: None,
+            last_sampled: Vec::new(),
         })
     }
 

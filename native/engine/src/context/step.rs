@@ -72,6 +72,11 @@ pub struct Step {
     /// Generating sequences that decode speculatively this step: drafts are added after their
     /// next token and verified with their sampler.
     pub specs: Vec<SpecRequest>,
+    /// Sequences whose one entry (a decode row; its token a placeholder) feeds the token the
+    /// step before this one sampled for them, so a step can be queued before its
+    /// predecessor's outcome is known (the Server's overlapped decode). An entry whose
+    /// sequence got no token in that step, or an end-of-generation one, is left out.
+    pub follow: Vec<usize>,
 }
 
 /// A token sampled for one sequence.
@@ -146,13 +151,23 @@ impl Context {
             save_max_bytes: step.save_purged_max_bytes,
             dropped: Vec::new(),
         };
+        let previous = std::mem::take(&mut self.last_sampled);
         self.apply_kv_ops(&step.ops, &mut evictor, &mut out)?;
-        // what failed to restore is not evaluated
+        // what failed to restore is not evaluated; a follow entry takes its token or goes
         let restricted;
-        let step_batch = if out.restore_failed.is_empty() {
+        let step_batch = if out.restore_failed.is_empty() && step.follow.is_empty() {
             &step.batch
         } else {
-            restricted = step.batch.without(&out.restore_failed);
+            let mut b = step.batch.without(&out.restore_failed);
+            let mut gone = Vec::new();
+            for &seq in &step.follow {
+                let fed = previous.iter().find(|&&(s, _, _)| s == seq);
+                match (fed, b.seq.iter().position(|&s| s == seq)) {
+                    (Some(&(_, token, false)), Some(i)) => b.tokens[i] = token,
+                    _ => gone.push(seq),
+                }
+            }
+            restricted = if gone.is_empty() { b } else { b.without(&gone) };
             &restricted
         };
         if !step_batch.is_empty() {
@@ -189,6 +204,15 @@ impl Context {
             evaluated?;
         }
         out.purged = evictor.dropped;
+        let mut last = previous;
+        last.clear();
+        for t in &out.sampled {
+            match last.iter_mut().find(|(s, _, _)| *s == t.seq) {
+                Some(l) => *l = (t.seq, t.token, t.is_eog),
+                None => last.push((t.seq, t.token, t.is_eog)),
+            }
+        }
+        self.last_sampled = last;
         out.eval_us = started.elapsed().as_micros() as u64;
         out.kv_free_tokens = self.kv.free_tokens();
         out.kv_exclusive_tokens = self.kv.exclusive_tokens();

@@ -128,6 +128,8 @@ pub struct KvUsage {
     pub used: Vec<usize>,
     /// `(seq, blocks held)` per group.
     pub owners: Vec<Vec<(usize, usize)>>,
+    /// `(seq, positions held)` of every sequence holding any.
+    pub tokens: Vec<(usize, usize)>,
 }
 
 impl KvCache {
@@ -612,6 +614,10 @@ impl KvCache {
                         .filter(|&(_, n)| n > 0)
                         .collect()
                 })
+                .collect(),
+            tokens: (0..self.lens.len())
+                .map(|s| (s, self.lens[s]))
+                .filter(|&(_, n)| n > 0)
                 .collect(),
         }
     }
