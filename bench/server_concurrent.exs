@@ -18,7 +18,7 @@
 # (prompt_cache_ram_mb: 256). BENCH_LEVELS="" skips workload 1, BENCH_SKIP_PREFIX workload 2,
 # BENCH_PREFIX_MODES picks modes (e.g. "small_kv,small_kv_ram"). BENCH_TELEMETRY=0 runs
 # without the stand-in `:telemetry` module (as an application without it does; eval p50
-# and avg batch then print 0.0).
+# and avg batch then print 0.0). BENCH_OVERLAP=0 starts the servers with `overlap: false`.
 
 alias LlamaCppEx.Server
 
@@ -50,7 +50,8 @@ defmodule Bench.Concurrent do
         n_ctx: c * 512,
         temp: 0.0,
         n_threads: threads,
-        cache_prompt: false
+        cache_prompt: false,
+        overlap: System.get_env("BENCH_OVERLAP") != "0"
       )
 
     wait(s)
