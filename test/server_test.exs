@@ -333,6 +333,70 @@ defmodule LlamaCppEx.ServerTest do
     end
   end
 
+  describe ":overlap under pressure" do
+    test "with evictions, failures, halts and the RAM prompt cache, what completes matches",
+         %{path: path} do
+      prompts =
+        for i <- 1..12,
+            do: "Note #{rem(i, 5)}: " <> String.duplicate("the river runs down to the sea, ", 6)
+
+      run = fn overlap ->
+        {:ok, s} =
+          Server.start_link(
+            model_path: path,
+            n_parallel: 4,
+            n_ctx: 256,
+            temp: 0.0,
+            prompt_cache_ram_mb: 16,
+            overlap: overlap
+          )
+
+        {:ok, _} = wait_model(s)
+
+        results =
+          prompts
+          |> Enum.with_index()
+          |> Task.async_stream(
+            fn {p, i} ->
+              case rem(i, 4) do
+                0 -> Server.generate(s, p, max_tokens: 40, stop: [" sea,"])
+                3 -> {:halted, s |> Server.stream(p, max_tokens: 30) |> Enum.take(2)}
+                _ -> Server.generate(s, p, max_tokens: 40 + 2 * i)
+              end
+            end,
+            max_concurrency: 6,
+            timeout: 120_000
+          )
+          |> Enum.map(fn {:ok, r} -> r end)
+
+        assert_no_leaks(s)
+        GenServer.stop(s)
+        results
+      end
+
+      attach([[:llama_cpp_ex, :server, :kv_pressure], [:llama_cpp_ex, :server, :ram_cache]])
+      overlapped = run.(true)
+      planned = run.(false)
+      IO.inspect({overlapped, planned}, limit: :infinity)
+
+      IO.inspect(
+        Process.info(self(), :messages)
+        |> elem(1)
+        |> Enum.map(fn {:telemetry, e, m, meta} ->
+          {List.last(e), m, Map.drop(meta, [:server])}
+        end)
+        |> Enum.frequencies_by(&elem(&1, 0))
+      )
+
+      both =
+        for {{:ok, a}, {:ok, b}} <- Enum.zip(overlapped, planned) do
+          assert a == b
+        end
+
+      assert length(both) >= 4
+    end
+  end
+
   defp queued_ticks(s, n) do
     receive do
       {:telemetry, [_, _, :tick], _, %{server: ^s, queued: q}} ->
