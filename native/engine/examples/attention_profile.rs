@@ -6,8 +6,10 @@
 //! Each of STREAMS sequences (default 8) holds DEPTH positions (default 228) in every layer
 //! and decodes one token: SmolLM2's shapes (30 layers, 9 query heads over 3 KV heads of 64).
 //! `LAYERS=1` keeps one layer, whose K/V stay in cache between calls (the arithmetic alone);
-//! `KV_TYPE=f16|f32|q8_0|q4_0` sets the cache's precision (default f16). Prints the best of
-//! five rounds, per step and per (KV head, key) pair.
+//! `KV_TYPE=f16|f32|q8_0|q4_0` sets the cache's precision (default f16); `FLUSH=MB` reads
+//! that many MB between layers, untimed, so each layer's keys and values come from memory as
+//! in a decode step (whose weights evict them). Prints the best of five rounds, per step and
+//! per (KV head, key) pair.
 
 use llama_cpp_ex_engine::batch::Batch;
 use llama_cpp_ex_engine::kv::{KvCache, KvType};
@@ -85,19 +87,30 @@ fn main() {
     let q: Vec<f32> = (0..streams * N_HEAD * HEAD_DIM).map(|_| random()).collect();
     let mut out = vec![0f32; q.len()];
     let steps = (20_000_000 / (layers * streams * (depth + 1))).max(3);
+    // FLUSH=MB: read that many MB between layers (untimed), as a decode step's weights evict
+    // the cache between one layer's attention and the next
+    let flush_mb: usize = std::env::var("FLUSH").map_or(0, |s| s.parse().expect("FLUSH"));
+    let flush: Vec<u64> = vec![1; flush_mb << 17];
+    let mut sink = 0u64;
     let best = llama_cpp_ex_engine::pool::with_threads(threads, || {
         (0..5)
             .map(|_| {
-                let t = Instant::now();
+                let mut spent = 0f64;
                 for _ in 0..steps {
                     for l in 0..layers {
+                        if flush_mb > 0 {
+                            sink = sink.wrapping_add(flush.iter().step_by(8).sum::<u64>());
+                        }
+                        let t = Instant::now();
                         paged_attention(&kv, l, &batch, &tiles, &q, &params, &mut out);
+                        spent += t.elapsed().as_secs_f64();
                     }
                 }
-                t.elapsed().as_secs_f64() / steps as f64
+                spent / steps as f64
             })
             .fold(f64::INFINITY, f64::min)
     });
+    std::hint::black_box(sink);
     let pair_keys = layers * streams * N_KV_HEADS * (depth + 1);
     println!(
         "{streams} streams at depth {depth}, {layers} layers, {ty:?} cache, {threads} threads: \
