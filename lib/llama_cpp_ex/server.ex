@@ -84,7 +84,9 @@ defmodule LlamaCppEx.Server do
   decode step is queued behind the one running (`:overlap`): the engine feeds it the tokens
   the running step samples and goes straight on to it, while the server hands out the
   running step's tokens. A request that ends on a stop string (or is cancelled) then costs
-  its queued row; one reaching `:max_tokens` or an end-of-generation token costs nothing. The engine's threads share the cores with the BEAM's schedulers, which
+  its queued row; one reaching `:max_tokens` or an end-of-generation token costs nothing. A
+  request that arrives meanwhile is placed after the queued step, one step later than
+  without it. The engine's threads share the cores with the BEAM's schedulers, which
   spin when idle by default; a node that runs little else besides the server gains from
   starting the VM with `+sbwt none +sbwtdcpu none +sbwtdio none` (many streams wake the
   schedulers every tick: ~1.2× the 8-stream decode on 2 vCPUs, `docs/performance.md`).
