@@ -40,9 +40,10 @@ defmodule LlamaCppEx.Server.State do
   ]
 
   @typedoc """
-  A step queued or being computed: its reply ref, whether it was queued behind another
-  unplanned, row counts, the sequences of its decode rows when they are all it has (else
-  `[]`: no step may follow it unplanned), save tags and embedding texts.
+  A step queued or being computed: its reply ref, whether it was queued behind the step
+  before it (`:overlap`, unplanned), row counts, the sequences of its decode rows when they
+  are all it has (else `[]`: no step may be queued behind it), save tags and embedding
+  texts.
   """
   @type flight :: %{
           ref: reference(),

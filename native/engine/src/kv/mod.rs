@@ -615,8 +615,11 @@ impl KvCache {
                         .collect()
                 })
                 .collect(),
-            tokens: (0..self.lens.len())
-                .map(|s| (s, self.lens[s]))
+            tokens: self
+                .lens
+                .iter()
+                .copied()
+                .enumerate()
                 .filter(|&(_, n)| n > 0)
                 .collect(),
         }
