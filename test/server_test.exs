@@ -296,16 +296,7 @@ defmodule LlamaCppEx.ServerTest do
         end
 
       run = fn overlap ->
-        {:ok, s} =
-          Server.start_link(
-            model_path: path,
-            n_parallel: 4,
-            n_ctx: 2048,
-            temp: 0.0,
-            overlap: overlap
-          )
-
-        {:ok, _} = wait_model(s)
+        s = start_ready!(path, n_ctx: 2048, overlap: overlap)
 
         # twice: the second wave starts from the caches the first one left
         results =
@@ -341,17 +332,7 @@ defmodule LlamaCppEx.ServerTest do
             do: "Note #{rem(i, 5)}: " <> String.duplicate("the river runs down to the sea, ", 6)
 
       run = fn overlap ->
-        {:ok, s} =
-          Server.start_link(
-            model_path: path,
-            n_parallel: 4,
-            n_ctx: 256,
-            temp: 0.0,
-            prompt_cache_ram_mb: 16,
-            overlap: overlap
-          )
-
-        {:ok, _} = wait_model(s)
+        s = start_ready!(path, n_ctx: 256, prompt_cache_ram_mb: 16, overlap: overlap)
 
         results =
           prompts
@@ -395,6 +376,13 @@ defmodule LlamaCppEx.ServerTest do
 
       assert length(both) >= 4
     end
+  end
+
+  # a greedy 4-slot server of its own, once its model is loaded
+  defp start_ready!(path, opts) do
+    {:ok, s} = Server.start_link([model_path: path, n_parallel: 4, temp: 0.0] ++ opts)
+    {:ok, _} = wait_model(s)
+    s
   end
 
   defp queued_ticks(s, n) do

@@ -10,15 +10,33 @@ use llama_cpp_ex_engine::{
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-fn greedy(model: &llama_cpp_ex_engine::Model) -> SharedSampler {
+fn sampler(model: &llama_cpp_ex_engine::Model, params: SamplerParams) -> SharedSampler {
     let spec = SamplerSpec {
-        params: SamplerParams::greedy(),
+        params,
         seed: Some(1),
         grammar: None,
         grammar_triggers: Vec::new(),
         dry_sequence_breakers: Vec::new(),
     };
     Arc::new(Mutex::new(model.sampler(&spec).unwrap()))
+}
+
+fn greedy(model: &llama_cpp_ex_engine::Model) -> SharedSampler {
+    sampler(model, SamplerParams::greedy())
+}
+
+/// A step of one follow entry per `(seq, pos, sampler)`, its tokens placeholders.
+fn follow_step(rows: &[(usize, usize, &SharedSampler)]) -> Step {
+    let mut batch = Batch::default();
+    for &(seq, pos, _) in rows {
+        batch.push(0, pos, seq, true);
+    }
+    Step {
+        batch,
+        samplers: rows.iter().map(|&(seq, _, s)| (seq, s.clone())).collect(),
+        follow: rows.iter().map(|&(seq, _, _)| seq).collect(),
+        ..Default::default()
+    }
 }
 
 fn prefill(tokens: &[u32], seq: usize) -> Batch {
@@ -111,16 +129,11 @@ fn a_follow_entry_feeds_what_the_step_before_sampled() {
     let (mut got_a, mut got_b) = (vec![o.sampled[0].token], vec![o.sampled[1].token]);
     // every later step is built without the tokens: placeholders the engine fills in
     for i in 0..4 {
-        let mut next = Batch::default();
-        next.push(0, a.len() + i, 0, true);
-        next.push(0, b.len() + i, 1, true);
         let o = c
-            .step(&Step {
-                batch: next,
-                samplers: vec![(0, sa.clone()), (1, sb.clone())],
-                follow: vec![0, 1],
-                ..Default::default()
-            })
+            .step(&follow_step(&[
+                (0, a.len() + i, &sa),
+                (1, b.len() + i, &sb),
+            ]))
             .unwrap();
         got_a.push(o.sampled.iter().find(|s| s.seq == 0).unwrap().token);
         got_b.push(o.sampled.iter().find(|s| s.seq == 1).unwrap().token);
@@ -129,16 +142,11 @@ fn a_follow_entry_feeds_what_the_step_before_sampled() {
     assert_eq!(got_b, want_b);
 
     // a sequence the step before sampled nothing for is left out, the others still run
-    let mut next = Batch::default();
-    next.push(0, a.len() + 4, 0, true);
-    next.push(0, 0, 2, true);
     let o = c
-        .step(&Step {
-            batch: next,
-            samplers: vec![(0, sa.clone()), (2, greedy(&model))],
-            follow: vec![0, 2],
-            ..Default::default()
-        })
+        .step(&follow_step(&[
+            (0, a.len() + 4, &sa),
+            (2, 0, &greedy(&model)),
+        ]))
         .unwrap();
     assert_eq!(o.sampled.len(), 1);
     assert_eq!(o.sampled[0].seq, 0);
@@ -147,14 +155,7 @@ fn a_follow_entry_feeds_what_the_step_before_sampled() {
     let eog = tok.eog_tokens()[0];
     let mut params = SamplerParams::greedy();
     params.logit_bias = vec![(eog, 1e9)];
-    let spec = SamplerSpec {
-        params,
-        seed: Some(1),
-        grammar: None,
-        grammar_triggers: Vec::new(),
-        dry_sequence_breakers: Vec::new(),
-    };
-    let ending = Arc::new(Mutex::new(model.sampler(&spec).unwrap()));
+    let ending = sampler(&model, params);
     let o = c
         .step(&Step {
             batch: prefill(&b, 2),
@@ -163,16 +164,7 @@ fn a_follow_entry_feeds_what_the_step_before_sampled() {
         })
         .unwrap();
     assert!(o.sampled[0].is_eog);
-    let mut next = Batch::default();
-    next.push(0, b.len(), 2, true);
-    let o = c
-        .step(&Step {
-            batch: next,
-            samplers: vec![(2, ending)],
-            follow: vec![2],
-            ..Default::default()
-        })
-        .unwrap();
+    let o = c.step(&follow_step(&[(2, b.len(), &ending)])).unwrap();
     assert!(o.sampled.is_empty());
     assert_eq!(c.kv.seq_len(2), b.len());
     // after a step that failed, no entry follows it
@@ -182,16 +174,7 @@ fn a_follow_entry_feeds_what_the_step_before_sampled() {
             ..Default::default()
         })
         .is_err());
-    let mut next = Batch::default();
-    next.push(0, a.len() + 5, 0, true);
-    let o = c
-        .step(&Step {
-            batch: next,
-            samplers: vec![(0, sa)],
-            follow: vec![0],
-            ..Default::default()
-        })
-        .unwrap();
+    let o = c.step(&follow_step(&[(0, a.len() + 5, &sa)])).unwrap();
     assert!(o.sampled.is_empty());
     assert_eq!(c.kv.seq_len(0), a.len() + 5);
 }
