@@ -6,7 +6,9 @@
 //! `SHAPES=text` keeps the shapes whose label contains `text`. Each figure is the best of 15
 //! timing windows. `COPIES=n` rotates each call among `n` copies of the matrix, so that a
 //! small matrix is read from memory as in a model's decode rather than from cache (at most
-//! 512 MB of copies per shape).
+//! 512 MB of copies per shape). `GATED=1` runs each shape as a stacked gate and up product
+//! with SiLU fused into its tiles (`matmul_gated`, as the models' FFNs run), and `MEAN=1`
+//! prints the mean of the windows beside the best (how much this VM's neighbours cost).
 //!
 //! Shapes are the ones that dominate the two real models' decode: Gemma 3's tied Q8_0 output
 //! head (262144 × 640) and Q5_0 FFN (2048 × 640, 640 × 2048), SmolLM2's Q4_1 FFN (3072 × 576,
@@ -17,6 +19,7 @@
 use half::f16;
 use llama_cpp_ex_engine::kernels::kquant::KQuant;
 use llama_cpp_ex_engine::kernels::packed::{PackedMatrix, PackedType};
+use llama_cpp_ex_engine::model::ops::silu_mul;
 use std::time::Instant;
 
 /// Random K-quant super-blocks: small positive f16 scales, random 6-bit sub-block scales
@@ -181,21 +184,36 @@ fn main() {
             } else {
                 (2_000_000_000 / (bytes.len() * m.max(1))).clamp(3, 20_000)
             };
+            // GATED=1: the fused gate, up and SiLU product, where the shape splits in two
+            // halves of whole row groups (else the plain product)
+            let gated = std::env::var_os("GATED").is_some();
+            let product = |w: &PackedMatrix, out: &mut Vec<f32>| {
+                if !gated || w.matmul_gated(&x, m, out, silu_mul).is_none() {
+                    out.resize(m * n_out, 0.0);
+                    w.matmul(&x, m, out);
+                }
+            };
             llama_cpp_ex_engine::pool::with_threads(threads, || {
-                w().matmul(&x, m, &mut out);
+                product(w(), &mut out);
                 // the best of 15 windows: this VM's neighbours slow whole windows down
                 let window = reps.div_ceil(15);
                 let s = (0..15)
                     .map(|_| {
                         let t = Instant::now();
                         for _ in 0..window {
-                            w().matmul(&x, m, &mut out);
+                            product(w(), &mut out);
                         }
                         t.elapsed().as_secs_f64() / window as f64
                     })
-                    .fold(f64::INFINITY, f64::min);
+                    .collect::<Vec<f64>>();
+                let best = s.iter().copied().fold(f64::INFINITY, f64::min);
+                let mean = match std::env::var_os("MEAN") {
+                    Some(_) => format!("  (mean {:.1} us)", 1e6 * s.iter().sum::<f64>() / 15.0),
+                    None => String::new(),
+                };
+                let s = best;
                 println!(
-                    "{label:22} {n_out:6}x{n_in:<5} m={m:<3} {:8.1} us  {:6.1} GB/s  {:6.1} GMAC/s",
+                    "{label:22} {n_out:6}x{n_in:<5} m={m:<3} {:8.1} us  {:6.1} GB/s  {:6.1} GMAC/s{mean}",
                     s * 1e6,
                     bytes.len() as f64 / s / 1e9,
                     (m * n_out * n_in) as f64 / s / 1e9
