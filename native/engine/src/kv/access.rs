@@ -1,7 +1,7 @@
 //! Reading and writing the cached rows of a block: attention's side of the cache.
 
 use super::codec::{bytemuck_f32, bytemuck_u16, bytemuck_u8, read_rows, write_row};
-use super::{split_id, KvCache, KvType, SeqView, Tier, KV_BLOCK_SIZE, QK};
+use super::{split_id, KvCache, KvType, KvTypes, SeqView, Tier, KV_BLOCK_SIZE, QK};
 
 impl KvCache {
     pub fn seq_view(&self, layer: usize, seq: usize) -> SeqView<'_> {
@@ -26,23 +26,34 @@ impl KvCache {
     /// Writes one position's keys and values (`n_kv_heads * head_dim` each) for a layer.
     /// The block must have been reserved.
     pub fn write(&mut self, layer: usize, seq: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let hd = self.head_dim;
+        let dest = self.row_dest(layer, seq, pos);
+        // SAFETY: `&mut self` keeps every other access to the cache out until this returns.
+        unsafe { dest.write(k, v) }
+    }
+
+    /// Where [`Self::write`] puts one position's keys and values for a layer, found ahead
+    /// so that several threads can each write their own positions at once (the rows of
+    /// distinct positions never overlap). The block must have been reserved.
+    pub fn row_dest(&mut self, layer: usize, seq: usize, pos: usize) -> RowDest {
+        let (hd, n_kv_heads) = (self.head_dim, self.n_kv_heads);
         let (g, li) = (self.layer_group[layer], self.layer_slot[layer]);
         let b = self.groups[g].seqs[seq].blocks[pos / KV_BLOCK_SIZE];
         let (tier, idx) = split_id(b);
         let t = &mut self.groups[g].tiers[tier];
-        let ((kt, vt), (kw, vw)) = (t.types, (t.k_words, t.v_words));
         let (k_at, v_at) = t.layer_at(idx, li);
-        let words = t.store.words_mut();
-        // the values follow the keys of the same layer (`Tier::layer_at`)
-        debug_assert_eq!(v_at, k_at + kw);
-        let (kd, rest) = words[k_at..].split_at_mut(kw);
-        let vd = &mut rest[..vw];
-        let first = pos % KV_BLOCK_SIZE * hd;
-        for h in 0..self.n_kv_heads {
-            let at = first + h * KV_BLOCK_SIZE * hd;
-            write_row(kt, kd, at, &k[h * hd..(h + 1) * hd]);
-            write_row(vt, vd, at, &v[h * hd..(h + 1) * hd]);
+        let (words, types) = (t.store.words_mut(), t.types);
+        // (the values follow the keys of the same layer, `Tier::layer_at`)
+        debug_assert!(k_at + t.k_words == v_at && v_at + t.v_words <= words.len());
+        let base = words.as_mut_ptr().cast::<u8>();
+        // SAFETY: both offsets are within the block's words (asserted above in debug).
+        let (k, v) = unsafe { (base.add(4 * k_at), base.add(4 * v_at)) };
+        RowDest {
+            k,
+            v,
+            types,
+            first: pos % KV_BLOCK_SIZE * hd,
+            n_kv_heads,
+            head_dim: hd,
         }
     }
 
@@ -161,6 +172,45 @@ impl KvCache {
             // SAFETY: a prefetch never faults, and `at + off` stays inside the layer's
             // words of block `b` (head `head`'s run), so the pointer arithmetic is in bounds.
             unsafe { _mm_prefetch::<HINT>(base.add(at + off)) };
+        }
+    }
+}
+
+/// One position's key and value rows in one layer of the cache ([`KvCache::row_dest`]).
+#[derive(Clone, Copy)]
+pub struct RowDest {
+    /// The layer's keys and values in the position's block.
+    k: *mut u8,
+    v: *mut u8,
+    types: KvTypes,
+    /// The position's element offset in the first head's run.
+    first: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+}
+
+// SAFETY: a `RowDest` only points into a cache's storage; [`RowDest::write`]'s contract
+// keeps threads to rows of their own.
+unsafe impl Send for RowDest {}
+unsafe impl Sync for RowDest {}
+
+impl RowDest {
+    /// Writes the position's keys and values (`n_kv_heads * head_dim` each).
+    ///
+    /// # Safety
+    /// The cache it came from is alive and not moved or resized, and nothing else reads or
+    /// writes this position's rows of the layer meanwhile.
+    pub unsafe fn write(&self, k: &[f32], v: &[f32]) {
+        let hd = self.head_dim;
+        for h in 0..self.n_kv_heads {
+            let at = self.first + h * KV_BLOCK_SIZE * hd;
+            for (ty, base, src) in [(self.types.0, self.k, k), (self.types.1, self.v, v)] {
+                // SAFETY: a head's row of the position: within the layer's words of the
+                // block, and no other position's (the caller's contract).
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(base.add(ty.bytes(at)), ty.bytes(hd)) };
+                write_row(ty, dst, &src[h * hd..(h + 1) * hd]);
+            }
         }
     }
 }

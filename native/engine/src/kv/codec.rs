@@ -4,30 +4,36 @@
 use super::{KvType, QK};
 use half::f16;
 
-pub(super) fn write_row(kv_type: KvType, words: &mut [u32], at: usize, src: &[f32]) {
+/// One head row `src` into `dst`, exactly the bytes the row takes in `kv_type`
+/// ([`KvType::bytes`] of its length), at an offset aligned for the type's elements.
+pub(super) fn write_row(kv_type: KvType, dst: &mut [u8], src: &[f32]) {
+    debug_assert_eq!(dst.len(), kv_type.bytes(src.len()));
     match kv_type {
         KvType::F32 => {
-            for (w, x) in words[at..at + src.len()].iter_mut().zip(src) {
-                *w = x.to_bits();
-            }
+            debug_assert!(dst.as_ptr().cast::<u32>().is_aligned());
+            // SAFETY: `dst` holds `src.len()` words at an aligned address (a row starts at a
+            // whole element of the cache's u32 storage); every bit pattern is a valid f32.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<f32>(), src.len())
+            };
+            dst.copy_from_slice(src);
         }
         KvType::F16 => {
-            let halves: &mut [u16] = bytemuck_u16_mut(words);
-            let dst = &mut halves[at..at + src.len()];
-            let dst: &mut [f16] = half::slice::HalfBitsSliceExt::reinterpret_cast_mut(dst);
+            debug_assert!(dst.as_ptr().cast::<u16>().is_aligned());
+            // SAFETY: as for f32, with halves.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<f16>(), src.len())
+            };
             half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
         }
         KvType::Q8_0 | KvType::Q4_0 => {
-            let bytes = bytemuck_u8_mut(words);
-            let (bb, mut off) = (kv_type.bytes(QK), kv_type.bytes(at));
-            for x in src.chunks_exact(QK) {
-                let dst = &mut bytes[off..off + bb];
+            let bb = kv_type.bytes(QK);
+            for (x, dst) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(bb)) {
                 if kv_type == KvType::Q8_0 {
                     quantize_q8_0(x, dst);
                 } else {
                     quantize_q4_0(x, dst);
                 }
-                off += bb;
             }
         }
     }
@@ -196,14 +202,4 @@ pub(super) fn bytemuck_u8(words: &[u32]) -> &[u8] {
     // SAFETY: u32 storage reinterpreted as four times as many bytes; every bit pattern is a
     // valid u8 and u8 has alignment 1.
     unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, words.len() * 4) }
-}
-
-fn bytemuck_u8_mut(words: &mut [u32]) -> &mut [u8] {
-    // SAFETY: as in `bytemuck_u8`; the borrow is unique.
-    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, words.len() * 4) }
-}
-
-fn bytemuck_u16_mut(words: &mut [u32]) -> &mut [u16] {
-    // SAFETY: as in `bytemuck_u16`; the borrow is unique.
-    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u16, words.len() * 2) }
 }

@@ -13,6 +13,7 @@ mod access;
 mod alloc;
 mod codec;
 mod snapshot;
+pub use access::RowDest;
 pub use alloc::MAX_KV_TIERS;
 use alloc::{split_id, Group, SeqTable, Tier, INDEX_MASK, NO_BLOCK};
 pub use snapshot::{KvLayout, KvSnapshot};
