@@ -42,10 +42,11 @@ impl KvCache {
         let t = &mut self.groups[g].tiers[tier];
         let (k_at, v_at) = t.layer_at(idx, li);
         let (words, types) = (t.store.words_mut(), t.types);
-        // (the values follow the keys of the same layer, `Tier::layer_at`)
-        debug_assert!(k_at + t.k_words == v_at && v_at + t.v_words <= words.len());
+        // (the values follow the keys of the same layer, `Tier::layer_at`; checked once per
+        // position and layer, as the slices it replaces were)
+        assert!(k_at + t.k_words == v_at && v_at + t.v_words <= words.len());
         let base = words.as_mut_ptr().cast::<u8>();
-        // SAFETY: both offsets are within the block's words (asserted above in debug).
+        // SAFETY: both offsets are within the block's words (asserted above).
         let (k, v) = unsafe { (base.add(4 * k_at), base.add(4 * v_at)) };
         RowDest {
             k,
