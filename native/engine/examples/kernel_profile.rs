@@ -211,12 +211,11 @@ fn main() {
                     Some(_) => format!("  (mean {:.1} us)", 1e6 * s.iter().sum::<f64>() / 15.0),
                     None => String::new(),
                 };
-                let s = best;
                 println!(
                     "{label:22} {n_out:6}x{n_in:<5} m={m:<3} {:8.1} us  {:6.1} GB/s  {:6.1} GMAC/s{mean}",
-                    s * 1e6,
-                    bytes.len() as f64 / s / 1e9,
-                    (m * n_out * n_in) as f64 / s / 1e9
+                    best * 1e6,
+                    bytes.len() as f64 / best / 1e9,
+                    (m * n_out * n_in) as f64 / best / 1e9
                 );
             });
         }

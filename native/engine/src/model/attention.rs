@@ -110,31 +110,21 @@ pub fn rotate_and_store(
     let q_dim = p.n_head * p.head_dim;
     let kv_dim = p.n_kv_heads * p.head_dim;
     let n = batch.len();
-    if n < PARALLEL_STORE_ROWS || crate::pool::threads() < 2 {
-        rope.apply_rows(&mut q[..n * q_dim], q_dim, p.head_dim, neox);
-        rope.apply_rows(&mut k[..n * kv_dim], kv_dim, p.head_dim, neox);
-        for t in 0..n {
-            kv.write(
-                layer,
-                batch.seq[t],
-                batch.pos[t],
-                &k[t * kv_dim..(t + 1) * kv_dim],
-                &v[t * kv_dim..(t + 1) * kv_dim],
-            );
-        }
-        return;
-    }
     assert!(q.len() >= n * q_dim && k.len() >= n * kv_dim && v.len() >= n * kv_dim);
     ROW_DESTS.with_borrow_mut(|dests| {
         dests.clear();
         dests.extend((0..n).map(|t| kv.row_dest(layer, batch.seq[t], batch.pos[t])));
-        let (qs, ks) = (SharedOut(q.as_mut_ptr()), SharedOut(k.as_mut_ptr()));
-        let (qs, ks, dests) = (&qs, &ks, &*dests);
-        crate::pool::for_each_chunk(n, |tokens| {
+        let (qs, ks, dests) = (
+            SharedOut(q.as_mut_ptr()),
+            SharedOut(k.as_mut_ptr()),
+            &*dests,
+        );
+        let (qs, ks) = (&qs, &ks);
+        let store = |tokens: std::ops::Range<usize>| {
             for t in tokens {
-                // SAFETY: token `t`'s rows of `q` and `k` (which hold `n` rows) are this
-                // task's alone, and so are its cache rows: positions are distinct within a
-                // validated batch, and `kv` is borrowed for the whole call.
+                // SAFETY: token `t`'s rows of `q` and `k` (which hold `n` rows, asserted
+                // above) are this run's alone, and so are its cache rows: positions are
+                // distinct within a validated batch, and `kv` is borrowed for the whole call.
                 unsafe {
                     let qt = std::slice::from_raw_parts_mut(qs.0.add(t * q_dim), q_dim);
                     let kt = std::slice::from_raw_parts_mut(ks.0.add(t * kv_dim), kv_dim);
@@ -143,7 +133,12 @@ pub fn rotate_and_store(
                     dests[t].write(kt, &v[t * kv_dim..(t + 1) * kv_dim]);
                 }
             }
-        });
+        };
+        if n < PARALLEL_STORE_ROWS {
+            store(0..n)
+        } else {
+            crate::pool::for_each_chunk(n, store)
+        }
     });
 }
 
@@ -790,6 +785,74 @@ mod tests {
             kv.commit(seq, len);
         }
         (kv, ks, vs)
+    }
+
+    #[test]
+    fn a_batchs_rotations_and_cache_writes_on_the_pool_match_token_by_token() {
+        use super::super::ops::inv_freq;
+        let tokens = 40;
+        let batch = Batch::for_sequence(&vec![1; tokens], 0, 0);
+        let mut rope = Rope::default();
+        let positions: Vec<usize> = (0..tokens).map(|t| 3 * t + 1).collect();
+        rope.fill(&positions, &inv_freq(HD, 10000.0, None), 1.0);
+        let mut rng = Rng(7);
+        let (q, k, v) = (
+            rng.vec(tokens * HEADS * HD),
+            rng.vec(tokens * HD),
+            rng.vec(tokens * HD),
+        );
+        let fresh = || {
+            let types = (KvType::F16, KvType::F16);
+            let mut kv = KvCache::new(&[None], 1, HD, 64, (1, 0), types).unwrap();
+            kv.reserve(0, 0, tokens).unwrap();
+            kv
+        };
+        let row = |kv: &KvCache, values: bool, pos: usize| {
+            let b = kv.seq_view(0, 0).blocks[pos / KV_BLOCK_SIZE];
+            let mut out = vec![0f32; HD];
+            kv.read_head(
+                0,
+                values,
+                b,
+                0,
+                pos % KV_BLOCK_SIZE..pos % KV_BLOCK_SIZE + 1,
+                &mut out,
+            );
+            out
+        };
+        for neox in [false, true] {
+            let (mut kv, mut qm, mut km) = (fresh(), q.clone(), k.clone());
+            crate::pool::with_threads(2, || {
+                rotate_and_store(
+                    &mut kv,
+                    0,
+                    &batch,
+                    &rope,
+                    neox,
+                    &params(),
+                    &mut qm,
+                    &mut km,
+                    &v,
+                )
+            });
+            let mut alone = fresh();
+            for t in 0..tokens {
+                let mut one = q[t * HEADS * HD..(t + 1) * HEADS * HD].to_vec();
+                rope.apply(t, &mut one, HD, neox);
+                assert_eq!(
+                    &qm[t * HEADS * HD..(t + 1) * HEADS * HD],
+                    &one[..],
+                    "token {t}"
+                );
+                let mut one = k[t * HD..(t + 1) * HD].to_vec();
+                rope.apply(t, &mut one, HD, neox);
+                assert_eq!(&km[t * HD..(t + 1) * HD], &one[..], "token {t}");
+                alone.write(0, 0, t, &one, &v[t * HD..(t + 1) * HD]);
+                for values in [false, true] {
+                    assert_eq!(row(&kv, values, t), row(&alone, values, t), "token {t}");
+                }
+            }
+        }
     }
 
     fn attend(kv: &KvCache, batch: &Batch, q: &[f32], threads: usize) -> Vec<f32> {

@@ -117,17 +117,6 @@ impl Rope {
         }
     }
 
-    /// Rotates every head of every token of `x`, rows of `row` values (token `t` is row
-    /// `t`): on the worker pool for a prompt, whose rotations were a serial step of ~3% of
-    /// the calling thread's time while every other thread waited.
-    pub fn apply_rows(&self, x: &mut [f32], row: usize, head_dim: usize, neox: bool) {
-        for_row_runs(row, x, &mut [], |run, rows, _| {
-            for (t, x) in run.zip(rows.chunks_exact_mut(row)) {
-                self.apply(t, x, head_dim, neox);
-            }
-        });
-    }
-
     /// Rotates every head of token `t`. `neox`: pairs are (i, i + n_rot/2) instead of
     /// adjacent elements.
     pub fn apply(&self, t: usize, x: &mut [f32], head_dim: usize, neox: bool) {
@@ -366,27 +355,6 @@ mod tests {
             let mut one = Vec::new();
             rms_norm_into(&sum, &w, 1e-6, &mut one);
             assert_eq!(&fused[r * d..(r + 1) * d], &one[..], "row {r}");
-        }
-    }
-
-    #[test]
-    fn a_prompts_rotations_run_in_parallel_and_match_token_by_token() {
-        let (heads, head_dim, tokens) = (6, 64, 40);
-        let row = heads * head_dim;
-        let positions: Vec<usize> = (0..tokens).map(|t| 3 * t + 1).collect();
-        let mut rope = Rope::default();
-        rope.fill(&positions, &inv_freq(head_dim, 10000.0, None), 1.0);
-        let x: Vec<f32> = (0..tokens * row)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
-            .collect();
-        for neox in [false, true] {
-            let mut many = x.clone();
-            crate::pool::with_threads(2, || rope.apply_rows(&mut many, row, head_dim, neox));
-            for t in 0..tokens {
-                let mut one = x[t * row..(t + 1) * row].to_vec();
-                rope.apply(t, &mut one, head_dim, neox);
-                assert_eq!(&many[t * row..(t + 1) * row], &one[..], "token {t}");
-            }
         }
     }
 
