@@ -189,9 +189,10 @@ pub(crate) fn for_each_tile(
     tile_rows: usize,
     m: usize,
     macs: usize,
+    first: &crate::pool::Prologue<'_>,
     tile: impl Fn(usize, usize, std::ops::Range<usize>) + Sync,
 ) {
-    for_each_task(n_out.div_ceil(tile_rows), m, macs, |t, act| {
+    for_each_task(n_out.div_ceil(tile_rows), m, macs, first, |t, act| {
         let o0 = t * tile_rows;
         tile(o0, tile_rows.min(n_out - o0), act)
     })
@@ -204,11 +205,13 @@ pub(crate) fn for_each_tile(
 /// the busiest thread runs, so a 576-row product's 36 tiles of 16 rows take 3 rounds on 16
 /// threads (2.25 of work), 4 runs of each tile's rows 9 rounds of a quarter (2.25).
 /// Results do not depend on the split: every output is one row's dot products, whichever
-/// task computes it.
+/// task computes it. The threads that run tasks do `first` (the activations' quantization)
+/// before their first one.
 pub(crate) fn for_each_task(
     n_tiles: usize,
     m: usize,
     macs: usize,
+    first: &crate::pool::Prologue<'_>,
     task: impl Fn(usize, std::ops::Range<usize>) + Sync,
 ) {
     // below this many multiply-adds, waking the worker pool costs more than it saves
@@ -220,6 +223,7 @@ pub(crate) fn for_each_task(
     let runs = row_runs(n_tiles, m, threads);
     let per_run = m.div_ceil(runs);
     let run = |tasks: std::ops::Range<usize>| {
+        first.ensure();
         for t in tasks {
             let r0 = t % runs * per_run;
             if r0 < m {

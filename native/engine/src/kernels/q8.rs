@@ -5,6 +5,7 @@
 #[cfg(target_arch = "x86_64")]
 use super::has_avx2;
 use super::kquant::QK_K;
+use crate::pool::Prologue;
 use half::f16;
 
 /// Elements per Q8_0 block.
@@ -12,10 +13,6 @@ pub const QK8_0: usize = 32;
 
 /// Blocks per super-block of [`ActFormat::super_scales`] (a K-quant's super-block).
 const SUPER: usize = QK_K / QK8_0;
-
-/// Blocks quantized per task on the worker pool; fewer run on the calling thread (a multiple
-/// of [`SUPER`], so a task never splits a super-block).
-const PARALLEL_BLOCKS: usize = 512;
 
 /// How a product's weights want their activations quantized.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +46,7 @@ struct Outputs {
     folded: *mut i32,
     folded_halves: *mut i32,
 }
-// SAFETY: tasks write disjoint blocks (see `quantize_into`).
+// SAFETY: tasks write disjoint blocks (see `Job::run`).
 unsafe impl Sync for Outputs {}
 
 /// Activations quantized to Q8_0 per row and block (per row and super-block with
@@ -95,15 +92,30 @@ impl Q8Activations {
     /// [`Q8Activations::quantize`] into this value's buffers (no allocation once they are
     /// large enough).
     pub fn quantize_into(&mut self, x: &[f32], m: usize, k: usize, format: ActFormat) {
+        let (job, _) = self.prepare(x, m, k, format);
+        job.run(0..job.n);
+    }
+
+    /// Sizes the buffers for `m` rows of `k` values in `format` and returns the quantization
+    /// that fills them, block by block ([`Job::run`]), and the activations it fills (to be
+    /// read once it has run): both borrow the buffers, which nothing can resize meanwhile.
+    fn prepare<'a>(
+        &'a mut self,
+        x: &'a [f32],
+        m: usize,
+        k: usize,
+        format: ActFormat,
+    ) -> (Job<'a>, &'a Self) {
         let nb = k / QK8_0;
-        let (offset, sup) = (format.offset, format.super_scales);
+        let sup = format.super_scales;
         assert!(
             !sup || k.is_multiple_of(QK_K),
             "super-block scales need k % 256 == 0"
         );
+        assert!(x.len() >= m * k, "activations shorter than m * k");
         self.m = m;
         self.super_scales = sup;
-        // every element is written below: resizing without clearing skips zero-filling
+        // every element is written by the job: resizing without clearing skips zero-filling
         // buffers that were already long enough
         self.quants.resize(m * k, 0);
         self.scales.resize(m * nb, 0.0);
@@ -115,18 +127,87 @@ impl Q8Activations {
         }
         self.folded.resize(m * nb, 0);
         self.folded_halves.resize(2 * m * nb, 0);
-        let out = Outputs {
-            quants: self.quants.as_mut_ptr(),
-            scales: self.scales.as_mut_ptr(),
-            sums: self.sums.as_mut_ptr(),
-            block_sums: self.block_sums.as_mut_ptr(),
-            half_sums: self.half_sums.as_mut_ptr(),
-            folded: self.folded.as_mut_ptr(),
-            folded_halves: self.folded_halves.as_mut_ptr(),
+        let job = Job {
+            x,
+            out: Outputs {
+                quants: self.quants.as_mut_ptr(),
+                scales: self.scales.as_mut_ptr(),
+                sums: self.sums.as_mut_ptr(),
+                block_sums: self.block_sums.as_mut_ptr(),
+                half_sums: self.half_sums.as_mut_ptr(),
+                folded: self.folded.as_mut_ptr(),
+                folded_halves: self.folded_halves.as_mut_ptr(),
+            },
+            offset: format.offset,
+            sup,
+            n: m * nb,
+            buffers: std::marker::PhantomData,
         };
-        let out = &out;
-        // SAFETY (both closures): `bi < m·nb`, so every slot written is inside its buffer
-        // (sized above), and the ranges of blocks given to tasks are disjoint.
+        (job, self)
+    }
+
+    /// The activations of a product in `formats` (quantized once when they are equal), for
+    /// `f` to quantize inside the product's own pool call: `f` gets the quantization as a
+    /// [`Prologue`] and the activations it fills, which a task may read only after the
+    /// prologue's [`Prologue::ensure`] returned on its thread. A decode batch's quantization
+    /// (a few microseconds per product, ~4% of an 8-stream SmolLM2 step) then runs on every
+    /// thread of the call instead of on the caller while the workers wait. `threads`: those
+    /// the product's call may use (a piece of the quantization each at most).
+    pub(crate) fn with_quantized_in<R>(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        formats: [ActFormat; 2],
+        threads: usize,
+        f: impl FnOnce(&Prologue<'_>, [&Self; 2]) -> R,
+    ) -> R {
+        with_buffer(&BUFFERS, |first| {
+            let (one, first) = first.prepare(x, m, k, formats[0]);
+            let pieces = (one.n / PIECE_BLOCKS).clamp(1, threads.max(1));
+            if formats[1] == formats[0] {
+                let run = |i: usize| {
+                    if let Some(blocks) = one.piece(i, pieces) {
+                        one.run(blocks)
+                    }
+                };
+                return f(&Prologue::new(pieces, &run), [first, first]);
+            }
+            with_buffer(&SECOND, |second| {
+                let (two, second) = second.prepare(x, m, k, formats[1]);
+                let run = |i: usize| {
+                    for job in [&one, &two] {
+                        if let Some(blocks) = job.piece(i, pieces) {
+                            job.run(blocks)
+                        }
+                    }
+                };
+                f(&Prologue::new(pieces, &run), [first, second])
+            })
+        })
+    }
+}
+
+/// A quantization of `n` blocks into buffers sized by [`Q8Activations::prepare`], which
+/// tasks may run on disjoint ranges of blocks at once.
+struct Job<'a> {
+    x: &'a [f32],
+    /// Pointers into the buffers borrowed for `'a`.
+    out: Outputs,
+    offset: i32,
+    sup: bool,
+    n: usize,
+    buffers: std::marker::PhantomData<&'a Q8Activations>,
+}
+
+impl Job<'_> {
+    /// Quantizes blocks `blocks` (whole super-blocks with super-block scales).
+    fn run(&self, blocks: std::ops::Range<usize>) {
+        let (x, out, offset, sup) = (self.x, &self.out, self.offset, self.sup);
+        assert!(blocks.end <= self.n, "blocks past the prepared buffers");
+        // SAFETY (both closures): `bi < n = m·nb`, so every slot written is inside its buffer
+        // (sized by `prepare`, and borrowed, so not resized, while the job lives); concurrent
+        // runs are given disjoint ranges of blocks, and the activations `prepare` returned
+        // are read only after the runs (`Prologue::ensure`).
         let store = |bi: usize, scale: f32, [lo, hi]: [i32; 2]| unsafe {
             *out.scales.add(bi) = scale;
             if sup {
@@ -143,73 +224,40 @@ impl Q8Activations {
         let quants = |bi: usize| unsafe {
             std::slice::from_raw_parts_mut(out.quants.add(bi * QK8_0), QK8_0)
         };
-        let run = |blocks: std::ops::Range<usize>| {
-            if !sup {
-                for bi in blocks {
-                    let (d, halves) = quantize_block(&x[bi * QK8_0..(bi + 1) * QK8_0], quants(bi));
-                    // the scale as ggml stores it (f16) so results match Q8_0 x Q8_0 products
-                    store(bi, f16::from_f32(d).to_f32(), halves);
-                }
-                return;
+        if !sup {
+            for bi in blocks {
+                let (d, halves) = quantize_block(&x[bi * QK8_0..(bi + 1) * QK8_0], quants(bi));
+                // the scale as ggml stores it (f16) so results match Q8_0 x Q8_0 products
+                store(bi, f16::from_f32(d).to_f32(), halves);
             }
-            for b0 in blocks.step_by(SUPER) {
-                let xs = &x[b0 * QK8_0..(b0 + SUPER) * QK8_0];
-                let d = abs_max(xs) / 127.0;
-                let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-                for bi in b0..b0 + SUPER {
-                    let halves =
-                        quantize_block_by(&x[bi * QK8_0..(bi + 1) * QK8_0], quants(bi), id);
-                    store(bi, d, halves);
-                }
-            }
-        };
-        let n = m * nb;
-        // a prompt's activations on the worker pool (they were 2% of a prompt, on the
-        // calling thread alone)
-        if n < 2 * PARALLEL_BLOCKS {
-            return run(0..n);
+            return;
         }
-        crate::pool::for_each_chunk(n.div_ceil(PARALLEL_BLOCKS), |tasks| {
-            run(tasks.start * PARALLEL_BLOCKS..(tasks.end * PARALLEL_BLOCKS).min(n))
-        });
-    }
-
-    /// Quantizes `x` into the calling thread's reusable activation buffers and runs `f` on
-    /// them (a fresh value if they are already in use on this thread).
-    pub(crate) fn with_quantized<R>(
-        x: &[f32],
-        m: usize,
-        k: usize,
-        format: ActFormat,
-        f: impl FnOnce(&Self) -> R,
-    ) -> R {
-        with_buffer(&BUFFERS, |a| {
-            a.quantize_into(x, m, k, format);
-            f(a)
-        })
-    }
-
-    /// [`Self::with_quantized`] for products of two weight types at once: `x` quantized in
-    /// each of `formats` (once when they are equal), in the thread's second set of buffers
-    /// for the second.
-    pub(crate) fn with_quantized_for<R>(
-        x: &[f32],
-        m: usize,
-        k: usize,
-        formats: [ActFormat; 2],
-        f: impl FnOnce([&Self; 2]) -> R,
-    ) -> R {
-        Self::with_quantized(x, m, k, formats[0], |first| {
-            if formats[1] == formats[0] {
-                return f([first, first]);
+        for b0 in blocks.step_by(SUPER) {
+            let xs = &x[b0 * QK8_0..(b0 + SUPER) * QK8_0];
+            let d = abs_max(xs) / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            for bi in b0..b0 + SUPER {
+                let halves = quantize_block_by(&x[bi * QK8_0..(bi + 1) * QK8_0], quants(bi), id);
+                store(bi, d, halves);
             }
-            with_buffer(&SECOND, |second| {
-                second.quantize_into(x, m, k, formats[1]);
-                f([first, second])
-            })
-        })
+        }
+    }
+
+    /// The job cut in about `pieces` ranges of blocks (whole super-blocks), `None` past the
+    /// last: piece `i` of a [`crate::pool::Prologue`].
+    fn piece(&self, i: usize, pieces: usize) -> Option<std::ops::Range<usize>> {
+        let unit = if self.sup { SUPER } else { 1 };
+        let len = (self.n / unit).div_ceil(pieces.max(1)).max(1) * unit;
+        let start = i * len;
+        (start < self.n).then(|| start..(start + len).min(self.n))
     }
 }
+
+/// Blocks a piece of an activation quantization done inside its product's pool call holds at
+/// least ([`Q8Activations::with_quantized_in`]), ~0.15 µs of work; there is at most a piece
+/// per thread (a decode batch's few microseconds of quantization in 4 pieces a thread ran
+/// no faster on 2 threads: each piece is an atomic add on a line the threads share).
+const PIECE_BLOCKS: usize = 32;
 
 const fn empty() -> Q8Activations {
     Q8Activations {
@@ -228,7 +276,7 @@ const fn empty() -> Q8Activations {
 thread_local! {
     /// The calling thread's activations of the product in progress, grown once.
     static BUFFERS: std::cell::RefCell<Q8Activations> = const { std::cell::RefCell::new(empty()) };
-    /// The same quantized for a second weight type ([`Q8Activations::with_quantized_for`]).
+    /// The same quantized for a second weight type ([`Q8Activations::with_quantized_in`]).
     static SECOND: std::cell::RefCell<Q8Activations> = const { std::cell::RefCell::new(empty()) };
 }
 
