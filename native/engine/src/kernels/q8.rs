@@ -90,7 +90,8 @@ impl Q8Activations {
     }
 
     /// [`Q8Activations::quantize`] into this value's buffers (no allocation once they are
-    /// large enough).
+    /// large enough), on the calling thread (the products quantize inside their own pool
+    /// call: [`Q8Activations::with_quantized_in`]).
     pub fn quantize_into(&mut self, x: &[f32], m: usize, k: usize, format: ActFormat) {
         let (job, _) = self.prepare(x, m, k, format);
         job.run(0..job.n);
