@@ -152,19 +152,18 @@ impl Q8Activations {
     /// [`Prologue`] and the activations it fills, which a task may read only after the
     /// prologue's [`Prologue::ensure`] returned on its thread. A decode batch's quantization
     /// (a few microseconds per product, ~4% of an 8-stream SmolLM2 step) then runs on every
-    /// thread of the call instead of on the caller while the workers wait. `threads`: those
-    /// the product's call may use (a piece of the quantization each at most).
+    /// thread of the call (a piece each at most) instead of on the caller while the workers
+    /// wait.
     pub(crate) fn with_quantized_in<R>(
         x: &[f32],
         m: usize,
         k: usize,
         formats: [ActFormat; 2],
-        threads: usize,
         f: impl FnOnce(&Prologue<'_>, [&Self; 2]) -> R,
     ) -> R {
         with_buffer(&BUFFERS, |first| {
             let (one, first) = first.prepare(x, m, k, formats[0]);
-            let pieces = (one.n / PIECE_BLOCKS).clamp(1, threads.max(1));
+            let pieces = (one.n / PIECE_BLOCKS).clamp(1, crate::pool::threads().max(1));
             if formats[1] == formats[0] {
                 let run = |i: usize| {
                     if let Some(blocks) = one.piece(i, pieces) {

@@ -863,8 +863,7 @@ impl PackedMatrix {
             firsts[i + 1] = firsts[i] + mats[i].n_out.div_ceil(tile_rows[i]);
         }
         let macs = mats.iter().map(|w| m * w.n_out * w.n_in).sum();
-        let threads = crate::pool::threads();
-        Q8Activations::with_quantized_in(x, m, first.n_in, formats, threads, |quantize, acts| {
+        Q8Activations::with_quantized_in(x, m, first.n_in, formats, |quantize, acts| {
             super::for_each_task(firsts[n], m, macs, quantize, |t, act| {
                 let i = (0..n).rfind(|&i| firsts[i] <= t).unwrap_or(0);
                 let (w, rows) = (mats[i], tile_rows[i]);
@@ -906,60 +905,52 @@ impl PackedMatrix {
         let shared = &shared;
         let macs = m * self.n_out * self.n_in;
         let base = &Base::base(self);
-        let (format, threads) = (self.act_format(), crate::pool::threads());
-        Q8Activations::with_quantized_in(
-            x,
-            m,
-            self.n_in,
-            [format; 2],
-            threads,
-            |quantize, [a, _]| {
-                let tile_rows = self.tile_rows(half, m);
-                super::for_each_tile(half, tile_rows, m, macs, quantize, |o0, rows, run| {
-                    GATED_TILE.with_borrow_mut(|buf| {
-                        // sized once per thread: zeroing it per tile cost more than the fusion saved
-                        if buf.len() < 2 * m * rows {
-                            buf.resize(2 * m * rows, 0.0);
-                        }
-                        let (gate, up) = buf[..2 * m * rows].split_at_mut(m * rows);
-                        self.prefetch_tile(base, m, o0, rows);
-                        // the up half's first groups, read once the gate half's are done: the
-                        // kernels' prefetches of each next group run on within the gate half
-                        self.prefetch_groups(base, m, (half + o0) / GROUP);
-                        // (a decode batch: one run of every row, see `for_each_tile`)
-                        self.tile(
-                            base,
-                            a,
-                            run.clone(),
-                            o0,
-                            rows,
-                            &Dest::window(gate, o0, rows),
-                        );
-                        self.tile(
-                            base,
-                            a,
-                            run.clone(),
-                            half + o0,
-                            rows,
-                            &Dest::window(up, half + o0, rows),
-                        );
-                        for r in run {
-                            let (g, u) = (&mut gate[r * rows..][..rows], &up[r * rows..][..rows]);
-                            act(g, u);
-                            // SAFETY: tiles write disjoint columns `o0..o0 + rows` of each row
-                            // of `out`, which holds `m * half` values and outlives the call.
-                            unsafe {
-                                std::ptr::copy_nonoverlapping(
-                                    g.as_ptr(),
-                                    shared.0.add(r * half + o0),
-                                    rows,
-                                )
-                            };
-                        }
-                    })
-                });
-            },
-        );
+        self.with_quantized(x, m, |quantize, a| {
+            let tile_rows = self.tile_rows(half, m);
+            super::for_each_tile(half, tile_rows, m, macs, quantize, |o0, rows, run| {
+                GATED_TILE.with_borrow_mut(|buf| {
+                    // sized once per thread: zeroing it per tile cost more than the fusion saved
+                    if buf.len() < 2 * m * rows {
+                        buf.resize(2 * m * rows, 0.0);
+                    }
+                    let (gate, up) = buf[..2 * m * rows].split_at_mut(m * rows);
+                    self.prefetch_tile(base, m, o0, rows);
+                    // the up half's first groups, read once the gate half's are done: the
+                    // kernels' prefetches of each next group run on within the gate half
+                    self.prefetch_groups(base, m, (half + o0) / GROUP);
+                    // (a decode batch: one run of every row, see `for_each_tile`)
+                    self.tile(
+                        base,
+                        a,
+                        run.clone(),
+                        o0,
+                        rows,
+                        &Dest::window(gate, o0, rows),
+                    );
+                    self.tile(
+                        base,
+                        a,
+                        run.clone(),
+                        half + o0,
+                        rows,
+                        &Dest::window(up, half + o0, rows),
+                    );
+                    for r in run {
+                        let (g, u) = (&mut gate[r * rows..][..rows], &up[r * rows..][..rows]);
+                        act(g, u);
+                        // SAFETY: tiles write disjoint columns `o0..o0 + rows` of each row
+                        // of `out`, which holds `m * half` values and outlives the call.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                g.as_ptr(),
+                                shared.0.add(r * half + o0),
+                                rows,
+                            )
+                        };
+                    }
+                })
+            });
+        });
         Some(())
     }
 
@@ -967,21 +958,27 @@ impl PackedMatrix {
         assert_eq!(x.len(), m * self.n_in);
         let macs = m * self.n_out * self.n_in;
         let base = &Base::base(self);
-        let (format, threads) = (self.act_format(), crate::pool::threads());
-        Q8Activations::with_quantized_in(
-            x,
-            m,
-            self.n_in,
-            [format; 2],
-            threads,
-            |quantize, [a, _]| {
-                let tile_rows = self.tile_rows(self.n_out, m);
-                super::for_each_tile(self.n_out, tile_rows, m, macs, quantize, |o0, rows, act| {
-                    self.prefetch_tile(base, m, o0, rows);
-                    self.tile(base, a, act, o0, rows, shared)
-                })
-            },
-        );
+        self.with_quantized(x, m, |quantize, a| {
+            let tile_rows = self.tile_rows(self.n_out, m);
+            super::for_each_tile(self.n_out, tile_rows, m, macs, quantize, |o0, rows, act| {
+                self.prefetch_tile(base, m, o0, rows);
+                self.tile(base, a, act, o0, rows, shared)
+            })
+        });
+    }
+
+    /// `x`'s `m` rows quantized for this matrix inside the product's pool call
+    /// ([`Q8Activations::with_quantized_in`]): `f` gets the quantization and the activations.
+    fn with_quantized<R>(
+        &self,
+        x: &[f32],
+        m: usize,
+        f: impl FnOnce(&crate::pool::Prologue<'_>, &Q8Activations) -> R,
+    ) -> R {
+        let format = self.act_format();
+        Q8Activations::with_quantized_in(x, m, self.n_in, [format; 2], |quantize, [a, _]| {
+            f(quantize, a)
+        })
     }
 
     /// Before a short batch's tile `o0..o0 + rows`: asks for its first [`COLD_GROUPS`] row
