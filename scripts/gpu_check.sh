@@ -32,7 +32,9 @@
 #                               what `cores` needs.
 #   scripts/gpu_check.sh cores  on the GPU machine, its host's CPU cores alone (~8 min, no
 #                               GPU used): llama.cpp's CPU build made there, the same random
-#                               models as `run`, and at each of CORES_THREADS (default
+#                               models as `run`, the pool's cost a call and how decode-sized
+#                               products split at 4, 8 and 16 threads (`examples/pool_probe.rs`),
+#                               and at each of CORES_THREADS (default
 #                               "16 8 4") pp512 / tg128 next to llama-bench, the share of the
 #                               read ceiling at that thread count, and at the most threads
 #                               where a decode step's time goes and the AVX2 level. For issue
@@ -52,8 +54,11 @@ pack() {
     # the CPU build: its cargo target directory is the one CI and `make` share
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/llama_cpp_ex/cargo-target}"
     rm -rf "$PACK" && mkdir -p "$PACK"
-    cargo build "${manifest[@]}" --release -p llama_cpp_ex_engine --example decode_profile
-    xz -T2 -6 -c "$CARGO_TARGET_DIR/release/examples/decode_profile" > "$PACK/decode_profile.xz"
+    local ex
+    for ex in decode_profile pool_probe; do
+      cargo build "${manifest[@]}" --release -p llama_cpp_ex_engine --example "$ex"
+      xz -T2 -6 -c "$CARGO_TARGET_DIR/release/examples/$ex" > "$PACK/$ex.xz"
+    done
     pack_models_and_anchor
     return
   fi
@@ -89,7 +94,7 @@ for l in sys.stdin:
   rm -rf "$stub"
   [ "${1:-}" = tests ] && { du -sh "$PACK"/*; return; }
   local ex
-  for ex in decode_profile graph_probe; do
+  for ex in decode_profile graph_probe pool_probe; do
     cargo build "${manifest[@]}" --release -p llama_cpp_ex_engine --features cuda --example "$ex"
     xz -T2 -6 -c "$CARGO_TARGET_DIR/release/examples/$ex" > "$PACK/$ex.xz"
   done
@@ -185,7 +190,7 @@ run() {
   fi
   LD_LIBRARY_PATH="$(find_cuda_libs)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export LD_LIBRARY_PATH
-  for b in arch_parity tensor_backend decode_profile graph_probe; do
+  for b in arch_parity tensor_backend decode_profile graph_probe pool_probe; do
     [ -f "$PACK/$b.xz" ] && xz -dc "$PACK/$b.xz" > "$bin/$b" && chmod +x "$bin/$b"
   done
   local py=python3 gen
@@ -334,6 +339,10 @@ models() {
 # while the clock is before $1 (0: no limit).
 cpu_cores() {
   local t m name first=1
+  # the pool's own cost a call and how decode-sized products split, per thread count
+  el "pool probe"
+  timeout 60 "$bin/pool_probe" 4 8 16 > "$log/pool_probe.txt" 2>&1
+  summary+="pool probe:"$'\n'"$(grep -v '^threads 1:' "$log/pool_probe.txt")"$'\n'
   for t in ${CORES_THREADS:-16 8 4}; do
     for m in /tmp/l1b-q4km.gguf /tmp/l135-q41.gguf; do
       name=$(basename "$m" .gguf)
