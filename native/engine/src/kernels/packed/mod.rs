@@ -457,13 +457,29 @@ impl ScalePtr {
         }
     }
 
+    /// [`Self::add`] for a caller that knows the storage when compiled (`half`, as
+    /// `self.half` says): a constant stride instead of a shift by a count read per block.
     #[inline(always)]
-    fn bytes_per(self) -> usize {
-        if self.half {
+    fn add_as(self, n: usize, half: bool) -> Self {
+        debug_assert_eq!(half, self.half);
+        ScalePtr {
+            at: self.at.wrapping_add(n * Self::bytes_per_as(half)),
+            half,
+        }
+    }
+
+    #[inline(always)]
+    const fn bytes_per_as(half: bool) -> usize {
+        if half {
             2
         } else {
             4
         }
+    }
+
+    #[inline(always)]
+    fn bytes_per(self) -> usize {
+        Self::bytes_per_as(self.half)
     }
 
     /// The 8 values from here, as f32, stored as f16 when `half` (which the caller knows

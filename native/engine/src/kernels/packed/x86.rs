@@ -391,7 +391,8 @@ impl GroupRef {
         let form = T::scales(self);
         debug_assert!(form != Form::Factored, "factored scales are integers");
         let unit = b * T::halves(self) + h;
-        self.d.add(unit * GROUP).load8_as(form == Form::F16)
+        let half = form == Form::F16;
+        self.d.add_as(unit * GROUP, half).load8_as(half)
     }
 
     /// The 8 rows' minimums of block `b` (types with a stored one, scales not factored), as
@@ -408,7 +409,8 @@ impl GroupRef {
             form != Form::Factored,
             "factored minimums are read as integers"
         );
-        self.m.add(b * GROUP).load8_as(form == Form::F16)
+        let half = form == Form::F16;
+        self.m.add_as(b * GROUP, half).load8_as(half)
     }
 
     /// The converted super-block factor of block `b`'s scales (zero unless they are
@@ -555,12 +557,14 @@ impl GroupRef {
         } else {
             let per_block = GROUP * halves;
             let mins = has_min.then_some(self.m);
+            // (the stride known when compiled, as `T` has it)
+            let half = T::scales(self) == Form::F16;
             for s in [Some(self.d), mins].into_iter().flatten() {
                 // a block's scales (and minimums) are 16–64 bytes: the lines of their first
                 // and last byte cover them (a loop over a span whose length is known only
                 // at run time cost more than the prefetches saved)
-                let from = s.add(at * per_block).at;
-                let last = from.wrapping_add(s.bytes_per() * per_block - 1);
+                let from = s.add_as(at * per_block, half).at;
+                let last = from.wrapping_add(ScalePtr::bytes_per_as(half) * per_block - 1);
                 // SAFETY: a prefetch is a hint that never faults, whatever the address.
                 unsafe {
                     std::arch::x86_64::_mm_prefetch::<HINT>(from as *const i8);
