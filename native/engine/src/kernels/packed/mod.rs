@@ -451,10 +451,7 @@ impl ScalePtr {
     /// `n` values further on (may point past the end: only ever prefetched there).
     #[inline(always)]
     fn add(self, n: usize) -> Self {
-        ScalePtr {
-            at: self.at.wrapping_add(n * self.bytes_per()),
-            half: self.half,
-        }
+        self.add_as(n, self.half)
     }
 
     /// [`Self::add`] for a caller that knows the storage when compiled (`half`, as
