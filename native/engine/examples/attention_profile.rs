@@ -9,7 +9,8 @@
 //! `KV_TYPE=f16|f32|q8_0|q4_0` sets the cache's precision (default f16); `FLUSH=MB` reads
 //! that many MB between layers, untimed, so each layer's keys and values come from memory as
 //! in a decode step (whose weights evict them). Prints the best of five rounds, per step and
-//! per (KV head, key) pair.
+//! per (KV head, key) pair. `PREFILL=N` attends N prompt tokens of one sequence instead (its
+//! last N positions, as a prompt's forward pass does: query tiles of many rows).
 
 use llama_cpp_ex_engine::batch::Batch;
 use llama_cpp_ex_engine::kv::{KvCache, KvType};
@@ -70,9 +71,16 @@ fn main() {
     for s in 0..streams {
         kv.commit(s, depth + 1);
     }
-    let mut batch = Batch::with_capacity(streams);
-    for s in 0..streams {
-        batch.push(0, depth, s, true);
+    let prefill: usize = std::env::var("PREFILL").map_or(0, |s| s.parse().expect("PREFILL"));
+    let mut batch = Batch::with_capacity(streams.max(prefill));
+    if prefill > 0 {
+        for pos in depth + 1 - prefill.min(depth + 1)..=depth {
+            batch.push(0, pos, 0, true);
+        }
+    } else {
+        for s in 0..streams {
+            batch.push(0, depth, s, true);
+        }
     }
     let mut tiles = Vec::new();
     tiles_into(&batch, &mut tiles);
@@ -84,9 +92,11 @@ fn main() {
         softcap: None,
         causal: true,
     };
-    let q: Vec<f32> = (0..streams * N_HEAD * HEAD_DIM).map(|_| random()).collect();
+    let q: Vec<f32> = (0..batch.len() * N_HEAD * HEAD_DIM)
+        .map(|_| random())
+        .collect();
     let mut out = vec![0f32; q.len()];
-    let steps = (20_000_000 / (layers * streams * (depth + 1))).max(3);
+    let steps = (20_000_000 / (layers * batch.len() * (depth + 1))).max(3);
     // FLUSH=MB: read that many MB between layers (untimed), as a decode step's weights evict
     // the cache between one layer's attention and the next
     let flush_mb: usize = std::env::var("FLUSH").map_or(0, |s| s.parse().expect("FLUSH"));
@@ -111,6 +121,20 @@ fn main() {
             .fold(f64::INFINITY, f64::min)
     });
     std::hint::black_box(sink);
+    if prefill > 0 {
+        // (query row, key) pairs a causal prompt computes
+        let seen: usize = (0..batch.len()).map(|t| batch.pos[t] + 1).sum();
+        let pairs = layers * N_HEAD * seen;
+        println!(
+            "{} prompt tokens up to depth {depth}, {layers} layers, {ty:?} cache, {threads} \
+             threads: {:.3} ms a pass, {:.2} ns a (query row, key) pair, {:.1} GMAC/s",
+            batch.len(),
+            best * 1e3,
+            best * 1e9 / pairs as f64,
+            (2 * pairs * HEAD_DIM) as f64 / best * 1e-9
+        );
+        return;
+    }
     let pair_keys = layers * streams * N_KV_HEADS * (depth + 1);
     println!(
         "{streams} streams at depth {depth}, {layers} layers, {ty:?} cache, {threads} threads: \

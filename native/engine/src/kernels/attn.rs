@@ -417,23 +417,38 @@ pub fn exp_sum(xs: &mut [f32], m: f32) -> f32 {
 #[target_feature(enable = "avx2")]
 unsafe fn max_of_avx2(xs: &[f32]) -> f32 {
     use std::arch::x86_64::*;
-    let mut acc = _mm256_set1_ps(f32::NEG_INFINITY);
+    let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut acc = neg_inf;
     let chunks = xs.chunks_exact(8);
     let tail = chunks.remainder();
     for c in chunks {
         // `max_ps` returns its second operand when the first is NaN: NaNs are skipped
         acc = _mm256_max_ps(_mm256_loadu_ps(c.as_ptr()), acc);
     }
+    if !tail.is_empty() {
+        // the last 1-7 in one masked load, the lanes past the end -inf
+        let mask = tail_mask(tail.len());
+        let x = _mm256_maskload_ps(tail.as_ptr(), mask);
+        acc = _mm256_max_ps(_mm256_blendv_ps(neg_inf, x, _mm256_castsi256_ps(mask)), acc);
+    }
     let mut lanes = [0f32; 8];
     _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-    lanes
-        .iter()
-        .chain(tail)
-        .fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+    lanes.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
 }
 
-/// The whole 8-element chunks of [`exp_sum`]: exponentials written back, sums added to
-/// `lanes`; returns how many elements it did.
+/// Lanes `0..n` set (all bits) and the rest clear, for the masked loads and stores of a
+/// last chunk of `n` < 8 elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn tail_mask(n: usize) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lane)
+}
+
+/// [`exp_sum`] on AVX2: exponentials written back, sums into `lanes`; returns how many
+/// elements it did (all).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn exp_sum_avx2(xs: &mut [f32], m: f32, lanes: &mut [f32; 8]) -> usize {
@@ -447,13 +462,40 @@ unsafe fn exp_sum_avx2(xs: &mut [f32], m: f32, lanes: &mut [f32; 8]) -> usize {
         _mm256_storeu_ps(at, e);
         acc = _mm256_add_ps(acc, e);
     }
+    acc = exp_tail_avx2(xs, n, mv, acc);
     _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-    n
+    xs.len()
+}
+
+/// The last `xs.len() - n` (< 8) elements of [`exp_sum`] in one masked pass, from `n`: their
+/// exponentials written back and added to their lanes of `acc`, +0 to the other lanes (lane
+/// sums are never -0, so adding +0 changes none): the sums of the scalar definition. (A
+/// decode row's last chunk holds a few slots: their scalar exponentials were ~6% of an
+/// 8-stream decode's attention with its K/V in cache, `LAYERS=1 attention_profile`.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn exp_tail_avx2(
+    xs: &mut [f32],
+    n: usize,
+    mv: std::arch::x86_64::__m256,
+    acc: std::arch::x86_64::__m256,
+) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    if n == xs.len() {
+        return acc;
+    }
+    let mask = tail_mask(xs.len() - n);
+    let at = xs.as_mut_ptr().add(n);
+    let e = fast_exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(at, mask), mv));
+    _mm256_maskstore_ps(at, mask, e);
+    _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_castsi256_ps(mask)))
 }
 
 /// [`exp_sum_avx2`] 16 elements a pass: the exponentials in 512-bit vectors (the same
 /// operations on every lane), each pass's two halves added to the 8 lane sums one after the
-/// other, the order [`exp_sum`] defines. Then the last whole 8, if any, as the AVX2 path.
+/// other, the order [`exp_sum`] defines. Then the last whole 8, if any, and the rest as the
+/// AVX2 path.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,avx512f,avx512dq")]
 unsafe fn exp_sum_avx512(xs: &mut [f32], m: f32, lanes: &mut [f32; 8]) -> usize {
@@ -468,14 +510,16 @@ unsafe fn exp_sum_avx512(xs: &mut [f32], m: f32, lanes: &mut [f32; 8]) -> usize 
         acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
         acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps::<1>(e));
     }
+    let mv = _mm256_set1_ps(m);
     if xs.len() - n16 >= 8 {
         let at = xs.as_mut_ptr().add(n16);
-        let e = fast_exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(at), _mm256_set1_ps(m)));
+        let e = fast_exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(at), mv));
         _mm256_storeu_ps(at, e);
         acc = _mm256_add_ps(acc, e);
     }
+    acc = exp_tail_avx2(xs, xs.len() / 8 * 8, mv, acc);
     _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-    xs.len() / 8 * 8
+    xs.len()
 }
 
 /// [`fast_exp_avx2`] on 16 lanes: the same operations in the same order.
@@ -622,6 +666,9 @@ unsafe fn scores_rows_avx2<T: Src, const R: usize, const H: usize>(
     let hd = if H > 0 { H } else { hd };
     let (qp, sp) = (q.as_ptr(), s.as_mut_ptr());
     for j0 in (0..keys).step_by(KEY_BLOCK) {
+        // (the queries' loads stay in this loop: hoisted out of it, the rows' vectors for
+        // every `d` spilled to the stack at each call and were read back from there)
+        let qp = std::hint::black_box(qp);
         let mut acc = [[_mm256_setzero_ps(); KEY_BLOCK]; R];
         let mut f = [_mm256_setzero_ps(); KEY_BLOCK];
         let mut d = 0;
@@ -765,10 +812,12 @@ unsafe fn scores_rows_avx512<T: Src, const R: usize, const H: usize>(
 }
 
 /// Scores of rows `r0..r0 + R` against keys `j0..j0 + 2P` (`P` ≤ 4 accumulators a row, two
-/// keys each), their sums reduced together ([`reduce8`]).
+/// keys each), their sums reduced together ([`reduce8`]). Not inlined: in the loop over keys
+/// the queries' broadcasts, the same for every pass, were hoisted out of it and spilled to
+/// the stack at every call (a prompt's attention 7–8% slower).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
-#[inline]
+#[inline(never)]
 unsafe fn scores_pass_avx512<T: Src, const R: usize, const H: usize, const P: usize>(
     q: &[f32],
     r0: usize,
