@@ -16,6 +16,7 @@ impl KvCache {
 
     /// The tier of block `b` in `layer`'s group and the word offsets of that layer's keys and
     /// values in it.
+    #[inline]
     pub(super) fn locate(&self, layer: usize, b: u32) -> (&Tier, usize, usize) {
         let (tier, idx) = split_id(b);
         let t = &self.groups[self.layer_group[layer]].tiers[tier];
@@ -90,6 +91,9 @@ impl KvCache {
     }
 
     /// The words of block `b` that hold one layer's keys (or values), and their type.
+    /// (This and the block accessors below are inlined: attention calls them ~5 times a
+    /// block, and as calls returning slices through memory they cost decode attention 6–9%.)
+    #[inline]
     fn layer_words(&self, layer: usize, b: u32, values: bool) -> (&[u32], KvType) {
         let (t, k_at, v_at) = self.locate(layer, b);
         let (at, n, ty) = if values {
@@ -104,6 +108,7 @@ impl KvCache {
     /// for attention to read in place; `None` for `q4_0` blocks, which [`Self::read_head`]
     /// dequantizes. Slots past the sequence's end are readable (the block holds them) but
     /// hold stale or zero values.
+    #[inline]
     pub fn head_rows(
         &self,
         layer: usize,
@@ -139,6 +144,7 @@ impl KvCache {
     /// on each miss (5.6 GB/s on Zen 4); `T0` prefetches compete for the few L1 miss
     /// buffers the reads need themselves (6.8 GB/s), `T2` a block or two ahead reached
     /// 11.5 GB/s.
+    #[inline]
     pub fn prefetch_head(&self, layer: usize, b: u32, head: usize) {
         #[cfg(target_arch = "x86_64")]
         for values in [false, true] {
@@ -154,6 +160,7 @@ impl KvCache {
     /// for all of a chunk's value lines first made an 8-stream SmolLM2 step 4% faster at
     /// depth 300; the same for keys was slower (their
     /// scores read them row by row).
+    #[inline]
     pub fn prefetch_values_l1(&self, layer: usize, b: u32, head: usize) {
         #[cfg(target_arch = "x86_64")]
         self.prefetch_rows::<{ std::arch::x86_64::_MM_HINT_T0 }>(layer, b, head, true);
@@ -162,6 +169,7 @@ impl KvCache {
     }
 
     #[cfg(target_arch = "x86_64")]
+    #[inline]
     fn prefetch_rows<const HINT: i32>(&self, layer: usize, b: u32, head: usize, values: bool) {
         use std::arch::x86_64::_mm_prefetch;
         const LINE_BYTES: usize = 64;
