@@ -92,7 +92,7 @@ impl KvCache {
 
     /// The words of block `b` that hold one layer's keys (or values), and their type.
     /// (This and the block accessors below are inlined: attention calls them ~5 times a
-    /// block, and as calls returning slices through memory they cost decode attention 6–9%.)
+    /// block, and as calls returning slices through memory they cost decode attention 4–9%.)
     #[inline]
     fn layer_words(&self, layer: usize, b: u32, values: bool) -> (&[u32], KvType) {
         let (t, k_at, v_at) = self.locate(layer, b);
