@@ -12,9 +12,9 @@
 //!
 //! Shapes are the ones that dominate the two real models' decode: Gemma 3's tied Q8_0 output
 //! head (262144 × 640) and Q5_0 FFN (2048 × 640, 640 × 2048), SmolLM2's tied Q8_0 head
-//! (49152 × 576) and Q4_1 FFN (3072 × 576, 576 × 1536), and a Llama 3.2 1B layer's FFN (16384 × 2048, 2048 × 8192) in Q4_1 and in
-//! its file's Q4_K and Q6_K (run as Q4_1 and Q6_K blocks with factored scales). GB/s counts
-//! the file's bytes.
+//! (49152 × 576) and Q4_1 FFN (3072 × 576, 576 × 1536), and a Llama 3.2 1B layer's FFN
+//! (16384 × 2048, 2048 × 8192) in Q4_1 and in its file's Q4_K and Q6_K (run as Q4_1 and Q6_K
+//! blocks with factored scales). GB/s counts the file's bytes.
 
 use half::f16;
 use llama_cpp_ex_engine::kernels::kquant::KQuant;
