@@ -394,20 +394,24 @@ pub fn max_of(xs: &[f32]) -> f32 {
 pub fn exp_sum(xs: &mut [f32], m: f32) -> f32 {
     let mut lanes = [0f32; 8];
     #[cfg(target_arch = "x86_64")]
-    let done = if wide() {
-        // SAFETY: AVX-512 F was detected; the function touches only `xs[..done]`.
-        unsafe { exp_sum_avx512(xs, m, &mut lanes) }
+    let simd = if wide() {
+        // SAFETY: AVX-512 F was detected; the function touches only `xs`.
+        unsafe { exp_sum_avx512(xs, m, &mut lanes) };
+        true
     } else if super::has_avx2() {
-        // SAFETY: AVX2 and FMA were detected; the function touches only `xs[..done]`.
-        unsafe { exp_sum_avx2(xs, m, &mut lanes) }
+        // SAFETY: AVX2 and FMA were detected; the function touches only `xs`.
+        unsafe { exp_sum_avx2(xs, m, &mut lanes) };
+        true
     } else {
-        0
+        false
     };
     #[cfg(not(target_arch = "x86_64"))]
-    let done = 0;
-    for (i, x) in xs.iter_mut().enumerate().skip(done) {
-        *x = fast_exp(*x - m);
-        lanes[i % 8] += *x;
+    let simd = false;
+    if !simd {
+        for (i, x) in xs.iter_mut().enumerate() {
+            *x = fast_exp(*x - m);
+            lanes[i % 8] += *x;
+        }
     }
     ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
         + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
@@ -447,11 +451,10 @@ unsafe fn tail_mask(n: usize) -> std::arch::x86_64::__m256i {
     _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lane)
 }
 
-/// [`exp_sum`] on AVX2: exponentials written back, sums into `lanes`; returns how many
-/// elements it did (all).
+/// [`exp_sum`] on AVX2: exponentials written back, sums into `lanes`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn exp_sum_avx2(xs: &mut [f32], m: f32, lanes: &mut [f32; 8]) -> usize {
+unsafe fn exp_sum_avx2(xs: &mut [f32], m: f32, lanes: &mut [f32; 8]) {
     use std::arch::x86_64::*;
     let n = xs.len() / 8 * 8;
     let mv = _mm256_set1_ps(m);
@@ -464,7 +467,6 @@ unsafe fn exp_sum_avx2(xs: &mut [f32], m: f32, lanes: &mut [f32; 8]) -> usize {
     }
     acc = exp_tail_avx2(xs, n, mv, acc);
     _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-    xs.len()
 }
 
 /// The last `xs.len() - n` (< 8) elements of [`exp_sum`] in one masked pass, from `n`: their
@@ -498,7 +500,7 @@ unsafe fn exp_tail_avx2(
 /// AVX2 path.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,avx512f,avx512dq")]
-unsafe fn exp_sum_avx512(xs: &mut [f32], m: f32, lanes: &mut [f32; 8]) -> usize {
+unsafe fn exp_sum_avx512(xs: &mut [f32], m: f32, lanes: &mut [f32; 8]) {
     use std::arch::x86_64::*;
     let n16 = xs.len() / 16 * 16;
     let mv = _mm512_set1_ps(m);
@@ -519,7 +521,6 @@ unsafe fn exp_sum_avx512(xs: &mut [f32], m: f32, lanes: &mut [f32; 8]) -> usize 
     }
     acc = exp_tail_avx2(xs, xs.len() / 8 * 8, mv, acc);
     _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-    xs.len()
 }
 
 /// [`fast_exp_avx2`] on 16 lanes: the same operations in the same order.
