@@ -4,7 +4,8 @@
 //!     cargo run --release --example attention_profile -- [THREADS] [DEPTH] [STREAMS]
 //!
 //! Each of STREAMS sequences (default 8) holds DEPTH positions (default 228) in every layer
-//! and decodes one token: SmolLM2's shapes (30 layers, 9 query heads over 3 KV heads of 64).
+//! and decodes one token: SmolLM2's shapes (30 layers, 9 query heads over 3 KV heads of 64;
+//! `N_HEAD`, `N_KV_HEADS` and `HEAD_DIM` set others).
 //! `LAYERS=1` keeps one layer, whose K/V stay in cache between calls (the arithmetic alone);
 //! `KV_TYPE=f16|f32|q8_0|q4_0` sets the cache's precision (default f16); `FLUSH=MB` reads
 //! that many MB between layers, untimed, so each layer's keys and values come from memory as
@@ -17,10 +18,6 @@ use llama_cpp_ex_engine::kv::{KvCache, KvType};
 use llama_cpp_ex_engine::model::attention::{paged_attention, tiles_into, AttnParams};
 use std::time::Instant;
 
-const N_HEAD: usize = 9;
-const N_KV_HEADS: usize = 3;
-const HEAD_DIM: usize = 64;
-
 fn arg(i: usize, default: usize) -> usize {
     std::env::args()
         .nth(i)
@@ -30,18 +27,21 @@ fn arg(i: usize, default: usize) -> usize {
 
 fn main() {
     let (threads, depth, streams) = (arg(1, 2), arg(2, 228), arg(3, 8));
-    let layers: usize = std::env::var("LAYERS").map_or(30, |s| s.parse().expect("LAYERS"));
+    let env = |k: &str, d: usize| std::env::var(k).map_or(d, |s| s.parse().expect(k));
+    let layers = env("LAYERS", 30);
     let ty = match std::env::var("KV_TYPE").as_deref() {
         Ok("f32") => KvType::F32,
         Ok("q8_0") => KvType::Q8_0,
         Ok("q4_0") => KvType::Q4_0,
         _ => KvType::F16,
     };
-    let kv_dim = N_KV_HEADS * HEAD_DIM;
+    let (n_head, n_kv_heads, head_dim) =
+        (env("N_HEAD", 9), env("N_KV_HEADS", 3), env("HEAD_DIM", 64));
+    let kv_dim = n_kv_heads * head_dim;
     let mut kv = KvCache::new(
         &vec![None; layers],
-        N_KV_HEADS,
-        HEAD_DIM,
+        n_kv_heads,
+        head_dim,
         streams * (depth + 64),
         (streams, 0),
         (ty, ty),
@@ -85,14 +85,14 @@ fn main() {
     let mut tiles = Vec::new();
     tiles_into(&batch, &mut tiles);
     let params = AttnParams {
-        n_head: N_HEAD,
-        n_kv_heads: N_KV_HEADS,
-        head_dim: HEAD_DIM,
-        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        n_head,
+        n_kv_heads,
+        head_dim,
+        scale: 1.0 / (head_dim as f32).sqrt(),
         softcap: None,
         causal: true,
     };
-    let q: Vec<f32> = (0..batch.len() * N_HEAD * HEAD_DIM)
+    let q: Vec<f32> = (0..batch.len() * n_head * head_dim)
         .map(|_| random())
         .collect();
     let mut out = vec![0f32; q.len()];
@@ -124,18 +124,18 @@ fn main() {
     if prefill > 0 {
         // (query row, key) pairs a causal prompt computes
         let seen: usize = (0..batch.len()).map(|t| batch.pos[t] + 1).sum();
-        let pairs = layers * N_HEAD * seen;
+        let pairs = layers * n_head * seen;
         println!(
             "{} prompt tokens up to depth {depth}, {layers} layers, {ty:?} cache, {threads} \
              threads: {:.3} ms a pass, {:.2} ns a (query row, key) pair, {:.1} GMAC/s",
             batch.len(),
             best * 1e3,
             best * 1e9 / pairs as f64,
-            (2 * pairs * HEAD_DIM) as f64 / best * 1e-9
+            (2 * pairs * head_dim) as f64 / best * 1e-9
         );
         return;
     }
-    let pair_keys = layers * streams * N_KV_HEADS * (depth + 1);
+    let pair_keys = layers * streams * n_kv_heads * (depth + 1);
     println!(
         "{streams} streams at depth {depth}, {layers} layers, {ty:?} cache, {threads} threads: \
          {:.3} ms a step, {:.1} ns a (KV head, key) pair",

@@ -624,10 +624,12 @@ pub(super) unsafe fn store_group(acc: std::arch::x86_64::__m256, dst: *mut f32, 
     }
 }
 
-/// The 8 quads of block `b` of a row group, whatever its storage.
+/// The 8 quads of block `b` of a row group, whatever its storage (AVX2 must be available).
+/// Always inlined, so without a `target_feature` of its own (the kernels that call it have
+/// AVX2): LLVM left it a call for 5-bit types, whose 8 vectors then went through the stack,
+/// and a single row's product ran at half speed.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[inline]
+#[inline(always)]
 pub(super) unsafe fn group_block<T: Format>(
     p: &GroupRef,
     b: usize,
@@ -644,7 +646,11 @@ pub(super) unsafe fn group_block<T: Format>(
         }
         v
     } else {
-        let h = T::high(p).then(|| p.h.map(|h| h.add(b * GROUP))).flatten();
+        let h = if T::high(p) {
+            p.h.map(|h| h.add(b * GROUP))
+        } else {
+            None
+        };
         let mut v = unpack_block(p.q.add(b * gbb), h);
         if T::six(p) {
             add_six_bit_pairs(&mut v, p.q.add(b * gbb + GROUP * PACKED));
