@@ -624,13 +624,26 @@ pub(super) unsafe fn store_group(acc: std::arch::x86_64::__m256, dst: *mut f32, 
     }
 }
 
-/// The 8 quads of block `b` of a row group, whatever its storage (AVX2 must be available).
-/// Always inlined, so without a `target_feature` of its own (the kernels that call it have
-/// AVX2): LLVM left it a call for 5-bit types, whose 8 vectors then went through the stack,
-/// and a single row's product ran at half speed.
+/// The 8 quads of block `b` of a row group, whatever its storage: [`group_block_inline`]
+/// compiled for AVX2, for callers without it (filling a buffer of unpacked blocks).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn group_block<T: Format>(
+    p: &GroupRef,
+    b: usize,
+) -> [std::arch::x86_64::__m256i; 8] {
+    group_block_inline::<T>(p, b)
+}
+
+/// [`group_block`] always inlined into its caller, which must have AVX2 (so without a
+/// `target_feature` of its own), for the passes over 5-bit types: LLVM left [`group_block`]
+/// a call there, its 8 vectors went through the stack, and a single row's product ran at
+/// half speed. Other types keep LLVM's choice (forced, the AVX2 Q8_0 pass over 512 rows ran
+/// 5-9% slower).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) unsafe fn group_block<T: Format>(
+pub(super) unsafe fn group_block_inline<T: Format>(
     p: &GroupRef,
     b: usize,
 ) -> [std::arch::x86_64::__m256i; 8] {
@@ -817,6 +830,8 @@ macro_rules! group_kernel {
                     }
                     let v = match buffered.get(b) {
                         Some(v) => *v,
+                        // (5-bit blocks inlined by force, see `group_block_inline`)
+                        None if T::high(p) => group_block_inline::<T>(p, b),
                         None => group_block::<T>(p, b),
                     };
                     let x = |i: usize| a.quants.as_ptr().add((r0 + i) * k + b * QK4_1) as *const i32;
